@@ -1,0 +1,4 @@
+"""``python -m hpctrain`` is ``hpctrain-train``."""
+from hpctrain.cli import entry
+
+entry()

@@ -1,0 +1,150 @@
+"""``hpctrain-train`` (also ``python -m hpctrain``): the Hydra app under any launcher.
+
+Under MPI only rank 0 runs Hydra: it composes and resolves the config, makes
+the one run directory, and broadcasts both; every other rank waits for that
+broadcast and uses exactly rank 0's config (no per-rank composition, no
+per-rank timestamped directories). With ``--multirun`` rank 0 broadcasts
+each job of the sweep in turn and all ranks run it. Any composition error on
+rank 0 is broadcast as a stop, so no rank hangs.
+
+Errors: a ConfigError (bad layout, batch, preset, data path) prints one line
+per problem on rank 0 and every rank exits with status 2. Any other
+exception prints its traceback with the rank and aborts the MPI job, so a
+failure on one rank never leaves the others waiting in a collective.
+
+``hpctrain-train --plugins`` lists the loaded plugins and what they provide.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import List, Optional
+
+from hpctrain.errors import HpctrainError
+
+_STOP = "stop"
+_RUN = "run"
+
+
+def _print_plugins() -> int:
+    from hpctrain.plugins import DISABLE_ENV, blocked_names, create_manager, describe
+
+    pm = create_manager()
+    rows = describe(pm)
+    width = max([len(r.name) for r in rows] + [6])
+    print(f"{'plugin':<{width}}  {'distribution':<24} {'version':<9} provides")
+    for r in rows:
+        caps = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(r.capabilities.items())) or "-"
+        print(f"{r.name:<{width}}  {r.distribution:<24} {r.version:<9} {caps}")
+    if blocked_names():
+        print(f"blocked by {DISABLE_ENV}: {', '.join(blocked_names())}")
+    return 0
+
+
+def _fail(message: str, rank: int, code: int) -> int:
+    if rank == 0:
+        for line in message.splitlines():
+            sys.stderr.write(f"hpctrain: error: {line}\n")
+        sys.stderr.flush()
+    return code
+
+
+def _execute(cfg_yaml: str, run_dir: str) -> int:
+    """Run one job on this rank from rank 0's resolved config."""
+    from hpctrain.bootstrap import get_runtime
+    from hpctrain.config.store import to_config
+    from hpctrain.plugins import get_manager
+    from hpctrain.run import run
+
+    rt = get_runtime()
+    try:
+        cfg = to_config(cfg_yaml, get_manager())
+        cfg.run_dir = run_dir
+        run(cfg, run_dir)
+        return 0
+    except HpctrainError as e:
+        # Raised identically on every rank (validation is agreed over MPI).
+        return _fail(str(e), rt.world_rank, 2)
+    except Exception:
+        tb = traceback.format_exc()
+        sys.stderr.write("".join(f"[rank {rt.world_rank}] {line}\n" for line in tb.rstrip().splitlines()))
+        sys.stderr.flush()
+        if rt.world_size > 1:
+            rt.mpi_comm.Abort(1)
+        return 1
+
+
+def _hydra_main(argv: List[str], world) -> int:
+    """Rank 0 (or the only rank): run the Hydra app; broadcast each job."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.store import CONF_DIR, register_configs
+    from hpctrain.plugins import get_manager
+
+    register_configs(get_manager())
+    codes: List[int] = []
+
+    def task(cfg) -> int:
+        run_dir = HydraConfig.get().runtime.output_dir
+        cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        if world is not None:
+            world.bcast((_RUN, cfg_yaml, run_dir), root=0)
+        code = _execute(cfg_yaml, run_dir)
+        codes.append(code)
+        if code and HydraConfig.get().mode.name != "MULTIRUN":
+            raise SystemExit(code)
+        return code
+
+    app = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(task)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "hpctrain-train"] + argv
+    try:
+        app()
+        code = max(codes, default=0)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return code
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plugins" in argv:
+        return _print_plugins()
+    from hpctrain.bootstrap import init_runtime, shutdown
+
+    try:
+        rt = init_runtime()
+    except HpctrainError as e:
+        return _fail(str(e), 0, 2)
+    world = rt.mpi_comm if rt.world_size > 1 else None
+    try:
+        if rt.is_main:
+            code = 1
+            try:
+                code = _hydra_main(argv, world)
+            finally:
+                if world is not None:
+                    world.bcast((_STOP, code, None), root=0)
+        else:
+            code = 0
+            while True:
+                kind, payload, run_dir = world.bcast(None, root=0)
+                if kind == _STOP:
+                    code = max(code, payload)  # a composition error on rank 0 fails every rank
+                    break
+                code = max(code, _execute(payload, run_dir))
+    finally:
+        shutdown()
+    return code
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

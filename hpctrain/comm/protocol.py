@@ -1,0 +1,194 @@
+"""The Communicator protocol: every collective in hpctrain goes through one.
+
+A Communicator serves exactly one ``Group`` (``hpctrain.mesh``). Ranks passed
+to it (``src``, ``dst``, ``peer``) are *group* ranks. Every operation works in
+place on caller-provided tensors (like NCCL and MPI), and returns a ``Work``
+handle; with ``async_op=False`` the handle is already complete. Backends are
+plugins (``hpctrain_make_backend``); the core defines only this contract plus
+the argument checks every backend shares, so all of them fail the same way.
+
+Shapes:
+- ``all_gather(output, input)``: output is ``group.size`` copies of input's
+  shape concatenated along dim 0 (rank order).
+- ``reduce_scatter(output, input)``: input is ``group.size`` chunks along dim
+  0; group rank r receives the reduction of chunk r.
+- ``all_to_all(output, input, output_splits, input_splits)``: dim-0 splits;
+  ``None`` means equal splits.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import List, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from hpctrain.errors import CommError
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+
+
+@runtime_checkable
+class Work(Protocol):
+    """Handle of a (possibly) pending operation."""
+
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class CompletedWork:
+    """A Work that is already done (blocking calls, size-1 groups)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass
+class P2POp:
+    """One send or receive of a batched point-to-point exchange."""
+
+    kind: str  # "send" | "recv"
+    tensor: torch.Tensor
+    peer: int  # group rank
+    tag: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("send", "recv"):
+            raise CommError(f"P2POp kind must be 'send' or 'recv', not {self.kind!r}")
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Collectives over one group. See the module docstring for shapes."""
+
+    backend: str
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work: ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work: ...
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False
+    ) -> Work: ...
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Optional[Sequence[int]] = None,
+        input_splits: Optional[Sequence[int]] = None,
+        async_op: bool = False,
+    ) -> Work: ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work: ...
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None: ...
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[Work]: ...
+
+    def barrier(self) -> None: ...
+
+
+# -- shared argument checks (local shapes; cross-rank checks are the backend's) --
+
+def _dim0(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() else 1
+
+
+def check_all_gather(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+    if output.dtype != input.dtype:
+        raise CommError(f"all_gather: output dtype {output.dtype} != input dtype {input.dtype}")
+    if output.numel() != input.numel() * size:
+        raise CommError(
+            f"all_gather: output has {output.numel()} elements, expected group size {size} x "
+            f"input {tuple(input.shape)} = {input.numel() * size}"
+        )
+
+
+def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -> None:
+    if output.dtype != input.dtype:
+        raise CommError(f"reduce_scatter: output dtype {output.dtype} != input dtype {input.dtype}")
+    if input.numel() != output.numel() * size:
+        raise CommError(
+            f"reduce_scatter: input has {input.numel()} elements, expected group size {size} x "
+            f"output {tuple(output.shape)} = {output.numel() * size}"
+        )
+
+
+def check_all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: Optional[Sequence[int]],
+    input_splits: Optional[Sequence[int]],
+    size: int,
+) -> None:
+    if output.dtype != input.dtype:
+        raise CommError(f"all_to_all: output dtype {output.dtype} != input dtype {input.dtype}")
+    for name, t, splits in (("input", input, input_splits), ("output", output, output_splits)):
+        if splits is None:
+            if _dim0(t) % size:
+                raise CommError(f"all_to_all: {name} dim 0 ({_dim0(t)}) is not divisible by group size {size}; pass {name}_splits")
+        else:
+            if len(splits) != size or any(s < 0 for s in splits):
+                raise CommError(f"all_to_all: {name}_splits={list(splits)} must be {size} non-negative counts")
+            if sum(splits) != _dim0(t):
+                raise CommError(f"all_to_all: {name}_splits sum to {sum(splits)} but {name} dim 0 is {_dim0(t)}")
+
+
+class LocalCommunicator:
+    """The communicator of a size-1 group: every collective is a local copy.
+
+    Used for axes of size 1 so a one-process run never initialises a
+    distributed backend.
+    """
+
+    backend = "local"
+    rank = 0
+    size = 1
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        return CompletedWork()
+
+    def all_gather(self, output, input, async_op=False):
+        check_all_gather(output, input, 1)
+        output.view(-1).copy_(input.reshape(-1))
+        return CompletedWork()
+
+    def reduce_scatter(self, output, input, op=ReduceOp.SUM, async_op=False):
+        check_reduce_scatter(output, input, 1)
+        output.view(-1).copy_(input.reshape(-1))
+        return CompletedWork()
+
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, async_op=False):
+        check_all_to_all(output, input, output_splits, input_splits, 1)
+        output.copy_(input)
+        return CompletedWork()
+
+    def broadcast(self, tensor, src, async_op=False):
+        return CompletedWork()
+
+    def send(self, tensor, dst, tag=0):
+        raise CommError("send on a group of size 1: there is no peer")
+
+    def recv(self, tensor, src, tag=0):
+        raise CommError("recv on a group of size 1: there is no peer")
+
+    def batch_isend_irecv(self, ops):
+        if ops:
+            raise CommError("batch_isend_irecv on a group of size 1: there is no peer")
+        return []
+
+    def barrier(self):
+        return None

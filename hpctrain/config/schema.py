@@ -1,0 +1,200 @@
+"""Typed configuration schema: one dataclass per config group.
+
+These dataclasses are registered in Hydra's ConfigStore (``store.py``) and are
+the schema; the YAML files under ``conf/`` are presets that fill them in. A
+key that is not declared here is rejected by OmegaConf at composition time, so
+a typo in an override fails before any rank starts work.
+
+Plugins add their own typed sections through the ``hpctrain_config_sections``
+hook; ``build_schema`` folds them in (see ``store.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape (Llama-style: RMSNorm, RoPE, SwiGLU, GQA)."""
+
+    name: str = "tiny"
+    """Preset name, recorded in metrics and checkpoints."""
+    vocab_size: int = 256
+    """Token vocabulary size (256 = byte-level)."""
+    d_model: int = 64
+    """Hidden size h."""
+    n_layers: int = 2
+    """Number of transformer blocks l."""
+    n_heads: int = 4
+    """Attention (query) heads a."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; None means n_heads (MHA)."""
+    ffn_hidden: Optional[int] = None
+    """SwiGLU inner size; None means Llama's rule: 8h/3 rounded up to ffn_multiple_of."""
+    ffn_multiple_of: int = 32
+    """Rounding for the default ffn_hidden."""
+    max_seq_len: int = 256
+    """Longest sequence the model is built for (RoPE table size)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 * n_layers)."""
+    attention: str = "sdpa"
+    """Core attention implementation (a name a plugin can provide, e.g. ring attention)."""
+    ffn: str = "swiglu"
+    """Feed-forward implementation per block ("swiglu" built in; "moe" from a plugin)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh layout. The product tp*cp*ep*dp*pp must equal the world size."""
+
+    dp: int = -1
+    """Data-parallel size; -1 means "whatever is left of the world size"."""
+    tp: int = 1
+    """Tensor-parallel size (keep within a node)."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order, fastest-varying axis first (tp first keeps TP groups inside a node)."""
+
+
+@dataclass
+class CommConfig:
+    """Collective backends."""
+
+    backend: str = "torch"
+    """Communicator plugin for every axis: torch (gloo on CPU, nccl on GPU), or a plugin's name."""
+    per_axis: Dict[str, str] = field(default_factory=dict)
+    """Backend override per mesh axis, e.g. {pp: mpi}."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for data-parallel reduction (MiB)."""
+    timeout_s: float = 600.0
+    """Collective timeout for torch.distributed process groups (seconds)."""
+
+
+@dataclass
+class DataConfig:
+    """Training data source."""
+
+    source: str = "embedded"
+    """"embedded" (built-in generated corpus, no downloads) or "tokens" (a .bin token file)."""
+    path: Optional[str] = None
+    """Token file for source=tokens (written by hpctrain-prepare)."""
+    dtype: Optional[str] = None
+    """Token dtype of the .bin file (uint16/uint32); None reads it from the .json sidecar."""
+    seed: int = 1234
+    """Seed of the sample order (and of the embedded corpus)."""
+    embedded_bytes: int = 262144
+    """Size of the embedded corpus in bytes."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    name: str = "adamw"
+    """Optimizer name (plugins may wrap it, e.g. ZeRO)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr at the end of the cosine."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: int = 5
+    """Linear warmup steps from 0 to lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+
+@dataclass
+class TrainerConfig:
+    """Training loop."""
+
+    steps: int = 40
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Samples per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank; the rest is gradient accumulation."""
+    seq_len: int = 64
+    """Tokens per sample."""
+    seed: int = 0
+    """Seed of the initial weights (per tensor name, layout independent)."""
+    log_every: int = 5
+    """Log a line (and flush metrics) every N steps."""
+    precision: str = "fp32"
+    """fp32, or bf16 (autocast; master weights and optimizer state stay fp32)."""
+    device: str = "auto"
+    """auto (cuda:local_rank when present, else cpu), cpu or cuda."""
+    progress: str = "auto"
+    """Rank-0 progress bar: auto (when a terminal is attached), on, off."""
+    deterministic: bool = True
+    """Use deterministic torch algorithms (needed for the equivalence tests)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing (the format is a plugin; see hpctrain_make_checkpointer)."""
+
+    format: str = "hdf5"
+    """Checkpoint format plugin."""
+    dir: Optional[str] = None
+    """Directory for checkpoints; None means <run dir>/checkpoints."""
+    every: int = 0
+    """Save every N steps; 0 disables periodic saves."""
+    resume: Optional[str] = None
+    """None (fresh start), auto (newest good checkpoint in dir), or a path."""
+    keep: int = 3
+    """How many checkpoints to keep."""
+
+
+@dataclass
+class ClusterConfig:
+    """The machine the run targets (used by the planner and the launch templates)."""
+
+    name: str = "local"
+    """Cluster preset name."""
+    gpus: int = 0
+    """Total accelerators (0 = CPU run)."""
+    gpus_per_node: int = 0
+    """Accelerators per node."""
+    gpu_mem_gb: float = 0.0
+    """Memory per accelerator in GB."""
+    peak_tflops: float = 0.0
+    """Dense peak TFLOP/s per accelerator at the training precision."""
+    intra_bw_gbs: float = 0.0
+    """Intra-node bus bandwidth per GPU (GB/s)."""
+    inter_bw_gbs: float = 0.0
+    """Inter-node bus bandwidth per GPU (GB/s)."""
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Plugin sections are added by ``store.build_schema``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run_dir: Optional[str] = None
+    """Filled in at start: the one run directory all ranks share."""

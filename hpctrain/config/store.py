@@ -1,0 +1,112 @@
+"""Hydra registration and composition.
+
+The schema is the core dataclasses plus every plugin's typed sections
+(``hpctrain_config_sections``), built once per plugin set. It is stored in
+Hydra's ConfigStore as ``train_schema`` (the first entry of conf/train.yaml's
+defaults) and, per group, as ``<group>/<group>_schema`` (the first default
+of each preset YAML), so presets and overrides are type-checked.
+
+The YAML presets live in the top-level ``conf/`` directory; set
+``HPCTRAIN_CONF_DIR`` to use another one, or add yours with Hydra's
+``--config-dir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+from omegaconf import DictConfig, OmegaConf
+
+from hpctrain.config import schema as S
+from hpctrain.errors import PluginError
+
+CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(Path(__file__).resolve().parents[2] / "conf")
+
+GROUPS: Dict[str, type] = {
+    "model": S.ModelConfig,
+    "parallel": S.ParallelConfig,
+    "comm": S.CommConfig,
+    "data": S.DataConfig,
+    "optim": S.OptimConfig,
+    "trainer": S.TrainerConfig,
+    "checkpoint": S.CheckpointConfig,
+    "cluster": S.ClusterConfig,
+}
+
+
+def _extend(cls: type, name: str, section: type) -> type:
+    """A subclass of dataclass ``cls`` with one more field ``name: section``."""
+    if name in {f.name for f in dataclasses.fields(cls)}:
+        raise PluginError(f"config section {name!r} is declared twice (in {cls.__name__})")
+    return dataclasses.make_dataclass(
+        cls.__name__, [(name, section, dataclasses.field(default_factory=section))], bases=(cls,)
+    )
+
+
+def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
+    """(top-level schema, group name -> group schema) with plugin sections folded in."""
+    groups = dict(GROUPS)
+    extra_top: List[Tuple[str, type]] = []
+    if pm is not None:
+        for sections in pm.hook.hpctrain_config_sections():
+            for key, section in (sections or {}).items():
+                if not dataclasses.is_dataclass(section):
+                    raise PluginError(f"config section {key!r} must be a dataclass, got {section!r}")
+                parts = key.split(".")
+                if len(parts) == 1:
+                    if parts[0] in groups:
+                        raise PluginError(f"plugin config section {key!r} clashes with the core group of that name")
+                    extra_top.append((parts[0], section))
+                elif len(parts) == 2 and parts[0] in groups:
+                    groups[parts[0]] = _extend(groups[parts[0]], parts[1], section)
+                else:
+                    raise PluginError(f"plugin config section {key!r}: use 'name' or '<core group>.name'")
+    top = dataclasses.make_dataclass(
+        "TrainConfig",
+        [(g, cls, dataclasses.field(default_factory=cls)) for g, cls in groups.items()]
+        + [(n, c, dataclasses.field(default_factory=c)) for n, c in extra_top]
+        + [("run_dir", Optional[str], None)],
+    )
+    return top, groups
+
+
+def register_configs(pm=None) -> type:
+    """Store the schema (and plugin presets) in Hydra's ConfigStore; returns the schema."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    top, groups = build_schema(pm)
+    cs.store(name="train_schema", node=top)
+    for group, cls in groups.items():
+        cs.store(group=group, name=f"{group}_schema", node=cls)
+    if pm is not None:
+        pm.hook.hpctrain_register_configs(config_store=cs)
+    return top
+
+
+def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") -> DictConfig:
+    """Compose the run config without starting an app (tests, planner, tools)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs(pm)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    return cfg
+
+
+def to_config(data: Any, pm=None) -> DictConfig:
+    """A typed DictConfig from a plain dict or YAML string (rank 0's resolved
+    config, as received by the other ranks)."""
+    top, _ = build_schema(pm)
+    base = OmegaConf.structured(top)
+    raw = OmegaConf.create(data) if isinstance(data, str) else OmegaConf.create(dict(data))
+    if "hydra" in raw:
+        raw.pop("hydra")
+    cfg = OmegaConf.merge(base, raw)
+    OmegaConf.set_readonly(cfg, False)
+    return cfg

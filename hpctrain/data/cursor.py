@@ -1,0 +1,89 @@
+"""The global sample order and the data cursor.
+
+Sample ``i`` of the stream is a window of ``seq_len + 1`` tokens. Windows are
+the non-overlapping ``seq_len``-token blocks of the source, visited in a
+random permutation per epoch (seed, epoch): a function of ``i`` alone.
+Step ``s`` consumes samples ``[c, c + global_batch)`` where ``c`` is the
+number consumed so far; data-parallel rank ``r`` of ``D`` takes the r-th
+contiguous slice, then cuts it into micro-batches. So the global batch at a
+step is the same samples whatever the DP size, and a resumed run continues
+the same stream on any layout (the cursor is one integer).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from hpctrain.data.sources import TokenSource
+
+
+class SampleOrder:
+    def __init__(self, source: TokenSource, seq_len: int, seed: int):
+        self.source = source
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_windows = (len(source) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"{source.name}: {len(source)} tokens cannot hold one sample of {seq_len + 1}")
+        self._perms: Dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:
+                self._perms.clear()
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._perms[epoch] = rng.permutation(self.num_windows)
+        return self._perms[epoch]
+
+    def window_start(self, index: int) -> int:
+        epoch, pos = divmod(index, self.num_windows)
+        return int(self._perm(epoch)[pos]) * self.seq_len
+
+    def sample(self, index: int) -> np.ndarray:
+        start = self.window_start(index)
+        return np.asarray(self.source.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def batch(self, indices: range) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
+
+
+class DataCursor:
+    """Hands each rank its micro-batches, step by step, from the global order."""
+
+    def __init__(self, order: SampleOrder, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, consumed_samples: int = 0):
+        if global_batch_size % (dp_size * micro_batch_size):
+            raise ValueError("global batch must be divisible by dp * micro batch (validated earlier)")
+        self.order = order
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.consumed_samples = consumed_samples
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.dp_size * self.micro_batch_size)
+
+    def local_indices(self) -> range:
+        per_rank = self.global_batch_size // self.dp_size
+        start = self.consumed_samples + self.dp_rank * per_rank
+        return range(start, start + per_rank)
+
+    def next_step(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches (inputs, targets) for the next step; advances the cursor."""
+        idx = self.local_indices()
+        mbs = []
+        for k in range(0, len(idx), self.micro_batch_size):
+            window = self.order.batch(idx[k:k + self.micro_batch_size])
+            mbs.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+        self.consumed_samples += self.global_batch_size
+        return mbs
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])

@@ -1,0 +1,138 @@
+"""Hook specifications: what a plugin may provide (specs only).
+
+A plugin is a module (or object) with functions named like these, decorated
+with ``hpctrain.hookimpl``, registered under the ``hpctrain`` entry-point
+group. ``firstresult`` hooks stop at the first non-None answer: return None to
+decline (e.g. a backend plugin asked for a backend name it does not serve).
+
+Call order in a run: register_configs / config_sections (before composition)
+-> validate (every rank, before any collective) -> make_backend (per group)
+-> make_module (while the model is built on the meta device) -> parallelize
+(per axis, in the order tp, cp, ep, pp, dp) -> make_optimizer -> step_schedule
+-> on_train_start -> [before_backward / after_backward / on_step_end]* ->
+on_train_end.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from omegaconf import DictConfig
+
+    from hpctrain.comm.protocol import Communicator
+    from hpctrain.mesh import Group, Mesh
+
+PROJECT = "hpctrain"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    """Names this plugin serves, by kind, for listings and error messages.
+
+    Kinds used by the core: ``comm.backend``, ``parallel`` (axes it
+    parallelises), ``model.attention``, ``model.ffn``, ``checkpoint.format``,
+    ``pipeline.schedule``, ``optim``, ``observer``. Example:
+    ``{"comm.backend": ["torch", "gloo", "nccl"]}``.
+    """
+
+
+@hookspec
+def hpctrain_config_sections() -> Dict[str, type]:
+    """Typed config sections this plugin adds: ``{"dotted.key": Dataclass}``.
+
+    ``{"example_metrics": ExampleConfig}`` adds a top-level section;
+    ``{"parallel.zero": ZeroConfig}`` nests one under ``parallel``. Every
+    field needs a default; overrides are type-checked like core keys.
+    """
+
+
+@hookspec
+def hpctrain_register_configs(config_store: Any) -> None:
+    """Add group options (presets) to Hydra's ConfigStore, e.g.
+    ``config_store.store(group="comm", name="mpi", node={"backend": "mpi"})``."""
+
+
+@hookspec
+def hpctrain_validate(cfg: "DictConfig", world_size: int) -> Optional[List[str]]:
+    """Return problems with ``cfg`` as clear one-line messages naming the fix.
+
+    Runs on every rank before any collective, so it must be a pure function of
+    ``cfg`` and ``world_size`` (and the local filesystem).
+    """
+
+
+@hookspec(firstresult=True)
+def hpctrain_make_backend(name: str, group: "Group", cfg: "DictConfig") -> Optional["Communicator"]:
+    """Return a Communicator for ``group`` if this plugin serves backend ``name``.
+
+    Called on every rank, for every axis group, in the same order: creating a
+    group may be collective over the world.
+    """
+
+
+@hookspec(firstresult=True)
+def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: int) -> Optional["torch.nn.Module"]:
+    """Build a replaceable model part (``kind`` in ``attention``, ``ffn``)
+    named ``name`` for block ``layer_index``, on the meta device, with a
+    ShardSpec on every parameter. Return None to decline."""
+
+
+@hookspec(firstresult=True)
+def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["torch.nn.Module"]:
+    """Apply the transform of mesh axis ``axis`` to the meta-device model and
+    return it (possibly wrapped). Update the ShardSpec of every parameter
+    split. Return None if this plugin does not handle ``axis``."""
+
+
+@hookspec(firstresult=True)
+def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], mesh: "Mesh", cfg: "DictConfig") -> Optional["torch.optim.Optimizer"]:
+    """Return the optimizer (e.g. a ZeRO-sharded one) or None for the core's AdamW."""
+
+
+@hookspec(firstresult=True)
+def hpctrain_step_schedule(cfg: "DictConfig", mesh: "Mesh") -> Optional[Any]:
+    """Return the object that runs forward/backward over the micro-batches of
+    one step (a pipeline schedule), or None for plain gradient accumulation.
+    See ``hpctrain.train.schedule.StepSchedule``."""
+
+
+@hookspec(firstresult=True)
+def hpctrain_make_checkpointer(name: str, mesh: "Mesh", cfg: "DictConfig") -> Optional[Any]:
+    """Return a checkpointer for format ``name`` or None."""
+
+
+@hookspec
+def hpctrain_before_backward(model: "torch.nn.Module", microbatch: int, num_microbatches: int) -> None:
+    """Called before each micro-batch's backward (e.g. to skip gradient sync
+    on all but the last micro-batch)."""
+
+
+@hookspec
+def hpctrain_after_backward(model: "torch.nn.Module", mesh: "Mesh") -> None:
+    """Called after the last backward of a step, before clipping and the
+    optimizer step: finish gradient reductions here."""
+
+
+@hookspec
+def hpctrain_on_train_start(trainer: Any) -> None:
+    """Observer: the model, optimizer and data are ready."""
+
+
+@hookspec
+def hpctrain_on_step_end(trainer: Any, step: int, metrics: Dict[str, float]) -> None:
+    """Observer: optimizer step ``step`` (1-based) finished with ``metrics``."""
+
+
+@hookspec
+def hpctrain_on_checkpoint(trainer: Any, path: str) -> None:
+    """Observer: a checkpoint was committed at ``path``."""
+
+
+@hookspec
+def hpctrain_on_train_end(trainer: Any, metrics: Dict[str, float]) -> None:
+    """Observer: training finished (``metrics`` of the last step)."""

@@ -1,0 +1,84 @@
+"""Closed-form shapes and parameter counts of the reference model.
+
+Shared by the model builder (tensor shapes) and the planner (memory, FLOPs),
+so the two cannot disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+def default_ffn_hidden(d_model: int, multiple_of: int) -> int:
+    """Llama's SwiGLU width: 2/3 of 4h, rounded up to ``multiple_of``."""
+    hidden = int(2 * 4 * d_model / 3)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, m: Any) -> "ModelShape":
+        """From a ModelConfig (dataclass or DictConfig), checking consistency."""
+        from hpctrain.errors import ConfigError
+
+        n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
+        if m.d_model % m.n_heads:
+            raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+        if m.n_heads % n_kv:
+            raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={n_kv}")
+        if (m.d_model // m.n_heads) % 2:
+            raise ConfigError(f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+        ffn: Optional[int] = m.ffn_hidden
+        return cls(
+            vocab_size=m.vocab_size,
+            d_model=m.d_model,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=n_kv,
+            ffn_hidden=ffn if ffn is not None else default_ffn_hidden(m.d_model, m.ffn_multiple_of),
+            tie_embeddings=bool(m.tie_embeddings),
+        )
+
+    # -- parameter counts (logical, unsharded) ---------------------------
+    @property
+    def attention_params(self) -> int:
+        h = self.d_model
+        return h * h + 2 * h * self.kv_dim + h * h  # wq, wk, wv, wo
+
+    @property
+    def ffn_params(self) -> int:
+        return 3 * self.d_model * self.ffn_hidden  # w1 (gate), w3 (up), w2 (down)
+
+    @property
+    def block_params(self) -> int:
+        return self.attention_params + self.ffn_params + 2 * self.d_model  # two RMSNorm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    @property
+    def total_params(self) -> int:
+        out = 0 if self.tie_embeddings else self.embedding_params
+        return self.embedding_params + self.n_layers * self.block_params + self.d_model + out
+
+
+def param_count(model_cfg: Any) -> int:
+    return ModelShape.from_config(model_cfg).total_params

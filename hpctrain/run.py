@@ -1,0 +1,86 @@
+"""One training run, on every rank: validate, agree, build the mesh, train.
+
+``run`` is what the CLI calls after composing the config, and what the
+multi-rank tests call directly inside their MPI processes.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from hpctrain.bootstrap import Runtime, get_runtime, with_device
+from hpctrain.comm.protocol import Communicator, LocalCommunicator
+from hpctrain.errors import ConfigError, PluginError
+from hpctrain.log import add_file_log, get_logger
+from hpctrain.mesh import AXES, Group, Mesh
+from hpctrain.plugins import get_manager
+
+log = get_logger(__name__)
+
+
+def agree_on_problems(problems: List[str], rt: Runtime) -> List[str]:
+    """Share every rank's validation problems (one MPI allgather) so all
+    ranks stop together. A problem seen on only some ranks names them."""
+    if rt.world_size == 1:
+        return problems
+    everyone = rt.mpi_comm.allgather(problems)
+    merged: Dict[str, List[int]] = {}
+    for rank, found in enumerate(everyone):
+        for p in found:
+            merged.setdefault(p, []).append(rank)
+    return [p if len(ranks) == rt.world_size else f"{p} (on ranks {ranks})" for p, ranks in merged.items()]
+
+
+def configure_torch(cfg: Any, rt: Runtime) -> None:
+    """Threads per rank and determinism, before any tensor work."""
+    if "OMP_NUM_THREADS" not in os.environ and rt.device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // rt.local_size))
+    if cfg.trainer.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def backend_factory(cfg: Any, pm):
+    def make(group: Group) -> Communicator:
+        if group.size == 1:
+            return LocalCommunicator()
+        axes = group.name.split("+")
+        names = {cfg.comm.per_axis.get(a, cfg.comm.backend) for a in axes}
+        if len(names) > 1:
+            raise ConfigError(f"group {group.name} spans axes with different comm.per_axis backends {sorted(names)}")
+        name = names.pop()
+        comm = pm.hook.hpctrain_make_backend(name=name, group=group, cfg=cfg)
+        if comm is None:
+            raise PluginError(f"comm backend {name!r} was declared but its plugin returned no communicator for {group.name}")
+        return comm
+
+    return make
+
+
+def build_mesh(cfg: Any, rt: Runtime, pm) -> Mesh:
+    mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order)
+    mesh.attach_backends(backend_factory(cfg, pm))
+    return mesh
+
+
+def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, float]]:
+    """Train according to ``cfg``; returns the per-step metrics (every rank)."""
+    from hpctrain.config.validate import validate
+    from hpctrain.train.trainer import Trainer
+
+    rt = get_runtime()
+    pm = pm or get_manager()
+    problems = agree_on_problems(validate(cfg, rt.world_size, pm), rt)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    rt = with_device(cfg.trainer.device)
+    configure_torch(cfg, rt)
+    if run_dir and rt.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        add_file_log(os.path.join(run_dir, "train.log"))
+    mesh = build_mesh(cfg, rt, pm)
+    trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
+    return trainer.fit()

@@ -1,0 +1,77 @@
+"""Metrics: ``metrics.jsonl`` in the run directory and rank 0's progress display.
+
+One JSON object per step (step, loss, grad_norm, lr, tokens_per_s,
+step_time_s, consumed_samples), flushed every ``log_every`` steps and at the
+end. Only rank 0 writes. The progress bar (rich) draws on stderr when a
+terminal is attached (``trainer.progress=auto``) or when forced (``on``); a
+log line every ``log_every`` steps is printed either way, so batch logs show
+the loss falling too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Dict, Optional
+
+from hpctrain.log import log_rank0
+
+
+class MetricsWriter:
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self._file = open(path, "a", buffering=1 << 16) if path else None
+
+    def write(self, record: Dict[str, float]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def format_step(step: int, total: int, m: Dict[str, float]) -> str:
+    return (f"step {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} "
+            f"| lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s")
+
+
+class Progress:
+    """Rank 0's progress bar; a no-op elsewhere or when disabled."""
+
+    def __init__(self, enabled: bool, total: int, mode: str = "auto"):
+        self._bar = None
+        if not enabled or mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+
+        self._bar = RichProgress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(), console=Console(file=sys.stderr, force_terminal=mode == "on" or None),
+            transient=False,
+        )
+        self._task = self._bar.add_task("train", total=total, info="")
+        self._bar.start()
+
+    def update(self, step: int, m: Dict[str, float]) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=f"loss {m['loss']:.4f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def log_step(step: int, total: int, m: Dict[str, float]) -> None:
+    log_rank0(format_step(step, total, m))
+
+
+def run_dir_file(run_dir: Optional[str], name: str) -> Optional[str]:
+    return os.path.join(run_dir, name) if run_dir else None

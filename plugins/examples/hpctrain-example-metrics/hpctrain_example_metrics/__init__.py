@@ -1,0 +1,1 @@
+"""Sample third-party hpctrain plugin."""

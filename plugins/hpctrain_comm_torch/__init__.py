@@ -1,0 +1,1 @@
+"""torch.distributed communicator backend (gloo on CPU, nccl on GPU)."""

@@ -1,0 +1,156 @@
+"""Communicator over a torch.distributed process group.
+
+Backend names: ``torch`` (nccl when the run's device is CUDA, else gloo),
+``gloo``, ``nccl``. The default process group is created on first use by the
+core's MPI rendezvous (``hpctrain.bootstrap.init_torch_distributed``).
+Sub-groups are created for every group of an axis at once
+(``new_subgroups_by_enumeration``), which is collective over the world, and
+cached by their rank partition, so building several meshes in one process
+(tests) does not leak process groups.
+
+gloo lacks some operations; they are composed from ones it has, with the
+same result: AVG is SUM then divide; reduce_scatter is an all-reduce then
+the local chunk; all_gather_into_tensor falls back to a list all_gather.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.comm.protocol import (
+    CompletedWork,
+    P2POp,
+    ReduceOp,
+    check_all_gather,
+    check_all_to_all,
+    check_reduce_scatter,
+)
+from hpctrain.errors import CommError
+from hpctrain.mesh import Group
+
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.AVG: dist.ReduceOp.SUM}
+_GROUP_CACHE: Dict[Tuple[str, Tuple[Tuple[int, ...], ...]], List[dist.ProcessGroup]] = {}
+
+
+class _TorchWork:
+    """Wraps a torch Work; runs ``then`` (e.g. the AVG division) after wait."""
+
+    def __init__(self, work, then=None):
+        self._work, self._then, self._done = work, then, False
+
+    def wait(self) -> None:
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._then is not None:
+                self._then()
+            self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or (self._work is not None and self._work.is_completed() and self._then is None)
+
+
+def _finish(work, async_op: bool, then=None):
+    w = _TorchWork(work, then)
+    if not async_op:
+        w.wait()
+        return CompletedWork()
+    return w
+
+
+def process_group_for(group: Group, backend: str) -> dist.ProcessGroup:
+    key = (backend, group.partition)
+    if key not in _GROUP_CACHE:
+        _, subgroups = dist.new_subgroups_by_enumeration([list(r) for r in group.partition], backend=backend)
+        _GROUP_CACHE[key] = subgroups
+    index = next(i for i, ranks in enumerate(group.partition) if ranks == group.ranks)
+    return _GROUP_CACHE[key][index]
+
+
+class TorchCommunicator:
+    def __init__(self, group: Group, backend: str):
+        self.group = group
+        self.backend = backend
+        self.rank = group.rank
+        self.size = group.size
+        self.pg = process_group_for(group, backend)
+        self._ranks = group.ranks
+
+    # -- reductions ------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
+        op = ReduceOp(op)
+        work = dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self.pg, async_op=True)
+        then = (lambda: tensor.div_(self.size)) if op == ReduceOp.AVG else None
+        return _finish(work, async_op, then)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        check_all_gather(output, input, self.size)
+        if self.backend == "nccl":
+            return _finish(dist.all_gather_into_tensor(output.view(-1), input.contiguous().view(-1),
+                                                       group=self.pg, async_op=True), async_op)
+        flat_out = output.view(self.size, -1)
+        staging = [torch.empty_like(input.reshape(-1)) for _ in range(self.size)]
+        work = dist.all_gather(staging, input.contiguous().view(-1), group=self.pg, async_op=True)
+        return _finish(work, async_op, lambda: torch.stack(staging, out=flat_out) if staging else None)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
+        check_reduce_scatter(output, input, self.size)
+        op = ReduceOp(op)
+        if self.backend == "nccl":
+            work = dist.reduce_scatter_tensor(output.view(-1), input.contiguous().view(-1), op=_TORCH_OPS[op],
+                                              group=self.pg, async_op=True)
+            then = (lambda: output.div_(self.size)) if op == ReduceOp.AVG else None
+            return _finish(work, async_op, then)
+        full = input.detach().clone().view(-1)
+        work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self.pg, async_op=True)
+
+        def take():
+            chunk = full.view(self.size, -1)[self.rank]
+            output.view(-1).copy_(chunk / self.size if op == ReduceOp.AVG else chunk)
+
+        return _finish(work, async_op, take)
+
+    def all_to_all(self, output, input, output_splits: Optional[Sequence[int]] = None,
+                   input_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+        check_all_to_all(output, input, output_splits, input_splits, self.size)
+        contiguous_out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        work = dist.all_to_all_single(
+            contiguous_out, input.contiguous(),
+            output_split_sizes=list(output_splits) if output_splits is not None else None,
+            input_split_sizes=list(input_splits) if input_splits is not None else None,
+            group=self.pg, async_op=True,
+        )
+        then = None if contiguous_out is output else (lambda: output.copy_(contiguous_out))
+        return _finish(work, async_op, then)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        self._check_peer(src)
+        return _finish(dist.broadcast(tensor, src=self._ranks[src], group=self.pg, async_op=True), async_op)
+
+    # -- point to point --------------------------------------------------
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.size:
+            raise CommError(f"peer {peer} is outside group {self.group.name} of size {self.size}")
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._check_peer(dst)
+        dist.send(tensor.contiguous(), dst=self._ranks[dst], group=self.pg, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._check_peer(src)
+        dist.recv(tensor, src=self._ranks[src], group=self.pg, tag=tag)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]):
+        if not ops:
+            return []
+        torch_ops = []
+        for op in ops:
+            self._check_peer(op.peer)
+            fn = dist.isend if op.kind == "send" else dist.irecv
+            torch_ops.append(dist.P2POp(fn, op.tensor, self._ranks[op.peer], group=self.pg, tag=op.tag))
+        return [_TorchWork(w) for w in dist.batch_isend_irecv(torch_ops)]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)

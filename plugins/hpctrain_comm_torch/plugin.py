@@ -1,0 +1,34 @@
+"""Plugin registration for the torch.distributed backend."""
+from __future__ import annotations
+
+from hpctrain import hookimpl
+from hpctrain.bootstrap import get_runtime, init_torch_distributed
+
+NAMES = ("torch", "gloo", "nccl")
+
+
+@hookimpl
+def hpctrain_capabilities():
+    return {"comm.backend": list(NAMES)}
+
+
+@hookimpl
+def hpctrain_make_backend(name, group, cfg):
+    if name not in NAMES:
+        return None
+    from hpctrain_comm_torch.communicator import TorchCommunicator
+
+    rt = get_runtime()
+    backend = name if name != "torch" else ("nccl" if rt.device.type == "cuda" else "gloo")
+    init_torch_distributed(backend, cfg.comm.timeout_s)
+    return TorchCommunicator(group, backend)
+
+
+@hookimpl
+def hpctrain_validate(cfg, world_size):
+    import torch
+
+    uses_nccl = cfg.comm.backend == "nccl" or "nccl" in dict(cfg.comm.per_axis).values()
+    if uses_nccl and not torch.cuda.is_available():
+        return ["comm.backend=nccl needs CUDA GPUs; use comm.backend=torch (gloo on CPU)"]
+    return None

@@ -1,0 +1,1 @@
+"""Data parallelism: replicas average their gradients over the dp group."""
