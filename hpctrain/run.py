@@ -43,12 +43,25 @@ def configure_torch(cfg: Any, rt: Runtime) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def backend_factory(cfg: Any, pm):
+def resolve_backend_name(name: str, device: torch.device, pm) -> str:
+    """``auto`` -> nccl on GPU; on CPU mpi when a plugin serves it (the faster
+    CPU path here), else torch (gloo). Other names pass through."""
+    if name != "auto":
+        return name
+    from hpctrain.plugins import capabilities
+
+    served = capabilities(pm).get("comm.backend", [])
+    if device.type == "cuda" and "nccl" in served:
+        return "nccl"
+    return "mpi" if "mpi" in served else "torch"
+
+
+def backend_factory(cfg: Any, pm, device: torch.device):
     def make(group: Group) -> Communicator:
         if group.size == 1:
             return LocalCommunicator()
         axes = group.name.split("+")
-        names = {cfg.comm.per_axis.get(a, cfg.comm.backend) for a in axes}
+        names = {resolve_backend_name(cfg.comm.per_axis.get(a, cfg.comm.backend), device, pm) for a in axes}
         if len(names) > 1:
             raise ConfigError(f"group {group.name} spans axes with different comm.per_axis backends {sorted(names)}")
         name = names.pop()
@@ -62,7 +75,7 @@ def backend_factory(cfg: Any, pm):
 
 def build_mesh(cfg: Any, rt: Runtime, pm) -> Mesh:
     mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order)
-    mesh.attach_backends(backend_factory(cfg, pm))
+    mesh.attach_backends(backend_factory(cfg, pm, rt.device))
     return mesh
 
 

@@ -40,7 +40,7 @@ if [ -f "$stamp" ] && [ "${HPCTRAIN_FORCE_SETUP:-0}" != 1 ]; then
   exit 0   # nothing changed since the last successful set-up
 fi
 
-pip install -U "pip>=24" "setuptools>=70" wheel numpy cython pkgconfig "mpi4py>=4.0"
+pip install -U "pip>=24" "setuptools>=77" wheel numpy cython pkgconfig "mpi4py>=4.0"
 
 # Parallel h5py: built once per (MPI, HDF5, h5py) and kept outside the repo.
 hdf5_ver=$(pkg-config --modversion hdf5-openmpi)

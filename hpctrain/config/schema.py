@@ -73,7 +73,7 @@ class CommConfig:
     """Collective backends."""
 
     backend: str = "torch"
-    """Communicator plugin for every axis: torch (gloo on CPU, nccl on GPU), or a plugin's name."""
+    """Communicator plugin for every axis: auto (nccl on GPU, mpi on CPU when installed), torch (gloo on CPU, nccl on GPU), or a plugin's name."""
     per_axis: Dict[str, str] = field(default_factory=dict)
     """Backend override per mesh axis, e.g. {pp: mpi}."""
     bucket_mb: float = 25.0

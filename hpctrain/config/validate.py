@@ -58,6 +58,8 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         if key.startswith("comm.per_axis.") and key.rsplit(".", 1)[1] not in AXES:
             problems.append(f"{key}: {key.rsplit('.', 1)[1]!r} is not a mesh axis ({', '.join(AXES)})")
             continue
+        if name == "auto":  # resolved per device in hpctrain.run.resolve_backend_name
+            continue
         try:
             plugins.require(pm, "comm.backend", name, key)
         except PluginError as e:

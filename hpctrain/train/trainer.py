@@ -45,6 +45,29 @@ class Trainer:
         self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.rank("dp"), mesh.size("dp"))
         self.metrics: Dict[str, float] = {}
         self.history: List[Dict[str, float]] = []
+        self.checkpointer = self._make_checkpointer()
+        if self.checkpointer is not None and cfg.checkpoint.resume:
+            path = self.checkpointer.resolve(str(cfg.checkpoint.resume))
+            if path is not None:
+                self.checkpointer.load(self, path)
+                log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step, self.cursor.consumed_samples)
+
+    def _make_checkpointer(self):
+        ck = self.cfg.checkpoint
+        if not (ck.every or ck.resume):
+            return None
+        made = self.pm.hook.hpctrain_make_checkpointer(name=ck.format, mesh=self.mesh, cfg=self.cfg)
+        if made is None:
+            raise PluginError(f"checkpoint.format={ck.format!r}: no plugin made a checkpointer")
+        return made
+
+    def save_checkpoint(self, path: Optional[str] = None) -> Optional[str]:
+        """Save now (collective); used by ``checkpoint.every`` and on demand (preemption)."""
+        if self.checkpointer is None:
+            return None
+        saved = self.checkpointer.save(self, path)
+        self.pm.hook.hpctrain_on_checkpoint(trainer=self, path=saved)
+        return saved
 
     def _build_model(self) -> torch.nn.Module:
         cfg, mesh = self.cfg, self.mesh
@@ -113,8 +136,12 @@ class Trainer:
                     log_step(self.step, total, m)
                     writer.flush()
                 hook.hpctrain_on_step_end(trainer=self, step=self.step, metrics=m)
+                if self.checkpointer is not None and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
         finally:
             progress.close()
             writer.close()
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
         return self.history

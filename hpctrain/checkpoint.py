@@ -1,0 +1,38 @@
+"""What a checkpoint format plugin must do (``hpctrain_make_checkpointer``).
+
+The trainer owns *when* (``checkpoint.every``, on demand, at resume); the
+plugin owns *how*. A checkpoint holds logical (unsharded) tensors keyed by
+ShardSpec.logical_name, so any layout can load any checkpoint; each rank
+writes and reads only its hyperslabs (``ShardSpec.local_slices``).
+
+What the trainer exposes to a checkpointer (read and restore):
+- ``trainer.model.named_parameters()`` with ``hpctrain_spec`` on each;
+- ``trainer.optimizer`` (its per-parameter state has the parameter's shape
+  and so its ShardSpec, unless a ZeRO plugin documents otherwise);
+- ``trainer.step`` (the LR schedule is a pure function of it);
+- ``trainer.cursor.state_dict()`` / ``load_state_dict`` (global data cursor);
+- ``trainer.cfg`` (resolved config) and ``trainer.mesh`` (the layout);
+- torch RNG state per rank (``torch.get_rng_state()``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    def save(self, trainer: Any, path: Optional[str] = None) -> str:
+        """Write a checkpoint of ``trainer`` (collective over all ranks) and
+        return its final path. With async saving this returns once tensors
+        are copied to host memory; the commit happens in the background."""
+
+    def load(self, trainer: Any, path: str) -> None:
+        """Restore ``trainer`` (model, optimizer, step, cursor, RNG) from ``path``
+        on the trainer's current layout."""
+
+    def resolve(self, resume: str) -> Optional[str]:
+        """Turn ``checkpoint.resume`` ("auto" or a path) into a checkpoint path,
+        or None when "auto" finds nothing to resume."""
+
+    def wait(self) -> None:
+        """Block until any background save has committed."""
