@@ -97,3 +97,19 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, floa
     mesh = build_mesh(cfg, rt, pm)
     trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
     return trainer.fit()
+
+
+def reference_run(cfg: Any, pm=None, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
+    """Train ``cfg`` in this process alone, as a one-process job would,
+    whatever the MPI world is: every axis size 1, local communicators.
+
+    This is the reference every parallel layout is compared with (the
+    parity tests call it inside each MPI rank). ``parallel.*`` in ``cfg`` is
+    ignored; the global batch, seed and data order are the same.
+    """
+    from hpctrain.train.trainer import Trainer
+
+    pm = pm or get_manager()
+    mesh = Mesh({a: 1 for a in AXES}, 0, 1)
+    mesh.attach_backends(lambda group: LocalCommunicator())
+    return Trainer(cfg, mesh, pm, torch.device("cpu"), run_dir).fit()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set-up (idempotent), then
+#   1. unit and launcher tests (one pytest process; the launcher tests start
+#      mpirun themselves),
+#   2. multi-rank tests under mpiexec at 2, 4 and 8 ranks (oversubscribed),
+#   3. SLURM tests on a throwaway single-node SLURM started here.
+# Per-rank output of the multi-rank sessions goes to build/test-logs; a
+# failing rank's log tail is printed. Ends with one line:
+#   hpctrain: N passed, N failed, N skipped
+# Usage: bash scripts/test.sh [--quick]   (--quick: unit + 2 ranks only)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || { echo "hpctrain: set-up failed"; exit 1; }
+# shellcheck disable=SC1091
+source .venv/bin/activate
+
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
+export PYTHONDONTWRITEBYTECODE=1 HYDRA_FULL_ERROR=1
+LOGDIR=build/test-logs
+rm -rf "$LOGDIR" && mkdir -p "$LOGDIR"
+status=0
+quick=0; [ "${1:-}" = "--quick" ] && quick=1
+
+section() { printf '\n==== %s ====\n' "$*"; }
+
+section "unit and launcher tests"
+timeout 900 python -m pytest -q -p no:cacheprovider tests/unit tests/launch --junitxml="$LOGDIR/unit.xml"
+rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
+
+sizes="2 4 8"; [ $quick = 1 ] && sizes="2"
+for n in $sizes; do
+  section "multi-rank tests, $n ranks"
+  timeout 900 mpiexec.openmpi -n "$n" python scripts/mpi_pytest.py "$LOGDIR" -q -p no:cacheprovider tests/mpi
+  rc=$?
+  if [ $rc -eq 5 ]; then echo "(no multi-rank tests need $n ranks)"; rc=0; fi
+  if [ $rc -ne 0 ]; then
+    status=1
+    [ $rc -eq 124 ] && echo "hpctrain: the $n-rank session timed out (a hang): see $LOGDIR"
+    for log in "$LOGDIR"/np"$n"-rank*.log; do
+      [ -f "$log" ] && grep -qE "FAILED|ERROR|Error|Traceback" "$log" && { echo "---- tail of $log"; tail -n 40 "$log"; }
+    done
+  fi
+done
+
+if [ $quick = 0 ] && [ -d tests/slurm ] && [ -x slurm/local/start.sh -o -f slurm/local/start.sh ]; then
+  section "SLURM tests (local single-node SLURM)"
+  if bash slurm/local/start.sh > "$LOGDIR/slurm-start.log" 2>&1; then
+    [ -f build/slurm/env.sh ] && source build/slurm/env.sh
+    timeout 900 python -m pytest -q -p no:cacheprovider tests/slurm --junitxml="$LOGDIR/slurm.xml"
+    rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
+    bash slurm/local/stop.sh >> "$LOGDIR/slurm-start.log" 2>&1 || true
+  else
+    echo "hpctrain: could not start the local SLURM:"; tail -n 30 "$LOGDIR/slurm-start.log"; status=1
+  fi
+fi
+
+section "summary"
+python scripts/summarize_tests.py "$LOGDIR"/*.xml || status=1
+exit $status

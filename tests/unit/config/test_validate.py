@@ -1,0 +1,72 @@
+"""Every bad input the skeleton knows about yields one clear line naming the fix."""
+from hpctrain.config.validate import validate
+
+
+def _problems(make_config, pm, *overrides, world=4):
+    return validate(make_config(*overrides), world, pm)
+
+
+def test_default_config_is_valid(make_config, pm):
+    assert _problems(make_config, pm) == []
+    assert _problems(make_config, pm, world=1) == []
+
+
+def test_world_size_mismatch(make_config, pm):
+    (p,) = _problems(make_config, pm, "parallel.dp=3")
+    assert p == "tp(1) * cp(1) * ep(1) * dp(3) * pp(1) = 3 != world size 4; launch 3 ranks or set parallel.dp=-1"
+
+
+def test_batch_not_divisible(make_config, pm):
+    (p,) = _problems(make_config, pm, "trainer.global_batch_size=10", "trainer.micro_batch_size=2")
+    assert "trainer.global_batch_size=10 is not divisible by dp(4) x trainer.micro_batch_size(2) = 8" in p
+    assert "e.g. 8 or 16" in p
+
+
+def test_axis_without_plugin(make_config, pm):
+    (p,) = _problems(make_config, pm, "parallel.tp=2")
+    assert "parallel.tp=2 but no installed plugin parallelises axis 'tp'" in p
+
+
+def test_unknown_backend_lists_choices(make_config, pm):
+    (p,) = _problems(make_config, pm, "comm.backend=carrier-pigeon")
+    assert "comm.backend='carrier-pigeon'" in p and "torch" in p and "gloo" in p
+
+
+def test_per_axis_backend_must_name_an_axis(make_config, pm):
+    (p,) = _problems(make_config, pm, "+comm.per_axis.xx=torch")
+    assert "'xx' is not a mesh axis" in p
+
+
+def test_missing_data_file(make_config, pm):
+    (p,) = _problems(make_config, pm, "data=tokens", "data.path=/nonexistent/train.bin")
+    assert "data.path=/nonexistent/train.bin does not exist" in p and "hpctrain-prepare" in p
+
+
+def test_seq_len_and_precision(make_config, pm):
+    ps = _problems(make_config, pm, "trainer.seq_len=1024", "trainer.precision=fp8")
+    assert any("exceeds model.max_seq_len=256" in p for p in ps)
+    assert any("trainer.precision='fp8'" in p for p in ps)
+
+
+def test_checkpointing_needs_its_format_plugin(make_config, pm):
+    ps = _problems(make_config, pm, "checkpoint.every=5", "checkpoint.format=nosuchformat")
+    assert any("checkpoint.format='nosuchformat'" in p for p in ps)
+
+
+def test_unknown_attention_and_ffn(make_config, pm):
+    ps = _problems(make_config, pm, "model.attention=ring", "model.ffn=moe")
+    assert any("model.attention='ring' is unknown" in p for p in ps)
+    assert any("model.ffn='moe' is unknown" in p for p in ps)
+
+
+def test_plugin_validation_hook_runs(make_config, pm):
+    from hpctrain import hookimpl
+
+    class Strict:
+        @hookimpl
+        def hpctrain_validate(self, cfg, world_size):
+            return [f"strict plugin: world size {world_size} is odd"] if world_size % 2 else None
+
+    pm.register(Strict())
+    assert validate(make_config("trainer.global_batch_size=12"), 3, pm) == ["strict plugin: world size 3 is odd"]
+    assert validate(make_config(), 4, pm) == []

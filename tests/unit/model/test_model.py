@@ -1,0 +1,129 @@
+import math
+
+import pytest
+import torch
+
+from hpctrain.model.build import build_model, init_logical, logical_param_count, materialize, tensor_seed
+from hpctrain.model.shapes import ModelShape
+from hpctrain.shard import get_spec
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_tiny_builds_on_meta_and_counts_match_closed_form(make_config):
+    cfg = make_config()
+    model = build_model(cfg)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    shape = ModelShape.from_config(cfg.model)
+    assert _count(model) == shape.total_params == logical_param_count(model)
+
+
+def test_gpt2_124m_like_count(make_config):
+    cfg = make_config("model=gpt2-124m")
+    model = build_model(cfg)
+    h, v, l, f = 768, 50257, 12, 2048
+    # tied embedding + per block (4h^2 attention, 3hf SwiGLU = GPT-2's 8h^2 MLP, 2 norms) + final norm
+    expected = v * h + l * (4 * h * h + 3 * h * f + 2 * h) + h
+    assert 3 * h * f == 8 * h * h
+    assert _count(model) == expected == 123_551_232
+
+
+def test_llama3_8b_count_matches_published(make_config):
+    cfg = make_config("model=llama3-8b")
+    model = build_model(cfg)
+    # Meta's Llama 3 8B: 8,030,261,248 parameters (counted from the released weights).
+    assert _count(model) == 8_030_261_248
+    assert logical_param_count(model) == 8_030_261_248
+
+
+def test_every_parameter_has_a_spec_named_by_its_path(make_config):
+    model = build_model(make_config())
+    names = {get_spec(p).logical_name for p in model.parameters()}
+    assert "layers.0.attn.wq.weight" in names and "tok_embeddings.weight" in names
+    assert get_spec(model.norm.weight).init == "ones"
+    assert get_spec(model.layers[0].attn.wo.weight).init == "normal_scaled"
+
+
+def test_init_is_a_function_of_seed_and_name_only(make_config):
+    cfg = make_config()
+    a = materialize(build_model(cfg), torch.device("cpu"), 7, 0.02, cfg.model.n_layers)
+    b = materialize(build_model(cfg), torch.device("cpu"), 7, 0.02, cfg.model.n_layers)
+    c = materialize(build_model(cfg), torch.device("cpu"), 8, 0.02, cfg.model.n_layers)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if get_spec(pa).init.startswith("normal"):
+            assert not torch.equal(pa, pc), n
+    assert tensor_seed(0, "a") != tensor_seed(0, "b")
+
+
+def test_sharded_materialize_gives_slices_of_the_logical_tensor(make_config):
+    """A parameter split over tp gets exactly its slice of the one-process tensor."""
+    cfg = make_config()
+    full = materialize(build_model(cfg), torch.device("cpu"), 3, 0.02, cfg.model.n_layers)
+    for tp_rank in range(2):
+        model = build_model(cfg)
+        wq = model.layers[0].attn.wq
+        spec = get_spec(wq.weight).with_split(0, "tp")
+        wq.weight = torch.nn.Parameter(torch.empty(spec.local_shape({"tp": tp_rank}, {"tp": 2}), device="meta"))
+        wq.weight.hpctrain_spec = spec
+        materialize(model, torch.device("cpu"), 3, 0.02, cfg.model.n_layers, {"tp": tp_rank}, {"tp": 2})
+        rows = wq.weight.shape[0]
+        assert torch.equal(wq.weight, full.layers[0].attn.wq.weight[tp_rank * rows:(tp_rank + 1) * rows])
+
+
+def test_mis_sized_shard_is_reported(make_config):
+    cfg = make_config()
+    model = build_model(cfg)
+    spec = get_spec(model.layers[0].attn.wq.weight)
+    model.layers[0].attn.wq.weight = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    model.layers[0].attn.wq.weight.hpctrain_spec = spec
+    with pytest.raises(RuntimeError, match="must update its ShardSpec"):
+        materialize(model, torch.device("cpu"), 0, 0.02, 2)
+
+
+def test_tied_embeddings_stay_tied_after_materialize(make_config):
+    cfg = make_config("model.tie_embeddings=true")
+    model = materialize(build_model(cfg), torch.device("cpu"), 0, 0.02, cfg.model.n_layers)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert get_spec(model.output.weight).logical_name == "tok_embeddings.weight"
+
+
+def test_init_statistics():
+    from hpctrain.shard import replicated_spec
+
+    t = init_logical(replicated_spec("w", (256, 256)), 0, 0.02, 4)
+    assert abs(t.std().item() - 0.02) < 0.001
+    t = init_logical(replicated_spec("w", (256, 256), init="normal_scaled"), 0, 0.02, 4)
+    assert abs(t.std().item() - 0.02 / math.sqrt(8)) < 0.0005
+
+
+def test_forward_loss_is_near_log_vocab_at_init(make_config):
+    cfg = make_config()
+    model = materialize(build_model(cfg), torch.device("cpu"), 0, 0.02, cfg.model.n_layers)
+    x = torch.randint(0, 256, (2, 16))
+    loss = model(x, x)
+    assert abs(loss.item() - math.log(256)) < 0.1
+    assert model(x).shape == (2, 16, 256)
+
+
+def test_gqa_and_causality(make_config):
+    """Changing a later token must not change earlier logits."""
+    cfg = make_config("model.n_kv_heads=1")
+    model = materialize(build_model(cfg), torch.device("cpu"), 0, 0.02, cfg.model.n_layers)
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 8] = (y[0, 8] + 1) % 256
+    la, lb = model(x), model(y)
+    assert torch.allclose(la[:, :8], lb[:, :8], atol=1e-6)
+    assert not torch.allclose(la[:, 8:], lb[:, 8:])
+
+
+def test_bad_shapes_are_config_errors(make_config):
+    from hpctrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not divisible by model.n_heads"):
+        ModelShape.from_config(make_config("model.n_heads=5").model)
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        ModelShape.from_config(make_config("model.n_kv_heads=3").model)
