@@ -19,7 +19,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,8 @@ class Runtime:
     device: torch.device
     mpi_comm: Any  # mpi4py.MPI.Comm (the world); Any to keep the type import-free
     emulated_nodes: bool = False
+    rank_nodes: Tuple[int, ...] = ()
+    """Node index of every world rank (``rank_nodes[r]``), for topology-aware backends."""
 
     @property
     def is_main(self) -> bool:
@@ -105,6 +107,8 @@ def init_runtime(device: str = "auto") -> Runtime:
     rank, size = comm.Get_rank(), comm.Get_size()
     setup_logging(rank, size)
     local_rank, local_size, node_rank, num_nodes, emulated = _topology(comm, MPI)
+    # emulated nodes are blocks of consecutive ranks; real ones need one allgather
+    rank_nodes = tuple(r // local_size for r in range(size)) if emulated else tuple(comm.allgather(node_rank))
     _runtime = Runtime(
         world_rank=rank,
         world_size=size,
@@ -116,6 +120,7 @@ def init_runtime(device: str = "auto") -> Runtime:
         device=choose_device(device, local_rank),
         mpi_comm=comm,
         emulated_nodes=emulated,
+        rank_nodes=rank_nodes,
     )
     return _runtime
 

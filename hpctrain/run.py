@@ -81,6 +81,11 @@ def build_mesh(cfg: Any, rt: Runtime, pm) -> Mesh:
 
 def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, float]]:
     """Train according to ``cfg``; returns the per-step metrics (every rank)."""
+    return prepare_run(cfg, run_dir, pm).fit()
+
+
+def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None):
+    """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet."""
     from hpctrain.config.validate import validate
     from hpctrain.train.trainer import Trainer
 
@@ -95,12 +100,11 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, floa
         os.makedirs(run_dir, exist_ok=True)
         add_file_log(os.path.join(run_dir, "train.log"))
     mesh = build_mesh(cfg, rt, pm)
-    trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
-    return trainer.fit()
+    return Trainer(cfg, mesh, pm, rt.device, run_dir)
 
 
-def reference_run(cfg: Any, pm=None, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
-    """Train ``cfg`` in this process alone, as a one-process job would,
+def reference_trainer(cfg: Any, pm=None, run_dir: Optional[str] = None):
+    """A Trainer for ``cfg`` in this process alone, as a one-process job would build it,
     whatever the MPI world is: every axis size 1, local communicators.
 
     This is the reference every parallel layout is compared with (the
@@ -112,4 +116,9 @@ def reference_run(cfg: Any, pm=None, run_dir: Optional[str] = None) -> List[Dict
     pm = pm or get_manager()
     mesh = Mesh({a: 1 for a in AXES}, 0, 1)
     mesh.attach_backends(lambda group: LocalCommunicator())
-    return Trainer(cfg, mesh, pm, torch.device("cpu"), run_dir).fit()
+    return Trainer(cfg, mesh, pm, torch.device("cpu"), run_dir)
+
+
+def reference_run(cfg: Any, pm=None, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
+    """``reference_trainer(...).fit()``: the one-process losses."""
+    return reference_trainer(cfg, pm, run_dir).fit()

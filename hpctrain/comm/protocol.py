@@ -147,6 +147,31 @@ def check_all_to_all(
                 raise CommError(f"all_to_all: {name}_splits sum to {sum(splits)} but {name} dim 0 is {_dim0(t)}")
 
 
+# -- reduction dtypes (shared so every backend accepts and rounds the same way) --
+
+#: 16-bit floats are reduced in float32 and rounded once at the end: summing
+#: in 16 bits loses ~1 bit per addition (bf16 keeps 8 significant bits), and
+#: MPI has no bf16 type at all. Backends that stage through this dtype give
+#: ``round16(sum32(inputs))`` whatever the reduction order.
+_ACCUMULATE_IN_FP32 = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` data runs in (float32 for 16-bit floats)."""
+    return torch.float32 if dtype in _ACCUMULATE_IN_FP32 else dtype
+
+
+def check_reduce_dtype(what: str, dtype: torch.dtype, op: "ReduceOp", supported: Sequence[torch.dtype]) -> None:
+    """Raise CommError, before any communication, for a reduction a backend
+    cannot do (the same on every rank, so no rank is left waiting)."""
+    if dtype not in supported:
+        names = ", ".join(str(d).replace("torch.", "") for d in supported)
+        raise CommError(f"{what}: cannot reduce dtype {str(dtype).replace('torch.', '')}; supported: {names}")
+    if ReduceOp(op) == ReduceOp.AVG and not dtype.is_floating_point:
+        raise CommError(f"{what}: op=avg needs a floating dtype, not {str(dtype).replace('torch.', '')} "
+                        "(use op=sum and divide)")
+
+
 class LocalCommunicator:
     """The communicator of a size-1 group: every collective is a local copy.
 

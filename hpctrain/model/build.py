@@ -104,27 +104,19 @@ def materialize(
     coords: Optional[Mapping[str, int]] = None,
     sizes: Optional[Mapping[str, int]] = None,
 ) -> nn.Module:
-    """Allocate this rank's shards on ``device`` and fill them from the logical init."""
+    """Allocate this rank's shards on ``device`` and fill them from the logical init.
+
+    Parameters keep their identity (``torch.utils.swap_tensors``): a plugin
+    may hold references to them from ``hpctrain_parallelize`` (gradient hooks,
+    buckets), and tied parameters stay tied.
+    """
     coords = coords or {}
     sizes = sizes or {}
-    # to_empty replaces meta parameters by new objects, which drops their
-    # ShardSpec attribute and unties shared ones (tied embeddings): remember
-    # who shared what, then re-tie and re-attach the specs.
-    owners: Dict[int, list] = {}
-    specs: Dict[int, ShardSpec] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, name))
-                specs[id(p)] = get_spec(p)
-    model.to_empty(device=device)
-    for key, slots in owners.items():
-        first_mod, first_name = slots[0]
-        param = first_mod._parameters[first_name]
-        set_spec(param, specs[key])
-        for mod, name in slots[1:]:
-            mod._parameters[name] = param
-    for p in model.parameters():
+    seen = set()
+    for p in model.parameters():  # unique: tied parameters come once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
         spec = get_spec(p)
         full = init_logical(spec, seed, init_std, n_layers)
         shard = full[spec.local_slices(coords, sizes)] if spec.splits else full
@@ -133,7 +125,13 @@ def materialize(
                 f"{spec.logical_name}: ShardSpec gives a local shape {tuple(shard.shape)} but the parameter "
                 f"is {tuple(p.shape)}; the plugin that split it must update its ShardSpec"
             )
-        p.copy_(shard)
+        real = nn.Parameter(shard.to(device=device, dtype=p.dtype).contiguous(), requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, real)  # swaps __dict__ too: re-attach the spec
+        set_spec(p, spec)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type == "meta":
+                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
     return model
 
 

@@ -127,3 +127,15 @@ def test_bad_shapes_are_config_errors(make_config):
         ModelShape.from_config(make_config("model.n_heads=5").model)
     with pytest.raises(ConfigError, match="n_kv_heads"):
         ModelShape.from_config(make_config("model.n_kv_heads=3").model)
+
+
+def test_materialize_keeps_parameter_identity(make_config):
+    """Plugins capture parameters while the model is on meta (hooks, buckets);
+    materialising must fill those same objects, not replace them."""
+    cfg = make_config("model.tie_embeddings=true")
+    model = build_model(cfg)
+    before = [id(p) for p in model.parameters()]
+    materialize(model, torch.device("cpu"), 0, 0.02, cfg.model.n_layers)
+    assert [id(p) for p in model.parameters()] == before
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model.output.weight is model.tok_embeddings.weight
