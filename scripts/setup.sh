@@ -33,7 +33,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   say "creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# (this machine's pip config names local mirrors that may be absent: drop that noise)
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
 
 stamp="$VENV/.hpctrain-setup-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ] && [ "${HPCTRAIN_FORCE_SETUP:-0}" != 1 ]; then

@@ -144,4 +144,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
+        if self.history and writer.path:
+            log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),
+                      self.history[0]["loss"], self.history[-1]["loss"], writer.path)
         return self.history

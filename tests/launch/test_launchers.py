@@ -1,0 +1,106 @@
+"""The app as users launch it: a plain process, ``python -m hpctrain``, and
+real ``mpiexec`` jobs (started from this one-process pytest), including the
+bad-input paths: one clear line, non-zero exit, no hang, no traceback wall."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec.openmpi") or shutil.which("mpiexec")
+TIMEOUT = 240  # a hang fails the test instead of the suite
+
+
+def _env(**extra):
+    """This environment minus any MPI variables (we may run inside a launcher)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_mpi_yield_when_idle="1")
+    env.update(extra)
+    return env
+
+
+def _run(args, n=None, **kw):
+    cmd = ([MPIEXEC, "-n", str(n)] if n else []) + [sys.executable, "-m", "hpctrain"] + list(args)
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT, **kw)
+
+
+def _metrics(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_console_script_one_process(tmp_path):
+    exe = shutil.which("hpctrain-train", path=os.path.dirname(sys.executable))
+    r = subprocess.run([exe, "trainer.steps=3", f"hydra.run.dir={tmp_path}"], env=_env(),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert [m["step"] for m in _metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_mpiexec_four_ranks_one_run_dir(tmp_path):
+    runs = tmp_path / "runs"
+    r = subprocess.run([MPIEXEC, "-n", "4", sys.executable, "-m", "hpctrain", "trainer.steps=12",
+                        "trainer.log_every=4"], env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    dirs = [p for p in runs.rglob("metrics.jsonl")]
+    assert len(dirs) == 1, "every rank must share rank 0's run directory"
+    m = _metrics(dirs[0].parent)
+    assert len(m) == 12 and m[-1]["loss"] < m[0]["loss"] - 0.5
+    log = (dirs[0].parent / "train.log").read_text()
+    assert "dp=4" in log
+    # rank 0 speaks; other ranks stay quiet at INFO
+    assert "[rank 1]" not in r.stderr and "step 12/12" in r.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_bad_layout_one_line_every_rank_exits(tmp_path):
+    r = _run(["parallel.dp=3", f"hydra.run.dir={tmp_path}"], n=4)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    assert lines == ["hpctrain: error: tp(1) * cp(1) * ep(1) * dp(3) * pp(1) = 3 != world size 4; "
+                     "launch 3 ranks or set parallel.dp=-1"]
+    assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_several_problems_reported_together(tmp_path):
+    r = _run(["trainer.global_batch_size=10", "trainer.micro_batch_size=2", "data=tokens",
+              f"data.path={tmp_path}/nope.bin", f"hydra.run.dir={tmp_path}"], n=2)
+    assert r.returncode == 2
+    errors = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    assert len(errors) == 2
+    assert "not divisible by dp(2) x trainer.micro_batch_size(2)" in errors[0]
+    assert "does not exist" in errors[1] and "hpctrain-prepare" in errors[1]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_unknown_preset_under_mpi_does_not_hang(tmp_path):
+    r = _run(["model=gpt5", f"hydra.run.dir={tmp_path}"], n=2)
+    assert r.returncode != 0
+    assert "Could not find 'model/gpt5'" in r.stderr and "tiny" in r.stderr
+
+
+def test_multirun_sweep_one_process(tmp_path):
+    r = _run(["--multirun", "trainer.steps=2", "trainer.seed=0,1", f"hydra.sweep.dir={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    a, b = _metrics(tmp_path / "0"), _metrics(tmp_path / "1")
+    assert len(a) == len(b) == 2 and a[0]["loss"] != b[0]["loss"]
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_multirun_sweep_under_mpi(tmp_path):
+    r = _run(["--multirun", "trainer.steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}"], n=2)
+    assert r.returncode == 0, r.stderr
+    assert len(_metrics(tmp_path / "0")) == len(_metrics(tmp_path / "1")) == 2
+
+
+def test_python_m_and_plugins_listing():
+    r = _run(["--plugins"])
+    assert r.returncode == 0 and "comm_torch" in r.stdout and "dp" in r.stdout
