@@ -3,47 +3,69 @@
 Runs on every rank before any collective (it depends only on the config, the
 world size and the local filesystem), so all ranks reach the same verdict and
 exit together. Plugins add their checks through ``hpctrain_validate``.
+
+``check_layout`` holds the plugin-independent layout, batch and model-shape
+checks; the planner (``hpctrain.planner``) calls it for every candidate so a
+layout it proposes passes the same checks as training.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Mapping
 
 from hpctrain.errors import ConfigError, PluginError
-from hpctrain.mesh import AXES, resolve_sizes
+from hpctrain.mesh import AXES, DEFAULT_ORDER, resolve_sizes
 
 PRECISIONS = ("fp32", "bf16")
+
+
+def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size: int,
+                 order: str = DEFAULT_ORDER) -> List[str]:
+    """The pure layout, batch and model-shape checks (no plugins, no filesystem).
+
+    Shared by training (``validate``) and the planner, which calls it for
+    every candidate layout, so both reject exactly the same layouts with the
+    same messages. ``sizes`` may hold ``dp=-1``; ``trainer`` needs
+    ``global_batch_size``, ``micro_batch_size`` and ``seq_len``; ``model`` is
+    a ModelConfig (dataclass or DictConfig).
+    """
+    from hpctrain.model.shapes import ModelShape
+
+    try:
+        sizes = resolve_sizes(sizes, world_size, order)
+    except ConfigError as e:
+        return [str(e)]  # everything below depends on the layout
+    problems: List[str] = []
+    try:
+        ModelShape.from_config(model)
+    except ConfigError as e:
+        problems.append(str(e))
+
+    dp, mb, gbs = sizes["dp"], trainer.micro_batch_size, trainer.global_batch_size
+    if mb < 1 or gbs < 1:
+        problems.append("trainer.global_batch_size and trainer.micro_batch_size must be positive")
+    elif gbs % (dp * mb):
+        m = dp * mb
+        lo, hi = max(m, (gbs // m) * m), (gbs // m + 1) * m
+        problems.append(
+            f"trainer.global_batch_size={gbs} is not divisible by dp({dp}) x "
+            f"trainer.micro_batch_size({mb}) = {m}; use a multiple of {m} (e.g. {lo} or {hi})"
+        )
+    if trainer.seq_len > model.max_seq_len:
+        problems.append(f"trainer.seq_len={trainer.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    return problems
 
 
 def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain import plugins
     from hpctrain.data.sources import check_data_config
     from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
-    from hpctrain.model.shapes import ModelShape
 
-    problems: List[str] = []
     t, p = cfg.trainer, cfg.parallel
     try:
         sizes = resolve_sizes({a: p[a] for a in AXES}, world_size, p.order)
     except ConfigError as e:
         return [str(e)]  # everything below depends on the layout
-
-    try:
-        ModelShape.from_config(cfg.model)
-    except ConfigError as e:
-        problems.append(str(e))
-
-    dp, mb = sizes["dp"], t.micro_batch_size
-    if mb < 1 or t.global_batch_size < 1:
-        problems.append("trainer.global_batch_size and trainer.micro_batch_size must be positive")
-    elif t.global_batch_size % (dp * mb):
-        m = dp * mb
-        lo, hi = max(m, (t.global_batch_size // m) * m), (t.global_batch_size // m + 1) * m
-        problems.append(
-            f"trainer.global_batch_size={t.global_batch_size} is not divisible by dp({dp}) x "
-            f"trainer.micro_batch_size({mb}) = {m}; use a multiple of {m} (e.g. {lo} or {hi})"
-        )
-    if t.seq_len > cfg.model.max_seq_len:
-        problems.append(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+    problems = check_layout(sizes, t, cfg.model, world_size, p.order)
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
     if t.log_every < 1:

@@ -1,1 +1,2 @@
-"""Data parallelism: replicas average their gradients over the dp group."""
+"""Data parallelism: replicas average their gradients over the dp group, in
+buckets whose reductions overlap with backward (see ``plugin`` and ``reducer``)."""
