@@ -1,0 +1,63 @@
+"""Cross-rank argument checks, and MPI errors as CommErrors.
+
+A collective whose ranks disagree on sizes does not always fail in MPI: a
+receiver expecting more than was sent gets a short message and garbage in the
+rest, and differing counts in a reduction may hang. Finding that out needs
+the other ranks' arguments, which costs one small allgather per operation, so
+it is a debug switch: ``comm.mpi.check_shapes=true``. Every rank then
+gathers what each rank passed (dtype, element counts, splits) and, if they
+disagree, every rank raises the same CommError naming the ranks: no hang, no
+silent wrong sum. Off by default (it adds a latency per call); the local
+checks in ``hpctrain.comm.protocol`` always run.
+
+Point-to-point sizes are not checked (that would need a handshake per
+message); a receive larger than the send leaves its tail unwritten, a smaller
+one fails with MPI's truncation error, reported as a CommError.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence
+
+from hpctrain.errors import CommError
+
+
+def _describe(values: List[Any]) -> str:
+    groups: dict = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(repr(v), []).append(rank)
+    return "; ".join(f"ranks {ranks}: {v}" for v, ranks in groups.items())
+
+
+def check_same(comm: Any, what: str, group_name: str, **fields: Any) -> None:
+    """Every rank passed the same ``fields`` (e.g. dtype, numel, op)."""
+    everyone = comm.allgather(fields)
+    if any(f != everyone[0] for f in everyone):
+        raise CommError(f"{what} on group {group_name}: ranks disagree on {', '.join(fields)}: {_describe(everyone)}")
+
+
+def check_all_to_all(comm: Any, what: str, group_name: str, dtype: str, row: int,
+                     input_splits: Sequence[int], output_splits: Sequence[int]) -> None:
+    """Rank i sends rank j exactly what rank j expects from rank i, in rows of one size."""
+    everyone = comm.allgather((dtype, row, list(input_splits), list(output_splits)))
+    check = [(d, r) for d, r, _, _ in everyone]
+    if any(c != check[0] for c in check):
+        raise CommError(f"{what} on group {group_name}: ranks disagree on (dtype, row size): {_describe(check)}")
+    bad = [(i, j, everyone[i][2][j], everyone[j][3][i])
+           for i in range(len(everyone)) for j in range(len(everyone))
+           if everyone[i][2][j] != everyone[j][3][i]]
+    if bad:
+        shown = "; ".join(f"rank {i} sends {s} rows to rank {j}, which expects {e}" for i, j, s, e in bad[:4])
+        raise CommError(f"{what} on group {group_name}: input_splits and output_splits do not match across ranks: {shown}")
+
+
+@contextlib.contextmanager
+def mpi_errors(what: str, group_name: str, hint: Optional[str] = None) -> Iterator[None]:
+    """Re-raise an MPI error as a CommError naming the operation and group."""
+    from mpi4py import MPI
+
+    try:
+        yield
+    except MPI.Exception as e:
+        tip = hint or "sizes may differ across ranks; rerun with comm.mpi.check_shapes=true to find out"
+        raise CommError(f"{what} on group {group_name} failed in MPI: {e.Get_error_string().strip()} ({tip})") from e

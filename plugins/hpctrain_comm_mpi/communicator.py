@@ -1,0 +1,280 @@
+"""Communicator over an MPI sub-communicator, with mpi4py on tensor memory.
+
+Every operation maps to one MPI call on the group's own communicator
+(``subcomm``): blocking calls use the blocking MPI collective (Open MPI's
+tuned algorithms; its non-blocking ones go through a different, generally
+slower component), ``async_op=True`` uses the non-blocking one (Iallreduce,
+Iallgather, Ireduce_scatter_block, Ialltoallv, Ibcast, Isend/Irecv) and
+returns an ``MpiWork``. Buffers are numpy views of the tensors (zero-copy)
+or staging copies (``buffers``); the Work keeps them alive until ``wait()``,
+then scales (AVG) and copies staged results back.
+
+- AVG is SUM then a division by the group size in the accumulation dtype.
+- all_to_all sends dim-0 rows: one contiguous MPI datatype per row, so
+  Alltoallv counts and displacements are row counts (no 32-bit overflow of
+  element counts, and uneven splits are just different counts).
+- An input that overlaps the output is copied first (MPI forbids aliasing),
+  except the all_gather whose input is exactly this rank's slot of the
+  output, which uses MPI_IN_PLACE.
+- Non-blocking operations progress when MPI is entered (Open MPI has no
+  progress thread by default): ``is_completed()`` tests, which also pushes
+  them on; ``wait()`` blocks.
+"""
+from __future__ import annotations
+
+import math
+from itertools import accumulate
+from typing import Callable, List, Optional, Sequence
+
+import torch
+from mpi4py import MPI
+
+from hpctrain.comm.protocol import (
+    CompletedWork,
+    P2POp,
+    ReduceOp,
+    check_all_gather,
+    check_all_to_all,
+    check_reduce_dtype,
+    check_reduce_scatter,
+)
+from hpctrain.errors import CommError
+from hpctrain.mesh import Group
+from hpctrain_comm_mpi import agree
+from hpctrain_comm_mpi.agree import mpi_errors
+from hpctrain_comm_mpi.buffers import WireBuffer
+from hpctrain_comm_mpi.dtypes import REDUCIBLE, element_size, transport_dtype
+from hpctrain_comm_mpi.subcomm import mpi_comm_for
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MAX: MPI.MAX}
+
+
+class MpiWork:
+    """Pending MPI requests, the buffers they use, and what to run once done."""
+
+    def __init__(self, what: str, group_name: str, requests: List[MPI.Request],
+                 buffers: Sequence[WireBuffer], finish: Callable[[], None]):
+        self._what, self._group_name = what, group_name
+        self._requests = requests
+        self._buffers = list(buffers)  # MPI reads/writes their memory until completion
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        with mpi_errors(self._what, self._group_name):
+            MPI.Request.Waitall(self._requests)
+        self._complete()
+
+    def is_completed(self) -> bool:
+        if self._finish is None:
+            return True
+        with mpi_errors(self._what, self._group_name):
+            done = MPI.Request.Testall(self._requests)
+        if done:
+            self._complete()
+        return done
+
+    def _complete(self) -> None:
+        finish, self._finish = self._finish, None
+        finish()
+        self._requests, self._buffers = [], []
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share bytes (conservative: their address spans meet)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor):
+        extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _row_numel(t: torch.Tensor) -> int:
+    """Elements per dim-0 row (a 0-dim tensor is one row of one element)."""
+    return math.prod(t.shape[1:]) if t.dim() else 1
+
+
+def _displacements(counts: Sequence[int]) -> List[int]:
+    return [0] + list(accumulate(counts))[:-1]
+
+
+class MpiCommunicator:
+    """The protocol's collectives for one group (``hpctrain.comm.protocol``)."""
+
+    backend = "mpi"
+
+    def __init__(self, group: Group, world: MPI.Comm, *, check_shapes: bool = False, cuda_aware: bool = False):
+        self.group = group
+        self.rank = group.rank
+        self.size = group.size
+        self.comm = mpi_comm_for(group, world)
+        self.check_shapes = check_shapes
+        self.cuda_aware = cuda_aware
+        self._tag_ub = world.Get_attr(MPI.TAG_UB)
+
+    def __repr__(self) -> str:
+        return f"MpiCommunicator(group={self.group.name}, rank={self.rank}, size={self.size})"
+
+    # -- plumbing ----------------------------------------------------------
+    def _buffer(self, tensor: torch.Tensor, *, reduce: bool = False, read: bool = False,
+                write: bool = False) -> WireBuffer:
+        return WireBuffer(tensor, reduce=reduce, read=read, write=write, cuda_aware=self.cuda_aware)
+
+    def _run(self, what: str, async_op: bool, blocking: Callable[[], None], nonblocking: Callable[[], MPI.Request],
+             buffers: Sequence[WireBuffer], finish: Callable[[], None]):
+        if async_op:
+            with mpi_errors(what, self.group.name):
+                request = nonblocking()
+            return MpiWork(what, self.group.name, [request], buffers, finish)
+        with mpi_errors(what, self.group.name):
+            blocking()
+        finish()
+        return CompletedWork()
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size:
+            raise CommError(f"{what}: peer {peer} is outside group {self.group.name} of size {self.size}")
+
+    def _check_tag(self, tag: int, what: str) -> None:
+        if not 0 <= tag <= self._tag_ub:
+            raise CommError(f"{what}: tag {tag} must be in [0, {self._tag_ub}] (MPI_TAG_UB)")
+
+    # -- reductions --------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
+        op = ReduceOp(op)
+        check_reduce_dtype("all_reduce", tensor.dtype, op, REDUCIBLE)
+        if self.check_shapes:
+            agree.check_same(self.comm, "all_reduce", self.group.name,
+                             dtype=str(tensor.dtype), numel=tensor.numel(), op=op.value)
+        buf = self._buffer(tensor, reduce=True, read=True, write=True)
+        spec, mpi_op = buf.spec(), _MPI_OPS[op]
+        divide = self.size if op == ReduceOp.AVG else None
+        return self._run("all_reduce", async_op,
+                         lambda: self.comm.Allreduce(MPI.IN_PLACE, spec, mpi_op),
+                         lambda: self.comm.Iallreduce(MPI.IN_PLACE, spec, mpi_op),
+                         [buf], lambda: buf.finish(divide))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                       async_op: bool = False):
+        op = ReduceOp(op)
+        check_reduce_scatter(output, input, self.size)
+        check_reduce_dtype("reduce_scatter", input.dtype, op, REDUCIBLE)
+        if self.check_shapes:
+            agree.check_same(self.comm, "reduce_scatter", self.group.name,
+                             dtype=str(input.dtype), numel=input.numel(), op=op.value)
+        src = self._buffer(input, reduce=True, read=True)
+        dst = self._buffer(output, reduce=True, write=True)
+        if not dst.staged and _overlaps(output, input):
+            # MPI may not write where it still reads: receive into a copy
+            dst = WireBuffer(output, reduce=True, read=False, write=True, cuda_aware=self.cuda_aware, copy=True)
+        send, recv, mpi_op = src.spec(), dst.spec(), _MPI_OPS[op]
+        divide = self.size if op == ReduceOp.AVG else None
+        return self._run("reduce_scatter", async_op,
+                         lambda: self.comm.Reduce_scatter_block(send, recv, mpi_op),
+                         lambda: self.comm.Ireduce_scatter_block(send, recv, mpi_op),
+                         [src, dst], lambda: dst.finish(divide))
+
+    # -- data movement -----------------------------------------------------
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        check_all_gather(output, input, self.size)
+        if self.check_shapes:
+            agree.check_same(self.comm, "all_gather", self.group.name, dtype=str(input.dtype), numel=input.numel())
+        dst = self._buffer(output, write=True)
+        buffers = [dst]
+        slot = self.rank * input.numel() * input.element_size()
+        if (not dst.staged and input.is_contiguous() and input.numel()
+                and input.data_ptr() == output.data_ptr() + slot):
+            send = MPI.IN_PLACE  # input already sits in this rank's slot of the output
+        else:
+            src = WireBuffer(input, reduce=False, read=True, write=False, cuda_aware=self.cuda_aware,
+                             copy=not dst.staged and _overlaps(input, output))
+            buffers.append(src)
+            send = src.spec()
+        recv = dst.spec()
+        return self._run("all_gather", async_op,
+                         lambda: self.comm.Allgather(send, recv),
+                         lambda: self.comm.Iallgather(send, recv),
+                         buffers, dst.finish)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]] = None,
+                   input_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+        check_all_to_all(output, input, output_splits, input_splits, self.size)
+        row = _row_numel(input)
+        if _row_numel(output) != row:
+            raise CommError(f"all_to_all: input rows of shape {tuple(input.shape[1:])} and output rows of shape "
+                            f"{tuple(output.shape[1:])} differ in size")
+        send_rows = [int(s) for s in input_splits] if input_splits is not None else \
+            [(input.shape[0] if input.dim() else 1) // self.size] * self.size
+        recv_rows = [int(s) for s in output_splits] if output_splits is not None else \
+            [(output.shape[0] if output.dim() else 1) // self.size] * self.size
+        if self.check_shapes:
+            agree.check_all_to_all(self.comm, "all_to_all", self.group.name, str(input.dtype), row,
+                                   send_rows, recv_rows)
+        dst = self._buffer(output, write=True)
+        src = WireBuffer(input, reduce=False, read=True, write=False, cuda_aware=self.cuda_aware,
+                         copy=not dst.staged and _overlaps(input, output))
+        # one MPI element = one dim-0 row, in transport elements
+        per_element = element_size(input.dtype) // element_size(transport_dtype(input.dtype))
+        row_type = dst.mpi_type.Create_contiguous(row * per_element).Commit()
+        send = [src.array, (send_rows, _displacements(send_rows)), row_type]
+        recv = [dst.array, (recv_rows, _displacements(recv_rows)), row_type]
+        try:
+            return self._run("all_to_all", async_op,
+                             lambda: self.comm.Alltoallv(send, recv),
+                             lambda: self.comm.Ialltoallv(send, recv),
+                             [src, dst], dst.finish)
+        finally:
+            row_type.Free()  # MPI keeps it alive for a pending operation
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
+        self._check_peer(src, "broadcast")
+        if self.check_shapes:
+            agree.check_same(self.comm, "broadcast", self.group.name, dtype=str(tensor.dtype),
+                             numel=tensor.numel(), src=src)
+        is_root = self.rank == src
+        buf = self._buffer(tensor, read=is_root, write=not is_root)
+        spec = buf.spec()
+        return self._run("broadcast", async_op,
+                         lambda: self.comm.Bcast(spec, root=src),
+                         lambda: self.comm.Ibcast(spec, root=src),
+                         [buf], buf.finish)
+
+    # -- point to point ----------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self._check_peer(dst, "send")
+        self._check_tag(tag, "send")
+        buf = self._buffer(tensor, read=True)
+        with mpi_errors("send", self.group.name):
+            self.comm.Send(buf.spec(), dest=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._check_peer(src, "recv")
+        self._check_tag(tag, "recv")
+        buf = self._buffer(tensor, write=True)
+        with mpi_errors("recv", self.group.name, hint="the message is larger than the receive tensor"):
+            self.comm.Recv(buf.spec(), source=src, tag=tag)
+        buf.finish()
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[MpiWork]:
+        works = []
+        for op in ops:
+            self._check_peer(op.peer, f"batch_isend_irecv {op.kind}")
+            self._check_tag(op.tag, f"batch_isend_irecv {op.kind}")
+            is_send = op.kind == "send"
+            buf = self._buffer(op.tensor, read=is_send, write=not is_send)
+            with mpi_errors(f"i{op.kind}", self.group.name):
+                request = (self.comm.Isend(buf.spec(), dest=op.peer, tag=op.tag) if is_send
+                           else self.comm.Irecv(buf.spec(), source=op.peer, tag=op.tag))
+            works.append(MpiWork(f"i{op.kind}", self.group.name, [request], [buf], buf.finish))
+        return works
+
+    def barrier(self) -> None:
+        with mpi_errors("barrier", self.group.name):
+            self.comm.Barrier()
