@@ -3,7 +3,8 @@
 One JSON object per step (step, loss, grad_norm, lr, tokens_per_s,
 step_time_s, consumed_samples), flushed every ``log_every`` steps and at the
 end. Only rank 0 writes. The progress bar (rich) draws on stderr when a
-terminal is attached (``trainer.progress=auto``) or when forced (``on``); a
+terminal is attached, including an interactive ``mpirun``
+(``trainer.progress=auto``), or when forced (``on``); a
 log line every ``log_every`` steps is printed either way, so batch logs show
 the loss falling too.
 """
@@ -41,19 +42,31 @@ def format_step(step: int, total: int, m: Dict[str, float]) -> str:
             f"| lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s")
 
 
+def interactive_launch() -> bool:
+    """Is a person watching? stderr is a terminal, or an mpirun started from
+    one (Open MPI forwards rank output through pipes, so the rank cannot see
+    the terminal): TERM is set, and this is neither CI nor a batch job."""
+    if sys.stderr.isatty():
+        return True
+    env = os.environ
+    under_mpirun = "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env
+    batch = "SLURM_JOB_ID" in env and "SLURM_PTY_PORT" not in env
+    return under_mpirun and env.get("TERM", "dumb") not in ("", "dumb") and "CI" not in env and not batch
+
+
 class Progress:
     """Rank 0's progress bar; a no-op elsewhere or when disabled."""
 
     def __init__(self, enabled: bool, total: int, mode: str = "auto"):
         self._bar = None
-        if not enabled or mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
+        if not enabled or mode == "off" or (mode == "auto" and not interactive_launch()):
             return
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 
         self._bar = RichProgress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeRemainingColumn(), console=Console(file=sys.stderr, force_terminal=mode == "on" or None),
+            TimeRemainingColumn(), console=Console(file=sys.stderr, force_terminal=True),
             transient=False,
         )
         self._task = self._bar.add_task("train", total=total, info="")
