@@ -40,12 +40,12 @@ show_log() {
 
 [[ $(id -u) -eq 0 ]] || die "must run as root (it installs packages and runs the daemons as root); try: sudo bash $0"
 [[ $STATE = /* ]] || die "HPCTRAIN_SLURM_DIR must be an absolute path, got '$STATE'"
-# The directory is created once and never loosened: munged refuses a socket
-# or key below a directory that others may write.
-mkdir -p "$STATE"
-chmod 0755 "$STATE"
+# 0755: munged refuses a socket or key below a directory others may write.
+# An existing directory is used as it is (never chmod a directory we did not make).
+[[ -d $STATE ]] || mkdir -p -m 0755 "$STATE"
 
 # Two callers at once (CI steps, two shells) must not start two clusters.
+# Daemons are started with 9>&- so they do not inherit, and hold, the lock.
 exec 9>"$STATE/.lock"
 flock -w 180 9 || die "another slurm/local/start.sh or stop.sh holds $STATE/.lock for over 180 s"
 
@@ -93,16 +93,18 @@ pid_alive() { # pidfile name: the pid in pidfile is a live process called name
     [[ $pid =~ ^[0-9]+$ ]] && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]
 }
 
-node_state() {
-    timeout 10 sinfo -h -N -n "$NODE" -o %t 2>/dev/null | head -n1 | tr -d '*'
+node_state() { # idle, mix, alloc, comp, down, drain, ... (flag characters like * ~ stripped)
+    local out
+    out=$(timeout 10 sinfo -h -N -n "$NODE" -o %t 2>/dev/null || true)
+    echo "${out%%$'\n'*}" | tr -cd 'a-z'
 }
 
 healthy() {
     pid_alive "$MUNGE_DIR/munged.pid" munged &&
         pid_alive "$STATE/slurmctld.pid" slurmctld &&
         pid_alive "$STATE/slurmd.pid" slurmd &&
-        timeout 10 scontrol ping 2>/dev/null | grep -q UP &&
-        [[ $(node_state) =~ ^(idle|mix|alloc)$ ]]
+        [[ $(timeout 10 scontrol ping 2>/dev/null || true) == *UP* ]] &&
+        [[ $(node_state) =~ ^(idle|mix|alloc|comp)$ ]]
 }
 
 print_env() {
@@ -191,7 +193,6 @@ PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverS
 EOF
 
 # ---------------------------------------------------------------- daemons
-# Each daemon gets 9>&- so it does not inherit (and hold forever) our lock.
 # -c: start with no saved jobs; this cluster is throwaway.
 slurmctld -c >"$STATE/slurmctld.err" 2>&1 9>&- ||
     { show_log "$STATE/slurmctld.err"; show_log "$STATE/slurmctld.log"; die "slurmctld did not start"; }

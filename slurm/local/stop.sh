@@ -3,7 +3,7 @@
 # slurmd, slurmctld and munged by their pid files (never by name, so a system
 # slurm or another user's daemons are left alone). Quiet on success; safe to
 # call when nothing runs. Logs stay in the state directory for a post-mortem;
-# `--purge` removes the directory too.
+# `--purge` removes what start.sh wrote there (and the directory if empty).
 #
 #   bash slurm/local/stop.sh [--purge]
 set -euo pipefail
@@ -80,5 +80,8 @@ stop_daemon "$STATE/munge/munged.pid" munged
 rm -f "$STATE/env"
 
 if ((purge)); then
-    rm -rf "$STATE"
+    # Only what start.sh makes: HPCTRAIN_SLURM_DIR may point at a shared directory.
+    rm -rf "${STATE:?}"/{munge,ctld,spool}
+    rm -f "$STATE"/{slurm.conf,jobcomp.txt,apt.log,.lock} "$STATE"/slurm{ctld,d}.{log,err}
+    rmdir "$STATE" 2>/dev/null || true
 fi
