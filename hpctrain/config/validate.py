@@ -45,7 +45,8 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
         problems.append("trainer.global_batch_size and trainer.micro_batch_size must be positive")
     elif gbs % (dp * mb):
         m = dp * mb
-        lo, hi = max(m, (gbs // m) * m), (gbs // m + 1) * m
+        lo = max(m, (gbs // m) * m)  # the nearest multiples at or below and above
+        hi = lo + m
         problems.append(
             f"trainer.global_batch_size={gbs} is not divisible by dp({dp}) x "
             f"trainer.micro_batch_size({mb}) = {m}; use a multiple of {m} (e.g. {lo} or {hi})"

@@ -1,4 +1,6 @@
-"""The reference model family: a Llama-style decoder-only transformer."""
-from hpctrain.model.build import build_model, materialize, logical_param_count  # noqa: F401
-from hpctrain.model.shapes import ModelShape, param_count  # noqa: F401
-from hpctrain.model.transformer import Transformer  # noqa: F401
+"""The reference model family: a Llama-style decoder-only transformer.
+
+``shapes`` (closed-form shapes and counts, no torch) is imported by the
+planner; ``build`` and ``transformer`` need torch. Import the submodule you
+need; this package imports nothing eagerly.
+"""

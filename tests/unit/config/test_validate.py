@@ -70,3 +70,8 @@ def test_plugin_validation_hook_runs(make_config, pm):
     pm.register(Strict())
     assert validate(make_config("trainer.global_batch_size=12"), 3, pm) == ["strict plugin: world size 3 is odd"]
     assert validate(make_config(), 4, pm) == []
+
+
+def test_batch_smaller_than_one_micro_batch_per_rank(make_config, pm):
+    (p,) = _problems(make_config, pm, "trainer.global_batch_size=4", "trainer.micro_batch_size=2")
+    assert "use a multiple of 8 (e.g. 8 or 16)" in p

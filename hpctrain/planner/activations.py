@@ -1,0 +1,211 @@
+"""Activation memory: the tensors autograd saves for backward, per block.
+
+Method (Korthikanti et al. 2022, section 4): walk the block's forward, list
+every tensor kept for the backward pass with its size per token, and note
+which ones tensor parallelism splits. A block's bytes for one micro-batch are
+``tokens x sum(entry bytes)``. The same machinery serves both families:
+
+GPT block (the paper's; 16-bit activations, 1-byte dropout masks), per token:
+  LayerNorm inputs 2h+2h, QKV input 2h, Q and K 4h, softmax 2as, its dropout
+  mask as and output 2as, V 2h, projection input 2h, dropout mask h, MLP input
+  2h, GeLU input 8h and output 8h, dropout mask h. Sum: h(34 + 5as/h); the
+  10h of LayerNorm/dropout/block inputs is replicated under tensor
+  parallelism (sequence parallelism splits it too), the rest is split.
+  Selective recompute drops the 5as attention-core terms; full recompute keeps
+  only the block input (2h). These reproduce the paper's five formulas.
+
+OUR block (Llama-style, measured with torch saved-tensor hooks on torch 2.13),
+per token, r = residual bytes (4: the residual stream stays fp32 even under
+bf16 autocast), e = activation bytes (4 fp32, 2 bf16):
+  attention norm: input x (r h), rsqrt (4), normalised y (r h);
+  the norm output as input of the projections (e h, saved once in fp32 but
+  three times under autocast: wq, wk and wv each cast it to bf16);
+  RoPE'd q (e h) and k (e kv), v (e kv), attention output (e h, also wo's
+  input), log-sum-exp (4 a, fp32, flash attention keeps no s x s matrix);
+  RoPE itself keeps only its cos/sin tables (per model, not per layer);
+  FFN norm: input (r h), rsqrt, y (r h), its output (e h; two autocast casts);
+  SwiGLU gate and up outputs (2 e f), silu output (e f), product (e f).
+  fp32 total: 8h + 2kv + 4f + a + 2 elements per token.
+Selective recompute of OUR block recomputes the pointwise parts (the norms'
+internals and the silu output): no matrix multiply is redone. Flash attention
+already keeps no s x s matrix, so recomputing the attention core would save
+only the log-sum-exp. Full recompute keeps the block input plus, once per
+stage, one block's activations while it is recomputed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Tuple
+
+from hpctrain.planner.arch import Arch
+
+RECOMPUTE = ("none", "selective", "full")
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor saved for backward: elements per token and how it shards."""
+
+    name: str
+    elements: float
+    """Elements per token (``a*s`` for attention scores: per query token)."""
+    dtype: str
+    """``act`` (activation dtype), ``resid`` (residual-stream dtype), ``fp32`` or ``mask`` (1 byte)."""
+    split: str
+    """``rep`` (replicated under TP, split by sequence parallelism), ``split`` (by TP), ``kv`` (k/v heads)."""
+    selective_drop: bool = False
+    """Recomputed, not stored, under selective recompute."""
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element by role, and how often autocast re-casts a norm output."""
+
+    act: int
+    resid: int
+    attn_casts: int
+    ffn_casts: int
+
+    def size(self, dtype: str) -> int:
+        return {"act": self.act, "resid": self.resid, "fp32": 4, "mask": 1}[dtype]
+
+
+def dtypes_for(arch: Arch, precision: str) -> Dtypes:
+    """GPT: the paper's 16-bit accounting. Ours: what torch saves (see module doc)."""
+    if arch.family == "gpt":
+        return Dtypes(2, 2, 1, 1)
+    if precision == "bf16":
+        return Dtypes(2, 4, 3, 2)
+    return Dtypes(4, 4, 1, 1)
+
+
+def saved_tensors(arch: Arch, precision: str, seq_len: int) -> List[SavedTensor]:
+    """The per-token table of one block (see the module docstring)."""
+    h, a, s = arch.d_model, arch.n_heads, seq_len
+    if arch.family == "gpt":
+        return [
+            SavedTensor("ln1_input", h, "act", "rep"),
+            SavedTensor("qkv_input", h, "act", "rep"),
+            SavedTensor("q_k", 2 * h, "act", "split"),
+            SavedTensor("softmax_output", a * s, "act", "split", True),
+            SavedTensor("attn_dropout_mask", a * s, "mask", "split", True),
+            SavedTensor("attn_dropout_output", a * s, "act", "split", True),
+            SavedTensor("v", h, "act", "split"),
+            SavedTensor("proj_input", h, "act", "split"),
+            SavedTensor("proj_dropout_mask", h, "mask", "rep"),
+            SavedTensor("ln2_input", h, "act", "rep"),
+            SavedTensor("fc1_input", h, "act", "rep"),
+            SavedTensor("gelu_input", 4 * h, "act", "split"),
+            SavedTensor("gelu_output", 4 * h, "act", "split"),
+            SavedTensor("mlp_dropout_mask", h, "mask", "rep"),
+        ]
+    d = dtypes_for(arch, precision)
+    kv, f = arch.kv_dim, arch.ffn_hidden * arch.top_k
+    table = [
+        SavedTensor("block_input", h, "resid", "rep"),
+        SavedTensor("attn_norm_rsqrt", 1, "fp32", "rep", True),
+        SavedTensor("attn_norm_scaled", h, "resid", "rep", True),
+        SavedTensor("qkv_input", h * d.attn_casts, "act", "rep"),
+        SavedTensor("q_rope", h, "act", "split"),
+        SavedTensor("k_rope", kv, "act", "kv"),
+        SavedTensor("v", kv, "act", "kv"),
+        SavedTensor("attn_logsumexp", a, "fp32", "split"),
+        SavedTensor("attn_output", h, "act", "split"),
+        SavedTensor("ffn_residual_input", h, "resid", "rep"),
+        SavedTensor("ffn_norm_rsqrt", 1, "fp32", "rep", True),
+        SavedTensor("ffn_norm_scaled", h, "resid", "rep", True),
+        SavedTensor("ffn_input", h * d.ffn_casts, "act", "rep"),
+        SavedTensor("gate_output", f, "act", "split"),
+        SavedTensor("up_output", f, "act", "split"),
+        SavedTensor("silu_output", f, "act", "split", True),
+        SavedTensor("down_input", f, "act", "split"),
+    ]
+    if arch.is_moe:  # router probabilities and the dispatched token copies (first order)
+        table += [SavedTensor("router_probs", arch.num_experts, "fp32", "rep"),
+                  SavedTensor("dispatched_tokens", h * arch.top_k, "act", "split")]
+    return table
+
+
+def _shard(entry: SavedTensor, arch: Arch, tp: int, sp: bool) -> float:
+    if entry.split == "rep":
+        return entry.elements / tp if sp else entry.elements
+    if entry.split == "kv":
+        return entry.elements * arch.kv_dim_per_rank(tp) / arch.kv_dim
+    return entry.elements / tp
+
+
+@lru_cache(maxsize=1024)
+def layer_bytes_per_token(arch: Arch, precision: str, seq_len: int, tp: int = 1, sp: bool = False,
+                          recompute: str = "none") -> float:
+    """Bytes one block keeps per token of a micro-batch on one tensor-parallel rank."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    d = dtypes_for(arch, precision)
+    table = saved_tensors(arch, precision, seq_len)
+    if recompute == "full":
+        table = table[:1]  # the block input only
+    elif recompute == "selective":
+        table = [e for e in table if not e.selective_drop]
+    return sum(_shard(e, arch, tp, sp) * d.size(e.dtype) for e in table)
+
+
+def layer_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1,
+                sp: bool = False, recompute: str = "none", token_split: int = 1) -> float:
+    """One block, one micro-batch, one GPU. Context parallelism (``cp``) and
+    an expert-parallel token split (``token_split``) divide the tokens; the
+    per-token attention terms keep the full sequence length."""
+    tokens = micro_batch * seq_len / (cp * token_split)
+    return tokens * layer_bytes_per_token(arch, precision, seq_len, tp, sp, recompute)
+
+
+def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool,
+                      first: bool, last: bool, token_split: int = 1) -> float:
+    """Per micro-batch bytes outside the blocks (OUR model; the GPT accounting
+    leaves these out as the paper's per-layer formulas do): token ids kept by
+    the embedding (int64), the RoPE tables, and on the last stage the final
+    norm, the fp32 log-softmax over the (vocab-parallel) vocabulary and the
+    int64 targets kept by the loss."""
+    if arch.family == "gpt":
+        return 0.0
+    d = dtypes_for(arch, precision)
+    h = arch.d_model
+    tokens = micro_batch * seq_len / (cp * token_split)
+    extra = seq_len / cp * arch.head_dim * 4  # cos and sin, each (s, head_dim/2) fp32
+    if first:
+        extra += tokens * INT64
+    if last:
+        norm = (h * d.resid * 2 + 4) / (tp if sp else 1) + h * d.act
+        extra += tokens * (norm + arch.padded_vocab(tp) / tp * 4 + INT64)
+    return extra
+
+
+def autocast_weight_copy_bytes(params_on_gpu: float, precision: str) -> float:
+    """bf16 autocast casts each weight once per forward and keeps the bf16 copy
+    for the backward: 2 bytes per (unsharded-by-ZeRO) parameter of the stage."""
+    return 2.0 * params_on_gpu if precision == "bf16" else 0.0
+
+
+# -- the paper's closed forms (Korthikanti et al. 2022, Table 2) -------------
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes per transformer layer, exactly as printed in the paper."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2.0 * sbh
+    if recompute == "selective":
+        return 34.0 * sbh / t if sp else sbh * (10.0 + 24.0 / t)
+    if t == 1:
+        return sbh * (34.0 + 5.0 * a * s / h)
+    if sp:
+        return sbh / t * (34.0 + 5.0 * a * s / h)
+    return sbh * (10.0 + 24.0 / t + 5.0 * a * s / (h * t))
+
+
+def korthikanti_first_stage_bytes(per_layer: float, layers: int, pp: int, vpp: int = 1) -> Tuple[float, float]:
+    """(bytes, in-flight factor) on the first pipeline stage under 1F1B:
+    L/p layers x p micro-batches, times (1 + (p-1)/(p v)) when interleaved."""
+    factor = pp * (1.0 + (pp - 1) / (pp * vpp)) if vpp > 1 else float(pp)
+    return per_layer * layers / pp * factor, factor

@@ -1,0 +1,215 @@
+"""What the planner knows about a model: parameter counts and FLOPs per token.
+
+Two families, because the published tables we validate against describe a
+different block from ours:
+
+- ``llama`` is OUR model (``hpctrain.model``): RMSNorm, no biases, SwiGLU with
+  three matrices, grouped-query attention, RoPE, optionally tied embeddings.
+  Every count is read from ``hpctrain.model.shapes.ModelShape`` so the planner
+  and the model builder cannot disagree. A mixture-of-experts variant
+  replaces the SwiGLU by ``num_experts`` copies plus an ``h x E`` router.
+- ``gpt`` is the GPT of Megatron-LM (Narayanan et al. 2021, Table 1): 4h GeLU
+  MLP, biases, LayerNorm, learned positions, output tied to the input
+  embedding. Its total follows the paper's formula exactly,
+  P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)) = 12lh^2 + 13lh + (V+s)h,
+  which leaves out the final LayerNorm (2h); we do the same so the rows
+  compare like with like.
+
+FLOPs count matrix multiplications only (2 per multiply-add) and credit the
+full s x s attention (no causal halving), the convention of Narayanan et al.
+and of PaLM's MFU, so our MFU compares with theirs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Optional
+
+from hpctrain.errors import ConfigError
+from hpctrain.model.shapes import ModelShape
+
+FAMILIES = ("llama", "gpt")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Model dimensions plus the closed-form counts derived from them."""
+
+    family: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    tie_embeddings: bool
+    positions: int = 0
+    """Learned position-embedding rows (gpt: the sequence length; llama: 0, RoPE)."""
+    num_experts: int = 1
+    """Experts per MoE layer (1 = dense)."""
+    top_k: int = 1
+    """Experts each token is routed to."""
+    name: str = "model"
+
+    # -- construction ----------------------------------------------------
+    @classmethod
+    def from_model_config(cls, m: Any, num_experts: int = 1, top_k: int = 1) -> "Arch":
+        """OUR model from a ModelConfig, through ModelShape (the one source of truth)."""
+        shape = ModelShape.from_config(m)
+        return cls.from_shape(shape, name=str(getattr(m, "name", "model")), num_experts=num_experts, top_k=top_k)
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape, name: str = "model", num_experts: int = 1, top_k: int = 1) -> "Arch":
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ConfigError(f"MoE needs num_experts >= 1 and 1 <= top_k <= num_experts (got {num_experts}, {top_k})")
+        return cls("llama", shape.vocab_size, shape.d_model, shape.n_layers, shape.n_heads, shape.n_kv_heads,
+                   shape.ffn_hidden, shape.tie_embeddings, 0, num_experts, top_k, name)
+
+    @classmethod
+    def gpt(cls, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, name: str = "gpt") -> "Arch":
+        """A Megatron-LM GPT (MLP width 4h, tied output, learned positions)."""
+        return cls("gpt", vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, True, seq_len, 1, 1, name)
+
+    # -- shapes ----------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @cached_property
+    def _shape(self) -> ModelShape:
+        return ModelShape(self.vocab_size, self.d_model, self.n_layers, self.n_heads, self.n_kv_heads,
+                          self.ffn_hidden, self.tie_embeddings)
+
+    def kv_dim_per_rank(self, tp: int) -> int:
+        """K/V width on one tensor-parallel rank: heads are split, or replicated
+        (one head per rank) when tp exceeds the number of kv heads."""
+        return max(self.kv_dim // tp, self.head_dim) if tp > 1 else self.kv_dim
+
+    # -- parameters (logical) --------------------------------------------
+    @cached_property
+    def attention_params(self) -> int:
+        if self.family == "gpt":
+            return 4 * self.d_model ** 2 + 4 * self.d_model  # QKV + proj, with biases
+        return self._shape.attention_params
+
+    @cached_property
+    def expert_params(self) -> int:
+        """One feed-forward block (one expert)."""
+        if self.family == "gpt":
+            return 8 * self.d_model ** 2 + 5 * self.d_model  # h->4h->h with biases
+        return self._shape.ffn_params
+
+    @property
+    def router_params(self) -> int:
+        return self.d_model * self.num_experts if self.is_moe else 0
+
+    @property
+    def norm_params(self) -> int:
+        """Norm weights per block (replicated under tensor parallelism)."""
+        return 4 * self.d_model if self.family == "gpt" else 2 * self.d_model
+
+    @cached_property
+    def layer_params(self) -> int:
+        if self.family == "llama" and not self.is_moe:
+            return self._shape.block_params
+        return self.attention_params + self.num_experts * self.expert_params + self.router_params + self.norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model + self.positions * self.d_model
+
+    @property
+    def output_params(self) -> int:
+        """The output projection when it is not tied to the input embedding."""
+        return 0 if self.tie_embeddings else self.vocab_size * self.d_model
+
+    @property
+    def final_norm_params(self) -> int:
+        return 0 if self.family == "gpt" else self.d_model  # the paper's formula omits GPT's final LayerNorm
+
+    @cached_property
+    def total_params(self) -> int:
+        if self.family == "llama" and not self.is_moe:
+            return self._shape.total_params
+        return self.embedding_params + self.n_layers * self.layer_params + self.final_norm_params + self.output_params
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters a token passes through (MoE: top_k experts of E)."""
+        inactive = (self.num_experts - self.top_k) * self.expert_params * self.n_layers
+        return self.total_params - inactive
+
+    @cached_property
+    def matmul_params(self) -> int:
+        """N in PaLM's 6N: active parameters used in matrix multiplications.
+        The input embedding (a lookup) and learned positions are left out; a
+        tied table still counts once, as the output projection."""
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.d_model
+        return self.active_params - lookup - self.positions * self.d_model
+
+    # -- per tensor-parallel rank ------------------------------------------
+    def layer_params_per_rank(self, tp: int, ep: int = 1) -> int:
+        """One block's parameters on one (tp, ep) rank. Matrices are split by
+        tp (kv heads replicated when tp > n_kv_heads); norms and the router are
+        replicated; experts are split by ep, then by tp."""
+        h = self.d_model
+        if self.family == "gpt":
+            # column-parallel weights and biases split (12h^2 + 7h); the two
+            # row-parallel biases and both LayerNorms replicated (6h)
+            return (12 * h * h + 7 * h) // tp + 6 * h
+        kv = self.kv_dim_per_rank(tp)
+        attention = 2 * h * (h // tp) + 2 * h * kv
+        experts = (self.num_experts // ep) * 3 * h * (self.ffn_hidden // tp)
+        return attention + experts + self.router_params + self.norm_params
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocabulary padded to a multiple of tp for the vocab-parallel embedding."""
+        return -(-self.vocab_size // tp) * tp
+
+    def param_tensors_per_layer(self, ep: int = 1) -> int:
+        """Parameter tensors per block (torch's AdamW keeps one step counter each)."""
+        if self.family == "gpt":
+            return 12  # 4 weights + 4 biases + 2 x (LayerNorm weight, bias)
+        return 4 + 3 * (self.num_experts // ep) + 2 + (1 if self.is_moe else 0)
+
+    # -- FLOPs -----------------------------------------------------------
+    def layer_forward_flops_per_token(self, seq_len: int) -> float:
+        """Matrix-multiply FLOPs of one block's forward, per token (full s x s attention)."""
+        h = self.d_model
+        if self.family == "gpt":
+            return 24.0 * h * h + 4.0 * seq_len * h
+        kv = self.kv_dim
+        projections = 2.0 * (2 * h * h + 2 * h * kv)
+        ffn = 2.0 * self.top_k * 3 * h * self.ffn_hidden + 2.0 * self.router_params
+        attention = 4.0 * seq_len * self.n_heads * self.head_dim  # QK^T and AV
+        return projections + ffn + attention
+
+    def attention_core_flops_per_token(self, seq_len: int) -> float:
+        """The QK^T and AV part of the block forward (what selective recompute redoes)."""
+        return 4.0 * seq_len * self.n_heads * self.head_dim
+
+    def head_forward_flops_per_token(self) -> float:
+        """The output projection to the vocabulary."""
+        return 2.0 * self.d_model * self.vocab_size
+
+
+def moe_settings(model_cfg: Any) -> "tuple[int, int]":
+    """(num_experts, top_k) if the config carries an MoE section (``model.moe``
+    with ``num_experts``/``top_k``, the names the MoE plugin is expected to
+    declare), else (1, 1)."""
+    moe: Optional[Any] = None
+    try:
+        moe = model_cfg.get("moe") if hasattr(model_cfg, "get") else getattr(model_cfg, "moe", None)
+    except Exception:  # a structured config without the key
+        moe = None
+    if moe is None:
+        return 1, 1
+    return int(getattr(moe, "num_experts", 1) or 1), int(getattr(moe, "top_k", 1) or 1)

@@ -1,0 +1,168 @@
+"""``hpctrain-plan``: predict memory and step time of every layout, print the best.
+
+    hpctrain-plan model=llama3-8b cluster=h100-80gb cluster.gpus=64 \\
+        trainer.global_batch_size=512 trainer.seq_len=8192 \\
+        [--json] [--top N] [--calibration FILE] [--pin zero=1] [--pin recompute=selective]
+
+Arguments are the same Hydra overrides ``hpctrain-train`` takes (the config
+is composed the same way, plugins' sections included). Explicit
+``parallel.<axis>=N`` or ``trainer.micro_batch_size=N`` pin that value, and
+``--pin`` does the same for knobs whose plugins have not declared their keys
+yet (ZeRO stage, recompute, schedule, vpp); the planner searches the rest.
+Without ``trainer.precision`` it plans bf16 (what GPU runs use; the presets'
+peaks are bf16 peaks).
+
+Exit status: 0 with a plan, 2 when the input is wrong or nothing fits (the
+message names what is missing or the smallest change that would fit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hpctrain.errors import HpctrainError
+
+DEFAULT_PRECISION = "bf16"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hpctrain-plan",
+        description="Rank parallel layouts by predicted step time among those that fit GPU memory.",
+        epilog="Overrides as for hpctrain-train, e.g. model=llama3-8b cluster=h100-80gb cluster.gpus=64 "
+               "trainer.global_batch_size=512 trainer.seq_len=8192. See docs/planner.md.")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides (key=value, group=preset)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
+    p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
+                   help="fix a knob that has no core config key yet: zero=0..3, recompute=none|selective|full, "
+                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N (repeatable)")
+    return p
+
+
+def _knob_pins(pairs: Sequence[str]) -> Dict[str, Any]:
+    """--pin zero=1 --pin recompute=selective -> {"zero": 1, "recompute": "selective"}."""
+    from hpctrain.errors import ConfigError
+    from hpctrain.planner.activations import RECOMPUTE
+    from hpctrain.planner.schedules import SCHEDULES
+
+    allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
+    out: Dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options = allowed.get(key, ())
+        bad_vpp = key == "vpp" and not (value.isdigit() and int(value) > 0)
+        if key not in allowed or (options and value not in options) or bad_vpp:
+            raise ConfigError(f"--pin {pair}: use zero=0..3, recompute={'|'.join(RECOMPUTE)}, "
+                              f"schedule={'|'.join(SCHEDULES)} or vpp=<positive integer>")
+        out[key] = int(value) if key in ("zero", "vpp") else value
+    return out
+
+
+def _pins(overrides: Sequence[str]) -> Dict[str, int]:
+    """Values the user fixed explicitly: parallel.<axis>=N, trainer.micro_batch_size=N."""
+    keys = {f"parallel.{a}": a for a in ("tp", "pp", "cp", "ep", "dp")}
+    keys["trainer.micro_batch_size"] = "micro_batch"
+    pins: Dict[str, int] = {}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in keys and value.lstrip("-").isdigit() and not (key == "parallel.dp" and value == "-1"):
+            pins[keys[key]] = int(value)
+    return pins
+
+
+def _compose(overrides: List[str], pm) -> Any:
+    """The typed run config, with Hydra's errors turned into one clear line."""
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.store import compose, to_config
+    from hpctrain.errors import ConfigError
+
+    try:
+        cfg = compose(overrides, pm)
+    except MissingConfigException as e:
+        group, _, name = str(e.missing_cfg_file or "").partition("/")
+        options = [o for o in (e.options or []) if not o.endswith("_schema")]
+        hint = " (or give the dimensions: model.d_model=... model.n_layers=...)" if group == "model" else ""
+        raise ConfigError(f"unknown {group or 'config'} preset {name!r}; available: {', '.join(options) or 'none'}"
+                          f" (conf/{group}/){hint}") from None
+    except HydraException as e:
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        raise ConfigError(f"{str(e).splitlines()[0]}{cause}".replace("\n", " ")) from None
+    return to_config(OmegaConf.to_container(cfg, resolve=True), pm)
+
+
+def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=None,
+              knob_pins: Optional[Dict[str, Any]] = None) -> Tuple[Any, ...]:
+    """(plan, arch, workload, cluster, cfg, user overrides): the whole pipeline without printing."""
+    from hpctrain.config.validate import PRECISIONS
+    from hpctrain.errors import ConfigError
+    from hpctrain.planner.arch import Arch, moe_settings
+    from hpctrain.planner.cluster import cluster_spec, load_calibration
+    from hpctrain.planner.estimate import Workload
+    from hpctrain.planner.memory import HPCTRAIN
+    from hpctrain.planner.search import search
+    from hpctrain.plugins import create_manager
+
+    pm = pm or create_manager()
+    user = list(overrides)
+    if not any(o.split("=", 1)[0] == "trainer.precision" for o in user):
+        user.append(f"trainer.precision={DEFAULT_PRECISION}")
+    cfg = _compose(user, pm)
+    if cfg.trainer.precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision!r} is not one of {', '.join(PRECISIONS)}")
+    cluster = cluster_spec(cfg.cluster, load_calibration(calibration))
+    experts, top_k = moe_settings(cfg.model)
+    arch = Arch.from_model_config(cfg.model, experts, top_k)
+    work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision, HPCTRAIN,
+                    cfg.comm.bucket_mb * 2 ** 20)
+    plan = search(arch, cfg.model, work, cluster, {**_pins(overrides), **(knob_pins or {})})
+    return plan, arch, work, cluster, cfg, user
+
+
+def check_with_training(cfg: Any, train_overrides: List[str], world_size: int, pm) -> Tuple[List[str], List[str]]:
+    """(keys the installed schema lacks, problems ``validate`` reports) for the
+    best layout's hpctrain-train command, so the user sees what runs today."""
+    from hpctrain.config.validate import validate
+    from hpctrain.planner.report import unknown_keys
+
+    missing = unknown_keys(train_overrides, cfg)
+    known = [o for o in train_overrides if o.split("=", 1)[0] not in missing]
+    return missing, validate(_compose(known, pm), world_size, pm)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from hpctrain.planner import report
+    from hpctrain.plugins import create_manager
+
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        pm = create_manager()
+        plan, arch, work, cluster, cfg, user = make_plan(args.overrides, args.calibration, pm, _knob_pins(args.pin))
+        best = plan.best
+        overrides = report.train_overrides(user, best.layout, work.precision)
+        missing, problems = check_with_training(cfg, overrides, cluster.gpus, pm)
+    except HpctrainError as e:
+        for line in str(e).splitlines():
+            sys.stderr.write(f"hpctrain-plan: error: {line}\n")
+        return 2
+    if args.json:
+        print(json.dumps(report.as_json(plan, arch, work, cluster, args.top, overrides, missing, problems), indent=1))
+        return 0
+    print(report.summary(arch, work, cluster))
+    print(f"{plan.considered} layouts considered, {len(plan.ranked)} fit; fastest first (memory in GB per GPU):")
+    print(report.table(plan.ranked[:args.top]))
+    print(report.best_text(best, overrides, missing, problems, cluster))
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,271 @@
+"""One layout's prediction: memory per GPU and step time, with their breakdowns.
+
+Memory is evaluated on the first and the last pipeline stage (the first holds
+the most in-flight micro-batches and the embedding, the last the output
+layer and loss; middle stages hold less than the first) and the larger is
+reported. Time per step:
+
+    pipeline = m * (t_f + t_b) + bubble(schedule)     (slowest stage's t_f, t_b)
+    step     = pipeline + exposed data-parallel comm + pipeline p2p
+
+t_f and t_b hold the stage's compute plus its tensor- and expert-parallel
+collectives (blocking, on the critical path) and the part of ring-attention
+traffic that the attention compute does not hide. Data-parallel traffic is
+bucketed (``comm.bucket_mb``) and overlaps the backward of the last
+micro-batch (ZeRO 0/1), each micro-batch's backward (ZeRO 2) or each forward
+and backward (ZeRO 3), except one bucket each time (the first gather or the
+last reduction has no compute left to hide behind); the ZeRO 1/2 parameter
+all-gather after the optimizer step is exposed. Pipeline p2p is
+counted un-overlapped, 2 (m v + p - 1) transfers. The optimizer step itself
+(memory bound) and pointwise kernels are not modelled: predictions are
+optimistic, and calibration narrows the gap.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Dict, Tuple
+
+from hpctrain.planner import activations as act
+from hpctrain.planner.arch import Arch
+from hpctrain.planner.cluster import ClusterSpec
+from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
+from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
+from hpctrain.planner.layouts import Layout
+from hpctrain.planner.memory import ModelStates, StateBytes, model_states
+from hpctrain.planner.schedules import bubble_time, in_flight
+from hpctrain.mesh import DEFAULT_ORDER, parse_order
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: batch, sequence, precision and the state-byte profile."""
+
+    global_batch: int
+    seq_len: int
+    precision: str
+    state_bytes: StateBytes
+    bucket_bytes: float = 25 * 2 ** 20
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU on the worst pipeline stage."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    """bf16 weight copies kept by autocast, ZeRO-3 gathered layers, recompute working set."""
+    stage: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step, and the exposed communication per axis."""
+
+    compute: float
+    bubble: float
+    exposed: Dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + sum(self.exposed.values())
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+    microbatches: int
+    bubble_fraction: float
+    mfu: float
+    tokens_per_s: float
+    comm_bytes: Dict[str, float] = field(default_factory=dict)
+    """Bytes each GPU puts on the wire per step, per axis (nbytes x busbw factor)."""
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["memory"]["total"] = self.memory.total
+        out["time"]["total"] = self.time.total
+        return out
+
+
+@lru_cache(maxsize=4096)
+def group_span(sizes: Tuple[Tuple[str, int], ...], axes: Tuple[str, ...], gpus_per_node: int,
+               order: str = DEFAULT_ORDER) -> Tuple[int, int]:
+    """(members per node, nodes) of rank 0's group over ``axes``, ranks filling nodes in order."""
+    size_of = dict(sizes)
+    stride, members = 1, [0]
+    for axis in parse_order(order):
+        if axis in axes:
+            members = [r + i * stride for i in range(size_of[axis]) for r in members]
+        stride *= size_of[axis]
+    nodes = {r // gpus_per_node for r in members}
+    return len(members) // len(nodes), len(nodes)
+
+
+def _stage_params(arch: Arch, lay: Layout, first: bool, last: bool) -> Tuple[float, float, int]:
+    """(dense, expert, tensors) parameters on one GPU of a stage."""
+    return _stage_params_cached(arch, lay.tp, lay.ep, lay.pp, first, last)
+
+
+@lru_cache(maxsize=4096)
+def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, first: bool, last: bool) -> Tuple[float, float, int]:
+    layers, h = arch.n_layers // pp, arch.d_model
+    expert = layers * (arch.num_experts // ep) * 3 * h * (arch.ffn_hidden // tp) if arch.is_moe else 0
+    dense = layers * arch.layer_params_per_rank(tp, ep) - expert
+    tensors = layers * arch.param_tensors_per_layer(ep)
+    vocab_shard = arch.padded_vocab(tp) // tp * h
+    if first:
+        dense += vocab_shard + arch.positions * h
+        tensors += 1 + (1 if arch.positions else 0)
+    if last:
+        dense += arch.final_norm_params
+        tensors += 1 if arch.final_norm_params else 0
+        if not arch.tie_embeddings or pp > 1:  # a tied table is copied to the last stage
+            dense += vocab_shard
+            tensors += 1
+    return dense, expert, tensors
+
+
+def _stage_memory(arch: Arch, lay: Layout, work: Workload, m: int, stage: int) -> Memory:
+    first, last = stage == 0, stage == lay.pp - 1
+    dense, expert, tensors = _stage_params(arch, lay, first, last)
+    sb = work.state_bytes
+    states: ModelStates = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
+    if expert:
+        states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
+    layers = arch.n_layers // lay.pp
+    kw = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep)
+    per_layer = act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute=lay.recompute, **kw)
+    extra = act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
+                                  first, last, lay.ep)
+    activations = in_flight(lay.schedule, lay.pp, lay.vpp, m, stage) * (layers * per_layer + extra)
+    buffers = 0.0
+    if lay.recompute == "full":  # one block rematerialised during its backward
+        buffers += act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute="none", **kw)
+    layer_params = arch.layer_params_per_rank(lay.tp, lay.ep)
+    if lay.zero == 3:  # the gathered current + prefetched block, and one block's full gradient
+        buffers += 2 * layer_params * sb.weights + layer_params * sb.grads
+        buffers += act.autocast_weight_copy_bytes(2 * layer_params, work.precision)
+    else:
+        buffers += act.autocast_weight_copy_bytes(dense + expert, work.precision)
+    return Memory(states.weights, states.grads, states.optimizer, activations, buffers, stage)
+
+
+def memory_per_gpu(arch: Arch, lay: Layout, work: Workload) -> Memory:
+    """Bytes per GPU on the fuller of the first and last pipeline stage."""
+    m = lay.microbatches(work.global_batch)
+    return max((_stage_memory(arch, lay, work, m, s) for s in sorted({0, lay.pp - 1})), key=lambda mem: mem.total)
+
+
+def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
+    """Predict memory and step time of ``lay`` (see the module docstring)."""
+    m = lay.microbatches(work.global_batch)
+    memory = memory_per_gpu(arch, lay, work)
+
+    G, R, s = cluster.gpus_per_node, cluster.matmul_flops, work.seq_len
+    sizes = tuple(lay.sizes().items())
+    e = act.dtypes_for(arch, work.precision).act
+    tokens = lay.micro_batch * s / (lay.cp * lay.ep)  # per GPU per micro-batch
+    layers = arch.n_layers // lay.pp
+    comm: Dict[str, float] = {a: 0.0 for a in ("tp", "cp", "ep", "pp", "dp")}
+
+    # -- per micro-batch, per stage: compute + blocking collectives -------------
+    layer_f = tokens * arch.layer_forward_flops_per_token(s) / lay.tp / R
+    layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
+    attn_f = tokens * arch.attention_core_flops_per_token(s) / lay.tp / R
+    head_f = tokens * arch.head_forward_flops_per_token() / lay.tp / R
+    n_tp = 4 + (2 if lay.recompute == "full" else 0)  # all-reduce (or AG+RS) per layer: fwd 2, bwd 2, recompute 2
+    tp_bytes = tokens * arch.d_model * e
+    t_tp = flat_time("all_reduce", tp_bytes, lay.tp, cluster.intra)
+    comm["tp"] = m * layers * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)
+    ep_bytes = tokens * arch.top_k * arch.d_model * e / lay.tp
+    n_in, n_out = group_span(sizes, ("ep",), G)
+    t_a2a = group_time("all_to_all", ep_bytes, n_in, n_out, cluster.intra, cluster.inter) if arch.is_moe else 0.0
+    comm["ep"] = m * layers * 4 * ep_bytes * bus_factor("all_to_all", lay.ep) if arch.is_moe else 0.0
+    kv_bytes = 2 * tokens * arch.kv_dim_per_rank(lay.tp) * e
+    n_in, n_out = group_span(sizes, ("cp",), G)
+    t_kv = flat_time("p2p", kv_bytes, 2, cluster.intra if n_out == 1 else cluster.inter) * (lay.cp - 1)
+    comm["cp"] = m * layers * 3 * kv_bytes * (lay.cp - 1)
+    cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - 2 * attn_f)
+
+    def stage_times(last: bool) -> Tuple[float, float, float]:
+        f = layers * (layer_f + 2 * t_tp + 2 * t_a2a + cp_f) + (head_f if last else 0.0)
+        w = layers * layer_f + (head_f if last else 0.0)  # weight-gradient half of the backward
+        b = 2 * w + layers * (layer_re + (n_tp - 2) * t_tp + 2 * t_a2a + cp_b)
+        return f, b, w
+
+    t_f, t_b, t_w = stage_times(last=True)  # the last stage (output layer) is the slowest
+    bubble = bubble_time(lay.schedule, lay.pp, lay.vpp, t_f, t_b, t_w)
+    compute = m * (t_f + t_b)
+
+    # -- pipeline p2p ----------------------------------------------------------
+    pp_bytes = tokens * arch.d_model * e / (lay.tp if lay.sp else 1)
+    n_in, n_out = group_span(sizes, ("pp",), G)
+    transfers = 2 * (m * lay.vpp + lay.pp - 1) if lay.pp > 1 else 0
+    t_pp = transfers * flat_time("p2p", pp_bytes, 2, cluster.intra if n_out == 1 else cluster.inter)
+    comm["pp"] = 2 * m * lay.vpp * pp_bytes if lay.pp > 1 else 0.0
+
+    # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
+    t_dp, comm["dp"] = _data_parallel(arch, lay, work, cluster, sizes, m, t_f, t_b)
+
+    exposed = {"tp": m * layers * n_tp * t_tp, "cp": m * layers * (cp_f + cp_b), "ep": m * layers * 4 * t_a2a,
+               "pp": t_pp, "dp": t_dp}
+    # tp/cp/ep are inside t_f/t_b; report them separately and keep compute pure
+    compute -= exposed["tp"] + exposed["cp"] + exposed["ep"]
+    time = StepTime(compute, bubble, exposed)
+    tokens_step = work.global_batch * s
+    step = time.total
+    mfu = tokens_step * model_flops_per_token(arch, s) / (step * lay.gpus * cluster.peak_flops)
+    fits = memory.total <= cluster.mem_bytes
+    frac = bubble / (compute + bubble + exposed["tp"] + exposed["cp"] + exposed["ep"]) if bubble else 0.0
+    return Estimate(lay, memory, time, fits, m, frac, mfu, tokens_step / step, comm)
+
+
+def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec,
+                   sizes: Tuple[Tuple[str, int], ...], m: int, t_f: float, t_b: float) -> Tuple[float, float]:
+    """(exposed seconds, wire bytes) of gradient reduction and ZeRO gathers per step."""
+    G = cluster.gpus_per_node
+    dense, expert, _ = max(_stage_params(arch, lay, True, lay.pp == 1), _stage_params(arch, lay, lay.pp == 1, True))
+    sb = work.state_bytes
+    groups = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
+    if expert:
+        groups.append((expert, ("cp", "dp"), lay.cp * lay.dp))
+    exposed = wire = 0.0
+    for params, axes, n in groups:
+        if n == 1 or params == 0:
+            continue
+        n_in, n_out = group_span(sizes, axes, G)
+
+        def t(kind: str, nbytes: float) -> float:  # bucketed: one collective per bucket
+            buckets = max(1, int(-(-nbytes // work.bucket_bytes)))
+            return buckets * group_time(kind, nbytes / buckets, n_in, n_out, cluster.intra, cluster.inter)
+
+        def one(kind: str, nbytes: float) -> float:  # the bucket no compute can hide (first or last)
+            return group_time(kind, min(nbytes, work.bucket_bytes), n_in, n_out, cluster.intra, cluster.inter)
+
+        grads, weights = params * sb.grads, params * sb.weights
+        rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - t_b)
+        if lay.zero == 0:
+            exposed += max(one("all_reduce", grads), t("all_reduce", grads) - t_b)
+            wire += grads * bus_factor("all_reduce", n)
+        elif lay.zero == 1:
+            exposed += rs_hidden + t("all_gather", weights)
+            wire += (grads + weights) * bus_factor("all_gather", n)
+        elif lay.zero == 2:
+            exposed += m * rs_hidden + t("all_gather", weights)
+            wire += (m * grads + weights) * bus_factor("all_gather", n)
+        else:
+            ag, rs = t("all_gather", weights), t("reduce_scatter", grads)
+            exposed += m * (max(one("all_gather", weights), ag - t_f) + max(one("reduce_scatter", grads), ag + rs - t_b))
+            wire += m * (2 * weights + grads) * bus_factor("all_gather", n)
+    return exposed, wire

@@ -1,0 +1,176 @@
+"""Candidate layouts: every combination of the parallel axes and training knobs that can run.
+
+A layout is the mesh sizes (tp, cp, ep, dp, pp) plus the pipeline schedule
+and virtual stages (vpp), the ZeRO stage, the recompute mode and the
+micro-batch size. The mesh and batch part is checked by
+``hpctrain.config.validate.check_layout``, the same function training calls,
+so a proposed layout passes the same checks with the same messages. On top
+of it the planner applies the rules the parallel plugins need (roadmap):
+
+- tp is a power of two that fits in one node (TP all-reduces run per layer,
+  so they stay on NVLink) and divides the attention heads and the FFN width;
+  kv heads are split or replicated, so tp and n_kv_heads must divide one
+  another;
+- cp is a power of two and the sequence splits into 2*cp chunks (the
+  load-balanced causal split of ring attention) of at least
+  ``MIN_CP_CHUNK`` tokens: shorter chunks cannot hide the ring's traffic
+  behind attention compute, and they multiply the candidates for nothing;
+- ep divides the number of experts (1 for a dense model);
+- pp divides the layers (equal stages), vpp divides the layers per stage;
+- ZeRO stages 2 and 3 are not combined with pp > 1: they re-scatter gradients
+  or re-gather weights every micro-batch, and pipelines run many (DeepSpeed
+  refuses the combination too);
+- sequence parallelism is on whenever tp > 1 (it only removes replicated
+  activations; Megatron-LM's practice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+from hpctrain.config.validate import check_layout
+from hpctrain.planner.activations import RECOMPUTE
+from hpctrain.planner.arch import Arch
+from hpctrain.planner.memory import ZERO_STAGES
+from hpctrain.planner.schedules import NO_PIPELINE, SCHEDULES, check_schedule
+
+MAX_VPP = 8
+MAX_MICRO_BATCH = 64
+MIN_CP_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    micro_batch: int
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = NO_PIPELINE
+    vpp: int = 1
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism (on with tensor parallelism)."""
+        return self.tp > 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    def sizes(self) -> Dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def label(self) -> str:
+        """Short form for tables: only what differs from the default."""
+        parts = [f"{a}{n}" for a, n in self.sizes().items() if n > 1 or a == "dp"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else ""))
+        return " ".join(parts)
+
+
+def _powers_of_two(limit: int) -> List[int]:
+    out, n = [], 1
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def _divisors(n: int, limit: Optional[int] = None) -> List[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def mesh_problems(arch: Arch, tp: int, cp: int, ep: int, pp: int, seq_len: int, gpus_per_node: int) -> str:
+    """The planner's structural rule a mesh breaks ('' if none); see the module doc."""
+    if tp & (tp - 1) or gpus_per_node % tp:
+        return f"tp={tp} must be a power of two within one {gpus_per_node}-GPU node"
+    if arch.n_heads % tp or (arch.n_kv_heads % tp and tp % arch.n_kv_heads) or arch.ffn_hidden % tp:
+        return (f"tp={tp} must divide the {arch.n_heads} attention heads and the FFN width {arch.ffn_hidden}, "
+                f"and divide or be a multiple of the {arch.n_kv_heads} kv heads")
+    if cp & (cp - 1) or (cp > 1 and (seq_len % (2 * cp) or seq_len // (2 * cp) < MIN_CP_CHUNK)):
+        return f"cp={cp} must be a power of two splitting seq_len into 2*cp chunks of >= {MIN_CP_CHUNK} tokens"
+    if arch.num_experts % ep:
+        return f"ep={ep} must divide the {arch.num_experts} experts"
+    if arch.n_layers % pp:
+        return f"pp={pp} must divide the {arch.n_layers} layers"
+    return ""
+
+
+def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, gpus_per_node: int,
+                      pins: Optional[Mapping[str, Any]] = None) -> Tuple[List[Layout], Dict[str, int]]:
+    """All runnable layouts on ``gpus`` GPUs, and the count of rejections per reason.
+
+    GPipe is only considered when pinned: 1F1B has its bubble with less memory.
+
+    ``pins`` fixes values: mesh axes (``tp`` ... ``dp``), ``micro_batch``,
+    ``zero``, ``recompute``, ``schedule``, ``vpp``.
+    """
+    pins = dict(pins or {})
+    rejected: Dict[str, int] = {}
+
+    def reject(reason: str) -> None:
+        rejected[reason] = rejected.get(reason, 0) + 1
+
+    def choices(key: str, options: List[Any]) -> List[Any]:
+        return [pins[key]] if key in pins else options
+
+    out: List[Layout] = []
+    for tp in choices("tp", _powers_of_two(min(gpus_per_node, gpus))):
+        for cp in choices("cp", _powers_of_two(gpus)):
+            for ep in choices("ep", _divisors(arch.num_experts)):
+                for pp in choices("pp", _divisors(arch.n_layers, min(arch.n_layers, gpus))):
+                    rest = tp * cp * ep * pp
+                    if gpus % rest:
+                        continue  # not a factorisation of the world; not worth a message
+                    dp = gpus // rest
+                    if "dp" in pins and pins["dp"] not in (-1, dp):
+                        continue
+                    problem = mesh_problems(arch, tp, cp, ep, pp, seq_len, gpus_per_node)
+                    if problem:
+                        reject(problem)
+                        continue
+                    for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp, choices, reject):
+                        out.append(layout)
+    return out, rejected
+
+
+def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, tp: int, cp: int, ep: int,
+           dp: int, pp: int, choices: Callable[[str, List[Any]], List[Any]],
+           reject: Callable[[str], None]) -> Iterator[Layout]:
+    """Micro-batch, schedule, ZeRO and recompute choices for one mesh."""
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+    per_replica = max(1, global_batch // dp)
+    for mb in choices("micro_batch", _divisors(per_replica, min(per_replica, MAX_MICRO_BATCH))):
+        trainer = SimpleNamespace(global_batch_size=global_batch, micro_batch_size=mb, seq_len=seq_len)
+        problems = check_layout(sizes, trainer, model_cfg, gpus)
+        if problems:
+            for p in problems:
+                reject(p)
+            continue
+        m = global_batch // (dp * mb)
+        wanted = choices("schedule", [s for s in SCHEDULES if s != "gpipe"])
+        schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
+            [(s, 1) for s in wanted if s != "interleaved"]
+            + [("interleaved", v) for v in _powers_of_two(MAX_VPP)[1:]
+               if "interleaved" in wanted and (arch.n_layers // pp) % v == 0])
+        for schedule, vpp in schedules:
+            if vpp not in choices("vpp", [vpp]):
+                continue
+            why = check_schedule(schedule, pp, vpp, m)
+            if why:
+                reject(why)
+                continue
+            for zero in choices("zero", list(ZERO_STAGES)):
+                if zero >= 2 and pp > 1:
+                    reject("ZeRO stages 2 and 3 are not combined with pipeline parallelism")
+                    continue
+                for recompute in choices("recompute", list(RECOMPUTE)):
+                    yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp)

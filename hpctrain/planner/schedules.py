@@ -1,0 +1,75 @@
+"""Pipeline schedules as the planner sees them: bubble time and in-flight micro-batches.
+
+With p stages, m micro-batches, v model chunks per stage (interleaving) and
+per-micro-batch stage times t_f (forward) and t_b (backward):
+
+| schedule      | bubble time                      | micro-batches held by stage i (0 = first) |
+|---------------|----------------------------------|-------------------------------------------|
+| gpipe         | (p-1)(t_f + t_b)                 | m                                         |
+| 1f1b          | (p-1)(t_f + t_b)                 | min(p - i, m)                             |
+| interleaved   | (p-1)(t_f + t_b) / v             | min(p - i, m) * (1 + (p-1)/(p v))         |
+| zb-h1         | (p-1)(t_f + t_b - 2 t_w)         | min(p - i, m)                             |
+
+Sources: GPipe/1F1B bubble (p-1)/m of the ideal time and the interleaved
+/v (Narayanan et al. 2021); the interleaved memory factor (Korthikanti et
+al. 2022, first stage); ZB-H1 (Qi et al. 2023): their (p-1)(T_F + T_B - T_W)
+splits the backward into input gradients T_B and weight gradients T_W; here
+t_b is the whole backward (T_B + T_W) and t_w its weight-gradient part, so
+with t_f = t_b/2 = t_w the bubble is a third of 1F1B's, at the same
+activation memory. Interleaving needs m to be a
+multiple of p (Megatron-LM's rule, which we follow). GPipe is listed for
+completeness; it is never better than 1F1B (same bubble, more memory).
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+SCHEDULES: Tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+NO_PIPELINE = "none"
+
+
+def check_schedule(schedule: str, pp: int, vpp: int, microbatches: int) -> str:
+    """'' when the schedule can run, else the reason."""
+    if pp == 1:
+        return "" if schedule == NO_PIPELINE and vpp == 1 else "without pipeline parallelism the schedule is 'none' and vpp=1"
+    if schedule not in SCHEDULES:
+        return f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})"
+    if (schedule == "interleaved") != (vpp > 1):
+        return "vpp > 1 goes with the interleaved schedule, and only with it"
+    if schedule == "interleaved" and microbatches % pp:
+        return f"the interleaved schedule needs the micro-batch count ({microbatches}) to be a multiple of pp ({pp})"
+    return ""
+
+
+def bubble_time(schedule: str, pp: int, vpp: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time per step on the critical path, in the units of t_f/t_b/t_w."""
+    if pp == 1 or schedule == NO_PIPELINE:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (pp - 1) * (t_f + t_b)
+    if schedule == "interleaved":
+        return (pp - 1) * (t_f + t_b) / vpp
+    if schedule == "zb-h1":
+        return (pp - 1) * (t_f + t_b - 2 * t_w)  # T_F + T_B - T_W with T_B = t_b - t_w
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int, t_f: float = 1.0,
+                    t_b: float = 2.0, t_w: float = 1.0) -> float:
+    """Bubble as a share of the pipeline's wall time (e.g. (p-1)/(m+p-1) for 1F1B)."""
+    bubble = bubble_time(schedule, pp, vpp, t_f, t_b, t_w)
+    busy = microbatches * (t_f + t_b)
+    return bubble / (busy + bubble) if busy + bubble > 0 else 0.0
+
+
+def in_flight(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -> float:
+    """How many micro-batches' activations stage ``stage`` holds at its peak
+    (in units of one micro-batch through all of that stage's layers)."""
+    if pp == 1 or schedule == NO_PIPELINE:
+        return 1.0  # gradient accumulation: one micro-batch at a time
+    if schedule == "gpipe":
+        return float(microbatches)
+    held = float(min(pp - stage, microbatches))
+    if schedule == "interleaved":
+        held *= 1.0 + (pp - 1) / (pp * vpp)
+    return held

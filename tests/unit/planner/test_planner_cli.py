@@ -1,0 +1,125 @@
+"""``hpctrain-plan`` end to end: ranking, output, calibration and bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpctrain.planner.cli import main, make_plan
+
+LLAMA_64 = ["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=64", "trainer.global_batch_size=512",
+            "trainer.seq_len=8192"]
+GPT2_8 = ["model=gpt2-124m", "cluster=a100-80gb", "trainer.global_batch_size=64", "trainer.seq_len=1024"]
+
+
+def _run(capsys, *argv: str):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def llama_json():
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(LLAMA_64 + ["--json", "--top", "20"])
+    assert code == 0
+    return json.loads(buf.getvalue())
+
+
+def test_llama3_8b_on_64_h100_ranks_fitting_layouts(llama_json):
+    plan = llama_json
+    assert plan["model"]["params"] == 8_030_261_248
+    assert plan["cluster"]["gpus"] == 64 and plan["cluster"]["sources"]["intra_busbw"] == "datasheet"
+    layouts = plan["layouts"]
+    assert 0 < plan["fitting"] <= plan["considered"] and len(layouts) == 20
+    steps = [e["time"]["total"] for e in layouts]
+    assert steps == sorted(steps)
+    for e in layouts:
+        lay = e["layout"]
+        assert lay["tp"] * lay["cp"] * lay["ep"] * lay["dp"] * lay["pp"] == 64
+        assert e["fits"] and e["memory"]["total"] <= plan["cluster"]["usable_bytes"]
+        assert 0 < e["mfu"] < 1 and 0 <= e["bubble_fraction"] < 1
+        parts = e["time"]["compute"] + e["time"]["bubble"] + sum(e["time"]["exposed"].values())
+        assert parts == pytest.approx(e["time"]["total"])
+    best = plan["best"]
+    lay = best["estimate"]["layout"]
+    for key in ("tp", "cp", "ep", "dp", "pp"):
+        assert f"parallel.{key}={lay[key]}" in best["overrides"]
+    assert f"trainer.micro_batch_size={lay['micro_batch']}" in best["overrides"]
+    assert best["command"].startswith("srun --nodes=8 --ntasks-per-node=8 ")
+    assert "model=llama3-8b" in best["command"]
+    if all(lay[a] == 1 for a in ("tp", "cp", "ep", "pp")):  # only the installed dp plugin is needed
+        assert best["train_problems"] == []
+    # keys of roadmap plugins are reported, not silently emitted as if they ran today
+    assert set(best["not_in_schema"]) <= {"parallel.zero.stage", "model.recompute", "parallel.pipeline.schedule",
+                                          "parallel.pipeline.virtual_stages"}
+
+
+def test_text_output_has_table_and_command(capsys):
+    code, out, _ = _run(capsys, *GPT2_8, "--top", "3")
+    assert code == 0
+    for column in ("weights", "grads", "optim", "activ", "total GB", "step s", "bubble%", "MFU%"):
+        assert column in out
+    assert "run it with:" in out and "hpctrain-train model=gpt2-124m" in out
+    assert out.count("\n") < 40
+
+
+def test_calibration_replaces_datasheet_numbers(tmp_path, capsys):
+    slow = tmp_path / "cal.json"
+    slow.write_text(json.dumps({"matmul_tflops": 100, "intra_busbw_gbs": 100, "inter_busbw_gbs": 10}))
+    plain = make_plan(GPT2_8)
+    calibrated = make_plan(GPT2_8, str(slow))
+    cluster = calibrated[3]
+    assert cluster.matmul_flops == 100e12 and cluster.peak_flops == 312e12
+    assert cluster.sources["matmul_tflops"] == "calibration" and plain[3].sources["matmul_tflops"] == "assumed"
+    assert calibrated[0].best.time.total > plain[0].best.time.total
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"matmul_tflop": 100}))
+    code, _, err = _run(capsys, *GPT2_8, "--calibration", str(bad))
+    assert code == 2 and "unknown key(s) matmul_tflop" in err and "matmul_tflops" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["model=llama3-70b", "cluster=h100-80gb"], ["unknown model preset 'llama3-70b'", "llama3-8b", "model.d_model"]),
+    (["cluster=dgx-b300"], ["unknown cluster preset 'dgx-b300'", "h100-80gb"]),
+    (["cluster=local"], ["does not say cluster.gpus, cluster.gpus_per_node, cluster.gpu_mem_gb, cluster.peak_tflops",
+                         "cluster=h100-80gb"]),
+    (["cluster=h100-80gb", "cluster.gpus=16", "cluster.inter_bw_gbs=500"],
+     ["cluster.inter_bw_gbs=500 is larger than cluster.intra_bw_gbs=450", "swap"]),
+    (["cluster=h100-80gb", "cluster.gpus=16", "cluster.inter_bw_gbs=0"], ["does not say cluster.inter_bw_gbs"]),
+    (["cluster=h100-80gb", "cluster.gpus=12"], ["cluster.gpus=12 is not a whole number of 8-GPU nodes"]),
+])
+def test_bad_input_says_what_is_missing(capsys, argv, expected):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    for text in expected:
+        assert text in err
+
+
+def test_impossible_cluster_names_the_smallest_change(capsys):
+    code, _, err = _run(capsys, "model=llama3-8b", "cluster=h100-80gb", "cluster.gpu_mem_gb=24",
+                        "trainer.seq_len=4096", "trainer.global_batch_size=64",
+                        "parallel.tp=1", "parallel.pp=1", "parallel.cp=1")
+    assert code == 2
+    assert "no layout fits in 21.6 GB usable per GPU" in err
+    assert "needs >= 1.16x more GPU memory" in err
+    assert "or cluster.gpus >= 16" in err
+    assert "parallel.tp in {2, 4, 8} instead of the pinned 1" in err
+
+
+def test_batch_no_layout_can_split(capsys):
+    code, _, err = _run(capsys, "model=gpt2-124m", "cluster=h100-80gb", "cluster.gpus=16",
+                        "trainer.global_batch_size=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1")
+    assert code == 2 and "no layout of 16 GPUs" in err and "is not divisible by dp(16)" in err
+
+
+def test_knob_pins(capsys):
+    plan = make_plan(GPT2_8, knob_pins={"zero": 1, "recompute": "full"})[0]
+    assert {(e.layout.zero, e.layout.recompute) for e in plan.ranked} == {(1, "full")}
+    code, _, err = _run(capsys, *GPT2_8, "--pin", "zero=5")
+    assert code == 2 and "--pin zero=5: use zero=0..3" in err
