@@ -76,4 +76,4 @@ def build_hier(group: Group, cfg: Any, opts: Any) -> HierCommunicator:
     inter = _make(pm, inter_name, "inter", inter_group, plan.inter_partition, cfg)
     log.debug("hier %s: %d nodes x %d ranks (intra %s, inter %s)", group.name, split.nodes, split.per_node[0],
               intra_name, inter_name)
-    return HierCommunicator(group, plan.mode, flat, intra, inter, split.slots())
+    return HierCommunicator(group, plan.mode, flat, intra, inter, split.slots(), check_shapes=opts.check_shapes)

@@ -24,7 +24,8 @@ communicator over the whole group (the inter backend; the intra one when the
 group lies in one node): they move each byte once already.
 
 Asynchronous calls start the first phase without blocking and run the other
-phases inside ``wait()`` (``is_completed()`` is False until then). Driving
+phases inside ``wait()`` (``is_completed()`` tests the first phase, which
+lets MPI progress it, and stays False until ``wait()``). Driving
 the later phases from polling would start them at different moments on
 different ranks, and collectives on a communicator must start in the same
 order everywhere; ``wait()`` calls happen in program order, which is the
@@ -48,10 +49,16 @@ from hpctrain.comm.protocol import (
     check_reduce_dtype,
     check_reduce_scatter,
 )
+from hpctrain.errors import CommError
 from hpctrain.mesh import Group
 
 #: what the two-level reductions accept (the sub-backends see float32 for 16-bit floats)
 REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+# small integer codes, to compare dtypes and ops across ranks inside a tensor
+_DTYPE_CODES = {d: i for i, d in enumerate(REDUCIBLE + (torch.int16, torch.int8, torch.uint8, torch.bool,
+                                                      torch.complex64, torch.complex128))}
+_OP_CODES = {op: i for i, op in enumerate(ReduceOp)}
 
 
 class PhasedWork:
@@ -68,7 +75,10 @@ class PhasedWork:
             rest()
 
     def is_completed(self) -> bool:
-        return self._rest is None
+        if self._rest is not None:
+            self._first.is_completed()  # lets the first phase progress (a local test, starts nothing)
+            return False
+        return True
 
 
 def _then(first: Work, rest: Callable[[], None], async_op: bool):
@@ -86,7 +96,7 @@ class HierCommunicator:
 
     def __init__(self, group: Group, mode: str, flat: Communicator,
                  intra: Optional[Communicator] = None, inter: Optional[Communicator] = None,
-                 slots: Sequence[int] = ()):
+                 slots: Sequence[int] = (), check_shapes: bool = False):
         self.group = group
         self.rank = group.rank
         self.size = group.size
@@ -94,6 +104,7 @@ class HierCommunicator:
         self.flat = flat
         self.intra = intra
         self.inter = inter
+        self.check_shapes = check_shapes
         # slot_of_rank[g]: where group rank g's chunk sits in the two-level layout
         self.slot_of_rank = torch.tensor(list(slots), dtype=torch.long)
 
@@ -104,12 +115,29 @@ class HierCommunicator:
     def two_level(self) -> bool:
         return self.intra is not None and self.inter is not None
 
+    def _agree(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """``comm.hier.check_shapes``: all ranks of the group passed the same
+        element count, dtype and op (one small all-gather on the flat
+        communicator). Without it a size mismatch between nodes can pass
+        unnoticed: the padded chunks may still agree."""
+        if not self.check_shapes:
+            return
+        mine = torch.tensor([tensor.numel(), _DTYPE_CODES.get(tensor.dtype, -1), _OP_CODES[op]], dtype=torch.int64)
+        everyone = torch.empty(self.size, 3, dtype=torch.int64)
+        self.flat.all_gather(everyone, mine)
+        rows = [tuple(r) for r in everyone.tolist()]
+        if any(r != rows[0] for r in rows):
+            seen = "; ".join(f"rank {g}: numel {r[0]}" + (f", dtype #{r[1]}, op #{r[2]}" if r[1:] != rows[0][1:] else "")
+                             for g, r in enumerate(rows))
+            raise CommError(f"{what} on group {self.group.name}: ranks disagree on sizes, dtypes or ops: {seen}")
+
     # -- two-level reductions ---------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
         op = ReduceOp(op)
         if not self.two_level:
             return self.flat.all_reduce(tensor, op, async_op)
         check_reduce_dtype("all_reduce", tensor.dtype, op, REDUCIBLE)
+        self._agree("all_reduce", tensor, op)
         total = tensor.numel()
         if total == 0:
             return CompletedWork()
@@ -144,6 +172,7 @@ class HierCommunicator:
             return self.flat.reduce_scatter(output, input, op, async_op)
         check_reduce_scatter(output, input, self.size)
         check_reduce_dtype("reduce_scatter", input.dtype, op, REDUCIBLE)
+        self._agree("reduce_scatter", input, op)
         each = output.numel()
         if each == 0:
             return CompletedWork()
@@ -169,6 +198,7 @@ class HierCommunicator:
         if not self.two_level:
             return self.flat.all_gather(output, input, async_op)
         check_all_gather(output, input, self.size)
+        self._agree("all_gather", input, ReduceOp.SUM)
         each = input.numel()
         if each == 0:
             return CompletedWork()

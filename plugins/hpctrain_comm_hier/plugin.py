@@ -32,6 +32,8 @@ class HierConfig:
     """Backend between nodes (any comm.backend name except hier; auto as for intra)."""
     uneven: str = "flat"
     """A group with different rank counts on its nodes: flat (one communicator over the group, inter backend) or error."""
+    check_shapes: bool = False
+    """Before each two-level collective, all-gather every rank's element count, dtype and op and raise a CommError if they disagree (debugging; sub-backends have their own switch, e.g. comm.mpi.check_shapes)."""
 
 
 def options(cfg: Any) -> HierConfig:
@@ -39,7 +41,8 @@ def options(cfg: Any) -> HierConfig:
     section = getattr(cfg.comm, "hier", None) if cfg is not None else None
     if section is None:
         return HierConfig()
-    return HierConfig(intra=str(section.intra), inter=str(section.inter), uneven=str(section.uneven))
+    return HierConfig(intra=str(section.intra), inter=str(section.inter), uneven=str(section.uneven),
+                      check_shapes=bool(section.check_shapes))
 
 
 def _uses_hier(cfg: Any) -> bool:

@@ -16,8 +16,9 @@ one fails with MPI's truncation error, reported as a CommError.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
+
+from mpi4py import MPI
 
 from hpctrain.errors import CommError
 
@@ -51,13 +52,22 @@ def check_all_to_all(comm: Any, what: str, group_name: str, dtype: str, row: int
         raise CommError(f"{what} on group {group_name}: input_splits and output_splits do not match across ranks: {shown}")
 
 
-@contextlib.contextmanager
-def mpi_errors(what: str, group_name: str, hint: Optional[str] = None) -> Iterator[None]:
-    """Re-raise an MPI error as a CommError naming the operation and group."""
-    from mpi4py import MPI
+class mpi_errors:
+    """``with mpi_errors("all_reduce", "dp"):`` re-raises an MPI error as a
+    CommError naming the operation and group. (A class, not a generator
+    context manager: it wraps every call, so it should cost next to nothing.)"""
 
-    try:
-        yield
-    except MPI.Exception as e:
-        tip = hint or "sizes may differ across ranks; rerun with comm.mpi.check_shapes=true to find out"
-        raise CommError(f"{what} on group {group_name} failed in MPI: {e.Get_error_string().strip()} ({tip})") from e
+    __slots__ = ("what", "group_name", "hint")
+
+    def __init__(self, what: str, group_name: str, hint: Optional[str] = None):
+        self.what, self.group_name, self.hint = what, group_name, hint
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, MPI.Exception):
+            tip = self.hint or "sizes may differ across ranks; rerun with comm.mpi.check_shapes=true to find out"
+            raise CommError(f"{self.what} on group {self.group_name} failed in MPI: "
+                            f"{error.Get_error_string().strip()} ({tip})") from error
+        return False

@@ -43,7 +43,7 @@ def transport_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def mpi_type(wire_dtype: torch.dtype) -> Any:

@@ -11,6 +11,9 @@ cached by their rank partition, so building several meshes in one process
 gloo lacks some operations; they are composed from ones it has, with the
 same result: AVG is SUM then divide; reduce_scatter is an all-reduce then
 the local chunk; all_gather_into_tensor falls back to a list all_gather.
+On gloo, float16/bfloat16 reductions run on a float32 copy and are rounded
+once (gloo itself adds in 16 bits), matching the mpi and hier backends;
+nccl reduces 16-bit floats natively.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from hpctrain.comm.protocol import (
     CompletedWork,
     P2POp,
     ReduceOp,
+    accumulation_dtype,
     check_all_gather,
     check_all_to_all,
     check_reduce_scatter,
@@ -81,6 +85,23 @@ class TorchCommunicator:
     # -- reductions ------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
         op = ReduceOp(op)
+        # gloo adds 16-bit floats in 16 bits (a rounding per addition): reduce a
+        # float32 copy and round once, like the other backends. A strided
+        # tensor is reduced through a contiguous copy (gloo silently
+        # mis-reduces non-dense views).
+        wire_dtype = tensor.dtype if self.backend == "nccl" else accumulation_dtype(tensor.dtype)
+        if wire_dtype != tensor.dtype or not tensor.is_contiguous():
+            wide = torch.empty(tensor.shape, dtype=wire_dtype, device=tensor.device)
+            wide.copy_(tensor.detach())
+            work = dist.all_reduce(wide, op=_TORCH_OPS[op], group=self.pg, async_op=True)
+
+            def narrow():
+                if op == ReduceOp.AVG:
+                    wide.div_(self.size)
+                with torch.no_grad():
+                    tensor.copy_(wide)
+
+            return _finish(work, async_op, narrow)
         work = dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self.pg, async_op=True)
         then = (lambda: tensor.div_(self.size)) if op == ReduceOp.AVG else None
         return _finish(work, async_op, then)
@@ -90,10 +111,17 @@ class TorchCommunicator:
         if self.backend == "nccl":
             return _finish(dist.all_gather_into_tensor(output.view(-1), input.contiguous().view(-1),
                                                        group=self.pg, async_op=True), async_op)
-        flat_out = output.view(self.size, -1)
         staging = [torch.empty_like(input.reshape(-1)) for _ in range(self.size)]
         work = dist.all_gather(staging, input.contiguous().view(-1), group=self.pg, async_op=True)
-        return _finish(work, async_op, lambda: torch.stack(staging, out=flat_out) if staging else None)
+
+        def place():
+            with torch.no_grad():
+                if output.is_contiguous():
+                    torch.stack(staging, out=output.view(self.size, -1))
+                else:  # a strided output: copy_ follows its strides
+                    output.copy_(torch.stack(staging).view(output.shape))
+
+        return _finish(work, async_op, place)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
         check_reduce_scatter(output, input, self.size)
@@ -103,12 +131,16 @@ class TorchCommunicator:
                                               group=self.pg, async_op=True)
             then = (lambda: output.div_(self.size)) if op == ReduceOp.AVG else None
             return _finish(work, async_op, then)
-        full = input.detach().clone().view(-1)
+        # a contiguous copy (any input layout), in float32 for 16-bit floats as in all_reduce
+        full = torch.empty(input.shape, dtype=accumulation_dtype(input.dtype), device=input.device)
+        full.copy_(input.detach())
+        full = full.view(-1)
         work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self.pg, async_op=True)
 
         def take():
             chunk = full.view(self.size, -1)[self.rank]
-            output.view(-1).copy_(chunk / self.size if op == ReduceOp.AVG else chunk)
+            with torch.no_grad():
+                output.copy_((chunk / self.size if op == ReduceOp.AVG else chunk).view(output.shape))
 
         return _finish(work, async_op, take)
 
@@ -127,7 +159,16 @@ class TorchCommunicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         self._check_peer(src)
-        return _finish(dist.broadcast(tensor, src=self._ranks[src], group=self.pg, async_op=True), async_op)
+        if tensor.is_contiguous():
+            return _finish(dist.broadcast(tensor, src=self._ranks[src], group=self.pg, async_op=True), async_op)
+        staged = tensor.contiguous()  # gloo silently mis-broadcasts non-dense views
+
+        def land():
+            if self.rank != src:
+                with torch.no_grad():
+                    tensor.copy_(staged)
+
+        return _finish(dist.broadcast(staged, src=self._ranks[src], group=self.pg, async_op=True), async_op, land)
 
     # -- point to point --------------------------------------------------
     def _check_peer(self, peer: int) -> None:
@@ -140,17 +181,27 @@ class TorchCommunicator:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self._check_peer(src)
-        dist.recv(tensor, src=self._ranks[src], group=self.pg, tag=tag)
+        landing = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        dist.recv(landing, src=self._ranks[src], group=self.pg, tag=tag)
+        if landing is not tensor:  # torch receives into contiguous memory only
+            with torch.no_grad():
+                tensor.copy_(landing)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]):
         if not ops:
             return []
-        torch_ops = []
+        torch_ops, thens = [], []
         for op in ops:
             self._check_peer(op.peer)
+            buf, then = op.tensor, None
+            if not buf.is_contiguous():  # torch moves contiguous memory only: stage, copy back after a recv
+                buf = buf.contiguous()
+                if op.kind == "recv":
+                    then = (lambda dst=op.tensor, src=buf: dst.detach().copy_(src))
             fn = dist.isend if op.kind == "send" else dist.irecv
-            torch_ops.append(dist.P2POp(fn, op.tensor, self._ranks[op.peer], group=self.pg, tag=op.tag))
-        return [_TorchWork(w) for w in dist.batch_isend_irecv(torch_ops)]
+            torch_ops.append(dist.P2POp(fn, buf, self._ranks[op.peer], group=self.pg, tag=op.tag))
+            thens.append(then)
+        return [_TorchWork(w, then) for w, then in zip(dist.batch_isend_irecv(torch_ops), thens)]
 
     def barrier(self) -> None:
         dist.barrier(group=self.pg)
