@@ -26,9 +26,11 @@ class Checkpointer(Protocol):
         return its final path. With async saving this returns once tensors
         are copied to host memory; the commit happens in the background."""
 
-    def load(self, trainer: Any, path: str) -> None:
+    def load(self, trainer: Any, path: str) -> Optional[str]:
         """Restore ``trainer`` (model, optimizer, step, cursor, RNG) from ``path``
-        on the trainer's current layout."""
+        on the trainer's current layout. Returns the path actually loaded
+        (with resume=auto a corrupt ``path`` may be skipped for an older
+        checkpoint), or None meaning ``path``."""
 
     def resolve(self, resume: str) -> Optional[str]:
         """Turn ``checkpoint.resume`` ("auto" or a path) into a checkpoint path,

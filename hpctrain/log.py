@@ -68,7 +68,9 @@ def get_logger(name: Optional[str] = None) -> _logging.Logger:
         setup_logging()
     if name is None or name == _ROOT:
         return _logging.getLogger(_ROOT)
-    return _logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+    # "hpctrain_h5ckpt.x" is a plugin module, not part of "hpctrain": nest it under the root logger too
+    inside = name == _ROOT or name.startswith(_ROOT + ".")
+    return _logging.getLogger(name if inside else f"{_ROOT}.{name}")
 
 
 def log_rank0(msg: str, *args) -> None:

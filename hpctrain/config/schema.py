@@ -161,7 +161,9 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """None (fresh start), auto (newest good checkpoint in dir), or a path."""
     keep: int = 3
-    """How many checkpoints to keep."""
+    """How many checkpoints to keep (0 keeps all)."""
+    async_save: bool = False
+    """Write checkpoints in the background: a save blocks the step only while tensors are copied to host memory. (The key is not ``async`` because that is a Python keyword.)"""
 
 
 @dataclass

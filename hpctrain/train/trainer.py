@@ -49,7 +49,8 @@ class Trainer:
         if self.checkpointer is not None and cfg.checkpoint.resume:
             path = self.checkpointer.resolve(str(cfg.checkpoint.resume))
             if path is not None:
-                self.checkpointer.load(self, path)
+                # load may fall back to an older checkpoint (resume=auto) and returns what it loaded
+                path = self.checkpointer.load(self, path) or path
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step, self.cursor.consumed_samples)
 
     def _make_checkpointer(self):

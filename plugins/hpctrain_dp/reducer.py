@@ -18,9 +18,13 @@ Per step:
 - the last micro-batch: each hook counts its bucket down; a bucket whose count
   reaches zero is launched (non-blocking) *if every bucket before it has
   been*, so buckets always start in index order; then the next ones that are
-  ready follow;
-- ``finish`` (after backward) launches every bucket not launched yet, in
-  index order, then waits for all of them.
+  ready follow. Each hook also pokes the oldest pending reduction, so
+  backends that progress only inside their library calls move on. The last
+  bucket is reduced with a blocking call even from a hook: nothing of
+  backward is left to overlap with it;
+- ``finish`` (after backward) reduces every bucket not launched yet, in
+  index order, with blocking calls (nothing is left to overlap), then waits
+  for the ones in flight.
 
 Parameters without a gradient. A parameter that no micro-batch of this rank
 used never fires its hook, so its bucket (and, launching in order, every
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -83,8 +87,14 @@ class StepTrace:
         return sum(1 for x in self.launches if x.in_backward)
 
 
+Reduction = Union[PlainAverage, CompressedAverage]
+
+
 class _Bucket:
-    def __init__(self, plan: BucketPlan, params: List[torch.nn.Parameter], reduction_factory):
+    """One bucket's buffer, gradient views, reduction and per-step state."""
+
+    def __init__(self, plan: BucketPlan, params: List[torch.nn.Parameter],
+                 reduction_factory: Callable[[torch.Tensor], Reduction]):
         self.plan = plan
         self.params = params
         n = len(params)
@@ -92,7 +102,7 @@ class _Bucket:
         self.buffer = torch.zeros(plan.numel + n, dtype=plan.dtype, device=plan.device)
         self.flags = self.buffer[plan.numel:]
         self.views = [self.buffer[o: o + p.numel()].view_as(p) for o, p in zip(plan.offsets, params)]
-        self.reduction: Union[PlainAverage, CompressedAverage] = reduction_factory(self.buffer)
+        self.reduction: Reduction = reduction_factory(self.buffer)
         self.used = [False] * n
         self.fired = [False] * n
         self.pending = n
@@ -107,14 +117,15 @@ class GradReducer:
         self.buckets: List[_Bucket] = []
         self.trace = StepTrace()
         self._ids: Tuple[int, ...] = ()
-        self._handles: list = []
+        self._handles: List[Any] = []  # torch RemovableHandles of the gradient hooks
         self._armed = False     # inside a step: views attached, hooks active
         self._sync = False      # the current micro-batch is the last one
         self._next = 0          # first bucket not launched yet
+        self._oldest = 0        # first bucket whose reduction may still be pending
         self._microbatch = 0
 
     # -- set-up ------------------------------------------------------------
-    def _reduction(self, buffer: torch.Tensor):
+    def _reduction(self, buffer: torch.Tensor) -> Reduction:
         if self.wire_dtype is None:
             return PlainAverage(self.comm, buffer)
         return CompressedAverage(self.comm, buffer, self.wire_dtype)
@@ -169,7 +180,7 @@ class GradReducer:
             bucket.used = [g is not None for g in grads]
             bucket.fired = [False] * len(bucket.params)
             bucket.pending = len(bucket.params)
-        self._armed, self._sync, self._next, self._microbatch = True, False, 0, 0
+        self._armed, self._sync, self._next, self._oldest, self._microbatch = True, False, 0, 0, 0
         self.trace = StepTrace(num_microbatches=num_microbatches)
 
     def _on_grad_ready(self, b: int, s: int, param: torch.nn.Parameter) -> None:
@@ -193,6 +204,12 @@ class GradReducer:
         self.trace.hooks_fired += 1
         if bucket.pending == 0 and self.overlap:
             self._launch_ready()
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let the oldest pending reduction move on (see ``reduction``)."""
+        while self._oldest < self._next and self.buckets[self._oldest].reduction.progress():
+            self._oldest += 1
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -201,7 +218,11 @@ class GradReducer:
     def _launch(self, in_backward: bool) -> None:
         bucket = self.buckets[self._next]
         bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
-        bucket.reduction.start()
+        # Non-blocking only while there is backward work left to hide it behind:
+        # the last bucket (normally ready when backward is done) and everything
+        # reduced after backward use the blocking call, often the faster one.
+        last = self._next == len(self.buckets) - 1
+        bucket.reduction.start(blocking=last or not in_backward)
         self.trace.launches.append(Launch(self._next, self._microbatch, in_backward, self.trace.hooks_fired))
         self._next += 1
 

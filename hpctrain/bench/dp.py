@@ -1,0 +1,219 @@
+"""Step time of hpctrain's data parallelism against torch DDP on the same model, data and ranks.
+
+Run under the launcher, e.g. ``mpiexec -n 2 hpctrain-bench dp``; extra
+arguments of the form ``key=value`` are Hydra overrides of the run config
+(``model.d_model=512 trainer.seq_len=128``).
+
+Every contender runs the *same* training step (``StepLoop``), so the
+comparison isolates the data-parallel implementation: the same model and
+init, its own data cursor over the same sample stream, gradient accumulation
+over the rank's micro-batches, global-norm clipping, AdamW with the
+learning-rate schedule, and the dp average of the loss that the trainer logs.
+Only the gradient synchronisation differs:
+- ``hpctrain[<backend>]``: our dp plugin, through its hooks
+  (``hpctrain_parallelize``, ``hpctrain_before_backward`` before each
+  micro-batch's backward, ``hpctrain_after_backward``), once per backend a
+  plugin serves that can run here (``--backends`` to choose);
+- ``torch DDP``: ``DistributedDataParallel`` on gloo, ``bucket_cap_mb`` =
+  ``comm.bucket_mb``, ``no_sync()`` on all micro-batches but the last;
+- ``local (no comm)``: the bare model, no communication: the compute floor,
+  so ``step - floor`` is what synchronising costs.
+``--trainer`` adds, per backend, the full ``Trainer.train_step()`` (the core's
+clipping and metrics included), for reference.
+
+Contenders run round-robin, one step each in turn
+(``common.time_interleaved``), so they share the machine's load; each step
+counts as its slowest rank's time. Reported: median step, hpctrain / DDP as the
+ratio of medians and as the median of per-round ratios (each round's steps
+are adjacent in time, so this one drifts less with a shared machine's load;
+< 1 is faster), cost over the floor, and the last loss, which must agree
+across the contenders (same model, same data) as a check that they do the
+same work.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+
+# A wider tiny model than the default (3.3M parameters, 12.8 MiB of gradients,
+# so communication is a visible share of the step), with a small batch so one
+# step takes a fraction of a second on one core. Valid for 2, 4 and 8 ranks.
+DEFAULT_OVERRIDES = (
+    "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
+    "trainer.seq_len=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
+    "optim.warmup_steps=2",
+)
+
+
+def make_config(overrides: List[str], pm, world_size: int):
+    """The typed run config, validated for ``world_size`` ranks."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config import compose
+    from hpctrain.config.store import to_config
+    from hpctrain.config.validate import validate
+    from hpctrain.errors import ConfigError
+
+    cfg = to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    problems = validate(cfg, world_size, pm)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
+class StepLoop:
+    """One training step in plain torch; ``sync`` says how gradients are averaged:
+    ``"ddp"``, ``"local"`` (not at all) or ``"hpctrain"`` (the dp plugin over ``mesh``)."""
+
+    def __init__(self, cfg: Any, rt, pm, sync: str, mesh=None):
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        from hpctrain.data import DataCursor, SampleOrder, open_source
+        from hpctrain.model.build import build_model, materialize
+        from hpctrain.train.optim import build_adamw
+
+        self.cfg, self.pm, self.sync, self.mesh, self.dist = cfg, pm, sync, mesh, dist
+        model = build_model(cfg, pm)
+        if sync == "hpctrain":  # on the meta model, as the trainer does
+            model = pm.hook.hpctrain_parallelize(model=model, axis="dp", mesh=mesh, cfg=cfg)
+        materialize(model, rt.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_adamw(self.params, cfg.optim)
+        self.model = DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb) if sync == "ddp" else model
+        t = cfg.trainer
+        order = SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed)
+        if sync == "local":  # this rank's share of the batch, as if alone: same compute per rank
+            self.cursor = DataCursor(order, t.global_batch_size // rt.world_size, t.micro_batch_size, 0, 1)
+        else:
+            self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, rt.world_rank, rt.world_size)
+        self.step_count = 0
+        self.last_loss: Optional[float] = None
+
+    def step(self) -> None:
+        from hpctrain.comm.protocol import ReduceOp
+        from hpctrain.train.optim import lr_at, set_lr
+
+        cfg, hook = self.cfg, self.pm.hook
+        micro = self.cursor.next_step()
+        set_lr(self.optimizer, lr_at(self.step_count, cfg.optim, cfg.trainer.steps))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train()
+        n, total = len(micro), None
+        for i, (x, y) in enumerate(micro):
+            quiet = self.model.no_sync() if self.sync == "ddp" and i < n - 1 else contextlib.nullcontext()
+            with quiet:
+                loss = self.model(x, y)
+                if self.sync == "hpctrain":
+                    hook.hpctrain_before_backward(model=self.model, microbatch=i, num_microbatches=n)
+                (loss / n).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.sync == "hpctrain":
+            hook.hpctrain_after_backward(model=self.model, mesh=self.mesh)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
+        self.optimizer.step()
+        loss = total / n
+        if self.sync == "ddp":
+            self.dist.all_reduce(loss)
+            loss /= self.dist.get_world_size()
+        elif self.sync == "hpctrain":
+            self.mesh.group("dp").communicator().all_reduce(loss, ReduceOp.AVG)
+        self.step_count += 1
+        self.last_loss = float(loss) if self.sync != "local" else None  # local saw other samples
+
+
+Contender = Tuple[str, Callable[[], None], Callable[[], Optional[float]]]
+
+
+def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
+    from hpctrain.bench.comm import make_backends
+    from hpctrain.bootstrap import init_torch_distributed
+    from hpctrain.run import build_mesh
+    from hpctrain.train.trainer import Trainer
+
+    init_torch_distributed("gloo", cfg.comm.timeout_s)
+    comms, notes = make_backends(args.backends, rt, pm)
+    out: List[Contender] = []
+    for name in comms:
+        c = copy.deepcopy(cfg)
+        c.comm.backend = name
+        loop = StepLoop(c, rt, pm, "hpctrain", build_mesh(c, rt, pm))
+        out.append((f"hpctrain[{name}]", loop.step, lambda lp=loop: lp.last_loss))
+    ddp, local = StepLoop(cfg, rt, pm, "ddp"), StepLoop(cfg, rt, pm, "local")
+    out += [("torch DDP", ddp.step, lambda: ddp.last_loss), ("local (no comm)", local.step, lambda: local.last_loss)]
+    if args.trainer:
+        for name in comms:
+            c = copy.deepcopy(cfg)
+            c.comm.backend = name
+            tr = Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
+            out.append((f"Trainer[{name}]", tr.train_step, lambda t=tr: t.metrics.get("loss")))
+    return out, notes
+
+
+def run(args, cfg, rt, pm) -> Table:
+    from hpctrain.model.build import build_model, logical_param_count
+
+    world = rt.mpi_comm
+    runners, notes = contenders(args, cfg, rt, pm)
+    params = logical_param_count(build_model(cfg))
+    t = cfg.trainer
+    print_rank0(world, f"# {machine_summary(world)}",
+                f"# model d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}: {params:,} parameters "
+                f"({params * 4 / 2**20:.1f} MiB of fp32 gradients); global batch {t.global_batch_size} x seq "
+                f"{t.seq_len}, micro-batch {t.micro_batch_size}; comm.bucket_mb={cfg.comm.bucket_mb:g}, "
+                f"comm.dp.compress={cfg.comm.dp.compress}, comm.dp.overlap={cfg.comm.dp.overlap}",
+                f"# {args.warmup} warm-up steps, median of {args.steps} (round-robin)",
+                *[f"# {n}" for n in notes])
+    timings = time_interleaved([step for _, step, _ in runners], world, args.warmup, args.steps)
+    samples: Dict[str, List[float]] = {label: t.samples for (label, _, _), t in zip(runners, timings)}
+    med = {label: statistics.median(s) for label, s in samples.items()}
+    ddp, floor = med["torch DDP"], med["local (no comm)"]
+    table = Table([Column("contender", "{}", "<"), Column("step (ms)", "{:.1f}"), Column("min (ms)", "{:.1f}"),
+                   Column("vs DDP", "{:.3f}"), Column("paired vs DDP", "{:.3f}"), Column("over floor (ms)", "{:+.1f}"),
+                   Column("last loss", "{:.6f}")])
+    for label, _, loss in runners:
+        # ratio of the two steps of the same round (adjacent in time), median over rounds:
+        # steadier than the ratio of medians when the machine's load drifts
+        paired = statistics.median(a / b for a, b in zip(samples[label], samples["torch DDP"]))
+        table.add(label, med[label] * 1e3, min(samples[label]) * 1e3, med[label] / ddp, paired,
+                  (med[label] - floor) * 1e3, loss())
+    print_rank0(world, "", f"## data-parallel step time ({rt.world_size} ranks)", table.render(args.markdown))
+    return table
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpctrain-bench dp", description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, e.g. comm.bucket_mb=4")
+    p.add_argument("--backends", type=lambda s: s.split(","), default=None,
+                   help="comma list of hpctrain backends (default: every one a plugin serves that can run here)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contender (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
+    p.add_argument("--trainer", action="store_true", help="also time the full Trainer.train_step() per backend")
+    p.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from hpctrain.bootstrap import with_device
+    from hpctrain.plugins import get_manager
+    from hpctrain.run import configure_torch
+
+    args = _parser().parse_args(argv)
+    rt = with_device("cpu")
+    if rt.world_size < 2:
+        print("hpctrain-bench dp needs at least 2 ranks: mpiexec -n 2 hpctrain-bench dp")
+        return 2
+    pm = get_manager()
+    steps = [f"trainer.steps={args.warmup + args.steps}"]  # the learning-rate schedule's length
+    cfg = make_config(list(DEFAULT_OVERRIDES) + steps + args.overrides, pm, rt.world_size)
+    configure_torch(cfg, rt)
+    run(args, cfg, rt, pm)
+    return 0

@@ -1,0 +1,205 @@
+"""``H5Checkpointer``: the hpctrain Checkpointer protocol over one parallel
+HDF5 file per checkpoint.
+
+save: (1) wait for the previous background save, if any; (2) describe this
+rank's state and allgather the declarations into a Plan (who writes which
+hyperslab); (3) copy the boxes this rank *owns* to host memory. That is
+all the training step waits for; the time is measured and logged. (A
+synchronous save of CPU tensors skips the copy and writes from the tensors'
+own memory: training cannot change them before the call returns.) (4)
+write ``<name>.h5.tmp`` collectively and (5) commit: every rank has closed
+the file, rank 0 renames it, updates ``latest`` and prunes to
+``checkpoint.keep``. With ``checkpoint.async_save`` steps 4-5 run on a
+background thread (see ``asyncsave``); otherwise in the call.
+
+load: read and verify this rank's boxes by the current layout, then
+restore (``restore.load_into``). With ``resume=auto`` a checkpoint that
+fails verification is skipped with a warning naming it, and the next
+newest is tried; ``load`` returns the path it actually loaded.
+
+All collectives run on ``comm``, the checkpointer's own duplicate of the
+world communicator, passed in by the plugin.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, List, Optional, Tuple
+
+from hpctrain.log import get_logger, log_rank0
+
+from hpctrain_h5ckpt import snapshot, store, writer
+from hpctrain_h5ckpt.asyncsave import BackgroundSaver, threads_supported
+from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.layout import Plan, PlanError, gather_plan
+from hpctrain_h5ckpt.options import IOOptions
+from hpctrain_h5ckpt.reader import CheckpointReader
+from hpctrain_h5ckpt.restore import load_into
+
+log = get_logger(__name__)
+
+
+@dataclass
+class SaveStats:
+    step: int
+    path: str
+    async_save: bool
+    blocking_s: float
+    """Time the training thread spent in save() (includes waited_s)."""
+    waited_s: float
+    """Part of blocking_s spent waiting for the previous background save."""
+    host_bytes: int
+    """Bytes this rank copied to host memory (the boxes it owns)."""
+    total_bytes: int
+    """Tensor bytes in the file (all ranks)."""
+    write_s: float = 0.0
+    """Time from the start of the write to the commit (background when async)."""
+    committed: bool = False
+
+
+class H5Checkpointer:
+    def __init__(self, comm: Any, opts: IOOptions, directory: Optional[str], keep: int, async_save: bool):
+        self.comm, self.opts, self.directory, self.keep = comm, opts, directory, keep
+        self.rank = comm.Get_rank()
+        self._bg: Optional[BackgroundSaver] = None
+        if async_save:
+            if threads_supported():
+                self._bg = BackgroundSaver(self.rank)
+            elif self.rank == 0:
+                log.warning("checkpoint.async_save=true needs MPI_THREAD_MULTIPLE; this MPI gives less, so saves are synchronous")
+        self._auto: List[str] = []
+        self._cached_plan: Optional[Tuple[Any, Plan]] = None
+        self._buffers = snapshot.HostBuffers() if self._bg is not None else None
+        self._static: Optional[Tuple[Any, Tuple[bytes, str]]] = None
+        self.stats: Deque[SaveStats] = deque(maxlen=1000)
+        """The most recent saves' timings (blocking, write, bytes)."""
+
+    # -- saving ----------------------------------------------------------------
+    def save(self, trainer: Any, path: Optional[str] = None) -> str:
+        t0 = time.perf_counter()
+        waited = self._bg.wait() if self._bg is not None else 0.0
+        step = int(trainer.step)
+        if path is None:
+            if self.directory is None:
+                raise CheckpointError("no checkpoint directory: set checkpoint.dir")
+            path = os.path.join(self.directory, store.checkpoint_name(step))
+        final = os.path.abspath(path)
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+        if self._static is None or self._static[0] is not trainer.cfg:
+            self._static = (trainer.cfg, snapshot.static_text(trainer.cfg))
+        view = snapshot.describe(trainer, self._static[1])
+        try:
+            plan = self._plan(view)  # collective: also orders rank 0's makedirs before the file is opened
+        except PlanError as e:
+            raise CheckpointError(f"checkpoint {final}: {e}") from e
+        attrs = self.comm.bcast(view.attrs if self.rank == 0 else None, root=0)
+        owned = snapshot.to_host(view, plan.owned_by(self.rank), copy=self._bg is not None, buffers=self._buffers)
+        del view
+        stats = SaveStats(step=step, path=final, async_save=self._bg is not None, blocking_s=0.0, waited_s=waited,
+                          host_bytes=sum(a.nbytes for pairs in owned.values() for _, a in pairs),
+                          total_bytes=sum(plan.bytes_by_rank().values()))
+        self.stats.append(stats)
+
+        def job() -> None:
+            self._write_and_commit(plan, owned, attrs, final, stats)
+
+        if self._bg is not None:
+            self._bg.submit(job, f"step{step}")
+            stats.blocking_s = time.perf_counter() - t0
+            log_rank0("checkpoint step %d: training blocked %.3f s (waited %.3f s for the previous save, "
+                      "copied %.1f MB to host); writing %s in the background", step, stats.blocking_s, waited,
+                      stats.host_bytes / 1e6, os.path.basename(final))
+        else:
+            job()
+            stats.blocking_s = time.perf_counter() - t0
+            log_rank0("checkpoint step %d: training blocked %.3f s (synchronous save)", step, stats.blocking_s)
+        return final
+
+    def _plan(self, view: snapshot.StateView) -> Plan:
+        """The Plan, reused while no rank's declaration changed: then an
+        allgather of a flag and the step replaces the allgather of every
+        dataset's declaration (pickled; with thousands of tensors a visible
+        part of the time an async save blocks the step)."""
+        signature = (tuple(view.decls), tuple((p, tuple(b)) for p, b in view.boxes.items()))
+        cached = self._cached_plan is not None and self._cached_plan[0] == signature
+        everyone = self.comm.allgather((cached, view.meta))
+        if all(ok for ok, _ in everyone) and all(m == view.meta for _, m in everyone):
+            plan = self._cached_plan[1]
+            plan.meta = dict(view.meta)
+            return plan
+        plan = gather_plan(self.comm, view.decls, view.boxes, view.meta)
+        self._cached_plan = (signature, plan)
+        return plan
+
+    def _write_and_commit(self, plan: Plan, owned: writer.Owned, attrs: dict, final: str, stats: SaveStats) -> None:
+        t0 = time.perf_counter()
+        tmp = store.tmp_path(final)
+        try:
+            writer.write_file(tmp, plan, owned, attrs, self.comm, self.opts)
+        except CheckpointError:
+            if self.rank == 0 and os.path.exists(tmp):
+                os.remove(tmp)  # nothing committed; older checkpoints are untouched
+            self.comm.Barrier()  # every rank raises only once the .tmp is gone
+            raise
+        error = None
+        if self.rank == 0:
+            try:
+                removed = store.commit(tmp, final, self.directory, self.keep, self.opts.fsync)
+                if removed:
+                    log_rank0("pruned %s (checkpoint.keep=%d)", ", ".join(os.path.basename(p) for p in removed), self.keep)
+            except OSError as e:
+                error = f"checkpoint {final}: commit failed ({e}); older checkpoints are untouched"
+        error = self.comm.bcast(error, root=0)
+        if error:
+            raise CheckpointError(error)
+        stats.write_s, stats.committed = time.perf_counter() - t0, True
+        log_rank0("checkpoint step %d committed: %s, %.1f MB in %.2f s (%.0f MB/s)", stats.step, final,
+                  stats.total_bytes / 1e6, stats.write_s, stats.total_bytes / 1e6 / max(stats.write_s, 1e-9))
+
+    def wait(self) -> None:
+        if self._bg is not None:
+            self._bg.wait()
+
+    # -- resuming --------------------------------------------------------------
+    def resolve(self, resume: str) -> Optional[str]:
+        """"auto": the newest committed checkpoint in the directory (older ones
+        are kept as fallbacks for load); a directory: its newest; a file: itself."""
+        if resume == "auto":
+            found = store.candidates(self.directory) if (self.rank == 0 and self.directory) else []
+            self._auto = self.comm.bcast(found, root=0)
+            return self._auto[0] if self._auto else None
+        self._auto = []
+        path = None
+        if self.rank == 0:
+            p = os.path.abspath(resume)
+            path = (store.candidates(p)[:1] or [None])[0] if os.path.isdir(p) else (p if os.path.isfile(p) else None)
+        path = self.comm.bcast(path, root=0)
+        if path is None:
+            raise CheckpointError(f"checkpoint.resume={resume}: no checkpoint file there (expected a .h5 file, "
+                                  "a checkpoint directory, or auto)")
+        return path
+
+    def load(self, trainer: Any, path: str) -> str:
+        self.wait()
+        queue = [path] + [p for p in self._auto if p != path] if path in self._auto else [path]
+        bad: List[str] = []
+        for candidate in queue:
+            try:
+                with CheckpointReader(candidate, self.comm, self.opts) as reader:
+                    load_into(trainer, reader)
+            except CheckpointError as e:
+                if path not in self._auto:
+                    raise
+                bad.append(f"{candidate}: {e}")
+                if self.rank == 0:
+                    log.warning("checkpoint.resume=auto: skipping unusable checkpoint %s:\n%s", candidate, e)
+                continue
+            if bad and self.rank == 0:
+                log.warning("checkpoint.resume=auto: resumed from %s after skipping %d unusable newer checkpoint(s)",
+                            candidate, len(bad))
+            return candidate
+        raise CheckpointError("checkpoint.resume=auto: no usable checkpoint in "
+                              f"{self.directory}; every candidate failed:\n" + "\n".join(bad))

@@ -1,0 +1,142 @@
+"""``hpctrain-ckpt``: inspect, verify and export hpctrain HDF5 checkpoints.
+
+    hpctrain-ckpt inspect PATH [--config]     tree, shapes, step, layout, size
+    hpctrain-ckpt verify PATH                 every checksum; exit 1 if corrupt
+    hpctrain-ckpt export PATH --to OUT.safetensors [--dtype bfloat16] [--config-json config.json]
+
+PATH is a checkpoint file or a checkpoint directory (its ``latest``). One
+process, the default HDF5 driver, read-only; nothing is ever unpickled.
+Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, List, Optional
+
+from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.options import IOOptions
+
+
+def _resolve(path: str) -> str:
+    from hpctrain_h5ckpt import store
+
+    if os.path.isdir(path):
+        found = store.candidates(path)
+        if not found:
+            raise CheckpointError(f"{path}: no committed checkpoint (step_*.h5) in this directory")
+        return found[0]
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    return path
+
+
+def _reader(path: str) -> Any:
+    from mpi4py import MPI
+
+    from hpctrain_h5ckpt.reader import CheckpointReader
+
+    opts = IOOptions(parallel=False, collective_min_bytes=0, alignment=0, fsync=False, verify=True)
+    return CheckpointReader(path, MPI.COMM_SELF, opts)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path = _resolve(args.path)
+    with _reader(path) as r:
+        m = r.meta
+        size = os.path.getsize(path)
+        print(f"checkpoint  {path}")
+        print(f"format      {m.get('format')} v{m.get('format_version')}   file size {_mb(size)}")
+        print(f"step        {m.get('step')}   consumed samples {m.get('consumed_samples')}   model {m.get('model')}")
+        layout = json.loads(m.get("layout", "{}"))
+        sizes = layout.get("sizes", {})
+        order = layout.get("order", "").split("-") if layout.get("order") else sorted(sizes)
+        print(f"layout      {' * '.join(f'{a}={sizes[a]}' for a in order if a in sizes)}  "
+              f"({layout.get('world_size')} ranks, order {layout.get('order')})")
+        print(f"scheduler   {m.get('scheduler')}")
+        print(f"versions    {m.get('versions')}")
+        rows = [(p, d) for p, d in sorted(r.index.items())]
+        width = max(len(p) for p, _ in rows)
+        print(f"\n{'dataset':<{width}}  {'shape':<14} {'dtype':<9} {'size':>12}  splits")
+        params = tensor_bytes = 0
+        for p, d in rows:
+            shape = "x".join(map(str, d.shape)) or "scalar"
+            dtype = d.attrs.get("torch_dtype", d.dtype)
+            print(f"{p:<{width}}  {shape:<14} {str(dtype):<9} {_mb(d.nbytes):>12}  {d.attrs.get('splits', '')}")
+            if p.startswith("/model/"):
+                params += int(math.prod(d.shape))
+            if p.startswith(("/model/", "/optim/")):
+                tensor_bytes += d.nbytes
+        print(f"\n{len(rows)} datasets, {params:,} parameters, {_mb(tensor_bytes)} of model+optimizer tensors, "
+              f"file {_mb(size)} = {size / max(params, 1):.2f} bytes/parameter")
+        if args.config:
+            text = r.file["meta/config"][()]
+            print("\n" + (text.decode("utf-8") if isinstance(text, bytes) else str(text)))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path = _resolve(args.path)
+    with _reader(path) as r:
+        r.read({})  # nothing wanted: every dataset is read whole and checked
+        total = sum(d.nbytes for d in r.index.values())
+        print(f"OK {path}: {len(r.index)} datasets, {_mb(total)} verified (step {r.meta.get('step')})")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hpctrain_h5ckpt.export import export_safetensors, hf_config, model_config
+
+    import h5py
+
+    path = _resolve(args.path)
+    names = export_safetensors(path, args.to, args.dtype)
+    print(f"wrote {args.to}: {len(names)} tensors in Hugging Face Llama naming (q/k rows permuted for rotate_half RoPE)")
+    if args.config_json:
+        with h5py.File(path, "r") as f:
+            cfg = hf_config(model_config(f), args.dtype or "float32")
+        with open(args.config_json, "w") as out:
+            json.dump(cfg, out, indent=2)
+        print(f"wrote {args.config_json}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hpctrain-ckpt", description="Inspect, verify and export hpctrain HDF5 checkpoints.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="tree, shapes, step, layout, size")
+    p.add_argument("path")
+    p.add_argument("--config", action="store_true", help="also print the resolved config (YAML)")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("verify", help="check every dataset's checksum; exit 1 if anything is wrong")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("export", help="model weights as safetensors in Hugging Face Llama naming")
+    p.add_argument("path")
+    p.add_argument("--to", required=True, help="output .safetensors file")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="convert floating tensors (default: as stored)")
+    p.add_argument("--config-json", default=None, help="also write a Hugging Face config.json here")
+    p.set_defaults(func=cmd_export)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CheckpointError as e:
+        for line in str(e).splitlines():
+            print(f"hpctrain-ckpt: error: {line}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Thin h5py helpers: open a file (MPI-IO or serial), create datasets, and
+read or write one box of a dataset, collectively or independently.
+
+Writes and reads go through h5py's low-level ``DatasetID.read/write`` with an
+explicit data-transfer property list. ``MPIO_COLLECTIVE`` on that list is
+exactly what ``with dset.collective:`` sets; we build it ourselves because a
+collective call must be made by *every* rank, including ranks with nothing
+to transfer, and h5py's ``dset[...] = x`` returns early on an empty
+selection, which would leave the other ranks waiting inside MPI-IO. Here a
+rank with nothing to do joins the call with an empty selection
+(``write_none`` / ``read_none``).
+
+Datasets are contiguous (no chunking or filters: parallel HDF5 writes those
+fastest and every rank can address its hyperslab directly) and never filled
+(``fill_time='never'``: every element is written, so filling first would
+write the file twice). ``libver`` starts at v108 so object headers carry
+HDF5's own metadata checksums: a flipped byte in the file's structure is
+reported by HDF5 instead of being read as garbage.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Tuple
+
+import h5py
+import numpy as np
+
+from hpctrain_h5ckpt.layout import Box, DatasetDecl, box_shape
+
+LIBVER = ("v108", "latest")
+
+
+def h5py_has_mpi() -> bool:
+    """Whether this h5py was built against parallel HDF5 (``driver='mpio'``)."""
+    return bool(h5py.get_config().mpi)
+
+
+def open_file(path: str, mode: str, comm: Any = None, alignment: int = 0) -> h5py.File:
+    """Open ``path``; with ``comm`` through MPI-IO (collective over ``comm``)."""
+    kw: dict = {}
+    if mode in ("w", "w-", "x"):
+        kw["libver"] = LIBVER
+        if alignment > 0:
+            kw.update(alignment_threshold=alignment, alignment_interval=alignment)
+    if comm is not None:
+        return h5py.File(path, mode, driver="mpio", comm=comm, **kw)
+    return h5py.File(path, mode, **kw)
+
+
+def _plists() -> Tuple[Any, Any]:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    return dcpl, lcpl
+
+
+def _attr(obj: Any, key: str, value: np.ndarray) -> None:
+    space = h5py.h5s.create_simple(value.shape) if value.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+    h5py.h5a.create(obj, key.encode(), h5py.h5t.py_create(value.dtype), space).write(value)
+
+
+def create_all(f: h5py.File, decls: Sequence[DatasetDecl], checksums: Optional[np.ndarray] = None) -> None:
+    """Create every dataset with its attributes, in order (collective under MPI-IO).
+    Without ``checksums`` the checksum attributes are added later (``write_checksums``).
+
+    h5py's low-level calls: with hundreds of small tensors the high-level
+    ``create_dataset`` / ``attrs[...]`` wrappers cost more than HDF5 itself.
+    String attributes are fixed-length ASCII/UTF-8 (``h5dump`` shows them as text).
+    """
+    dcpl, lcpl = _plists()
+    for i, decl in enumerate(decls):
+        dtype = np.dtype(decl.dtype)
+        space = h5py.h5s.create_simple(decl.shape) if decl.shape else h5py.h5s.create(h5py.h5s.SCALAR)
+        dsid = h5py.h5d.create(f.id, decl.path.encode(), h5py.h5t.py_create(dtype, logical=True), space,
+                               dcpl=dcpl, lcpl=lcpl)
+        for key, value in decl.attrs:
+            _attr(dsid, key, np.array(value.encode(), dtype=f"S{max(1, len(value.encode()))}"))
+        if checksums is not None:
+            _attr(dsid, "checksum", np.asarray(checksums[i], dtype=np.uint32))
+
+
+def write_checksums(f: h5py.File, decls: Sequence[DatasetDecl], checksums: np.ndarray) -> None:
+    """Add the ``checksum`` attribute to every dataset (collective under MPI-IO)."""
+    for decl, csum in zip(decls, checksums):
+        dsid = h5py.h5d.open(f.id, decl.path.encode())
+        _attr(dsid, "checksum", np.asarray(csum, dtype=np.uint32))
+
+
+def collective_dxpl() -> h5py.h5p.PropDXID:
+    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+    return dxpl
+
+
+def _spaces(dset: h5py.Dataset, box: Box):
+    fspace = dset.id.get_space()
+    if not box:  # scalar dataset
+        return h5py.h5s.create(h5py.h5s.SCALAR), fspace
+    count = box_shape(box)
+    fspace.select_hyperslab(tuple(a for a, _ in box), count)
+    return h5py.h5s.create_simple(count), fspace
+
+
+def _none_spaces(dset: h5py.Dataset):
+    fspace = dset.id.get_space()
+    fspace.select_none()
+    mspace = h5py.h5s.create_simple((1,))
+    mspace.select_none()
+    return mspace, fspace
+
+
+def write_box(dset: h5py.Dataset, box: Box, arr: np.ndarray, dxpl: Optional[Any] = None) -> None:
+    arr = np.require(arr, dtype=dset.dtype, requirements="C")
+    if tuple(arr.shape) != box_shape(box):
+        raise ValueError(f"{dset.name}: data of shape {arr.shape} for hyperslab {box}")
+    mspace, fspace = _spaces(dset, box)
+    dset.id.write(mspace, fspace, arr, dxpl=dxpl)
+
+
+def write_none(dset: h5py.Dataset, dxpl: Any) -> None:
+    """Join a collective write with nothing to write."""
+    mspace, fspace = _none_spaces(dset)
+    dset.id.write(mspace, fspace, np.empty((1,), dtype=dset.dtype), dxpl=dxpl)
+
+
+def read_box(dset: h5py.Dataset, box: Box, dxpl: Optional[Any] = None) -> np.ndarray:
+    out = np.empty(box_shape(box), dtype=dset.dtype)
+    mspace, fspace = _spaces(dset, box)
+    dset.id.read(mspace, fspace, out, dxpl=dxpl)
+    return out
+
+
+def read_none(dset: h5py.Dataset, dxpl: Any) -> None:
+    """Join a collective read with nothing to read."""
+    mspace, fspace = _none_spaces(dset)
+    dset.id.read(mspace, fspace, np.empty((1,), dtype=dset.dtype), dxpl=dxpl)
+
+
+def fsync_path(path: str) -> None:
+    """Flush ``path`` (a file or a directory entry) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

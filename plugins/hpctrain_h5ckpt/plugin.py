@@ -1,0 +1,61 @@
+"""Hook implementations of the HDF5 checkpoint format.
+
+The checkpointer gets its own duplicate of the world communicator, made
+here: creating it is collective, and the trainer builds its checkpointer at
+the same point on every rank.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional
+
+from hpctrain import hookimpl
+from hpctrain.bootstrap import get_runtime
+
+from hpctrain_h5ckpt import options
+
+FORMAT = "hdf5"
+
+
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"checkpoint.format": [FORMAT]}
+
+
+@hookimpl
+def hpctrain_config_sections() -> Dict[str, type]:
+    return {"checkpoint.hdf5": options.H5Config}
+
+
+def checkpoint_dir(cfg: Any) -> Optional[str]:
+    """``checkpoint.dir``, else ``<run dir>/checkpoints``."""
+    if cfg.checkpoint.dir:
+        return str(cfg.checkpoint.dir)
+    return os.path.join(str(cfg.run_dir), "checkpoints") if cfg.get("run_dir") else None
+
+
+@hookimpl
+def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    ck = cfg.checkpoint
+    if ck.format != FORMAT or not (ck.every or ck.resume):
+        return None
+    out = options.problems(ck.hdf5)
+    if ck.keep < 0:
+        out.append(f"checkpoint.keep={ck.keep} must be >= 0 (0 keeps every checkpoint)")
+    if ck.every < 0:
+        out.append(f"checkpoint.every={ck.every} must be >= 0")
+    if checkpoint_dir(cfg) is None and (ck.every or ck.resume == "auto"):
+        out.append("checkpoint.dir is not set and the run has no run directory; set checkpoint.dir=PATH")
+    return out or None
+
+
+@hookimpl
+def hpctrain_make_checkpointer(name: str, mesh: Any, cfg: Any) -> Optional[Any]:
+    if name != FORMAT:
+        return None
+    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
+
+    ck = cfg.checkpoint
+    comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator
+    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
+                          bool(ck.async_save))

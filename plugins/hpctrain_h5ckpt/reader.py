@@ -1,0 +1,223 @@
+"""Read hyperslabs of a checkpoint on any layout, verifying as we go.
+
+``CheckpointReader(path, comm, opts)`` opens the file (collectively under
+MPI-IO, or each rank on its own with the default driver), indexes every
+dataset and the ``/meta`` attributes, and checks the format name and
+version. ``read(wants)`` then gives each rank exactly the boxes it asked
+for, by the *loading* layout's ShardSpecs, never whole tensors it does not
+hold.
+
+Verification costs no extra pass: the boxes all ranks read are merged into
+a Plan (as for saving), one rank is designated per distinct box, each sums
+the checksum of the boxes designated to it, and one Allreduce completes
+every dataset's checksum. Datasets that the loading layout does not read
+completely (another world size's RNG rows, tensors nobody holds) are read
+whole, in blocks, by one rank each, round robin. Every problem (a missing
+dataset, a shape that differs from the model's, an unreadable dataset, a
+checksum mismatch) is gathered from all ranks and raised as one
+``CheckpointError`` on every rank, naming the file and the datasets.
+
+The same class with ``MPI.COMM_SELF`` and no wants is ``hpctrain-ckpt
+verify``: it reads and checks every dataset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+from hpctrain_h5ckpt import checksum, h5io
+from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, build_plan, full_box
+from hpctrain_h5ckpt.options import IOOptions
+
+_BLOCK_BYTES = 64 << 20  # bound on memory when a dataset is verified whole
+
+
+@dataclass
+class DatasetInfo:
+    path: str
+    shape: Tuple[int, ...]
+    dtype: str
+    attrs: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def stored_checksum(self) -> Optional[np.ndarray]:
+        c = self.attrs.get("checksum")
+        return None if c is None else np.asarray(c, dtype=np.uint32).reshape(-1)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.generic):
+        return value.item() if not isinstance(value, np.bytes_) else bytes(value).decode("utf-8", "replace")
+    return value
+
+
+def _agree(comm: Any, errors: List[str]) -> List[str]:
+    """Every rank's problems, on every rank, each once, in rank order."""
+    merged: List[str] = []
+    for rank_errors in comm.allgather(errors):
+        merged += [e for e in rank_errors if e not in merged]
+    return merged
+
+
+class CheckpointReader:
+    def __init__(self, path: str, comm: Any, opts: IOOptions):
+        self.path, self.comm, self.opts = path, comm, opts
+        self.file: Optional[h5py.File] = None
+        error: List[str] = []
+        try:
+            self.file = h5io.open_file(path, "r", comm if opts.parallel else None)
+        except (OSError, ValueError) as e:
+            error = [f"checkpoint {path}: cannot be opened as HDF5 ({e}); the file is truncated, torn or not a checkpoint"]
+        errors = _agree(comm, error)
+        if errors:
+            self.close()
+            raise CheckpointError("\n".join(errors))
+        try:
+            self.index = self._index()
+            self.meta = {k: _decode(v) for k, v in self.file["meta"].attrs.items()} if "meta" in self.file else {}
+        except Exception as e:
+            self.close()
+            raise CheckpointError(f"checkpoint {path}: its structure is unreadable ({type(e).__name__}: {e})") from e
+        problem = self._format_problem()
+        if problem:
+            self.close()
+            raise CheckpointError(f"checkpoint {path}: {problem}")
+
+    def _index(self) -> Dict[str, DatasetInfo]:
+        out: Dict[str, DatasetInfo] = {}
+
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                attrs = {k: _decode(v) if k != "checksum" else v for k, v in obj.attrs.items()}
+                out["/" + name] = DatasetInfo("/" + name, tuple(obj.shape), obj.dtype.str, attrs)
+
+        self.file.visititems(visit)
+        return out
+
+    def _format_problem(self) -> Optional[str]:
+        name, version = self.meta.get("format"), self.meta.get("format_version")
+        if name != FORMAT_NAME:
+            return f"not an {FORMAT_NAME} checkpoint (/meta format attribute is {name!r})"
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            return f"format version {version!r} is newer than this reader's {FORMAT_VERSION}; upgrade hpctrain"
+        unsummed = [p for p, d in self.index.items() if d.stored_checksum is None or d.stored_checksum.size != 2]
+        if unsummed:
+            return f"dataset {unsummed[0]} has no checksum attribute (torn or foreign file)"
+        return None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- reading -------------------------------------------------------------
+    def read(self, wants: Mapping[str, Sequence[Box]], shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
+             ) -> Dict[str, List[np.ndarray]]:
+        """This rank's boxes of each wanted dataset (collective over the comm).
+
+        ``shapes`` gives the logical shape the caller expects for a path; a
+        different shape in the file is an error naming both.
+        """
+        errors: List[str] = []
+        for p in wants:
+            info = self.index.get(p)
+            if info is None:
+                errors.append(f"checkpoint {self.path}: dataset {p} is missing")
+            elif shapes is not None and p in shapes and tuple(shapes[p]) != info.shape:
+                errors.append(f"checkpoint {self.path}: dataset {p} has shape {info.shape} but this run expects "
+                              f"{tuple(shapes[p])} (a different model configuration?)")
+        errors = _agree(self.comm, errors)
+        if errors:
+            raise CheckpointError("\n".join(errors))
+        decls = [DatasetDecl(p, self.index[p].shape, self.index[p].dtype) for p in wants]
+        per_rank = self.comm.allgather((decls, {p: list(b) for p, b in wants.items()}, {}))
+        plan = build_plan(per_rank, require_cover=False)
+        rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners}
+        out, errors = self._read_boxes(wants, rounds)
+        if self.opts.verify:
+            errors += self._verify(wants, out, plan)
+        errors = _agree(self.comm, errors)
+        if errors:
+            raise CheckpointError("\n".join(errors))
+        return out
+
+    def _read_boxes(self, wants: Mapping[str, Sequence[Box]], rounds: Mapping[str, int]
+                    ) -> Tuple[Dict[str, List[np.ndarray]], List[str]]:
+        out: Dict[str, List[np.ndarray]] = {}
+        errors: List[str] = []
+        collective = self.opts.parallel
+        dxpl = h5io.collective_dxpl() if collective else None
+        for p in sorted(self.index):  # same order on every rank: collective calls must match
+            mine = list(wants.get(p, ()))
+            try:
+                dset = self.file[p]
+                if collective and self.index[p].nbytes >= self.opts.collective_min_bytes:
+                    arrays = []
+                    for k in range(rounds.get(p, 0)):
+                        if k < len(mine):
+                            arrays.append(h5io.read_box(dset, mine[k], dxpl))
+                        else:
+                            h5io.read_none(dset, dxpl)
+                else:
+                    arrays = [h5io.read_box(dset, b) for b in mine]
+                if mine:
+                    out[p] = arrays
+            except Exception as e:
+                errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
+        return out, errors
+
+    def _verify(self, wants: Mapping[str, Sequence[Box]], got: Mapping[str, List[np.ndarray]], plan: Any) -> List[str]:
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        paths = sorted(self.index)
+        sums = np.zeros((len(paths), 2), dtype=np.uint32)
+        errors: List[str] = []
+        whole = {p: k for k, p in enumerate(p for p in paths if not plan.covered.get(p, False))}
+        for i, p in enumerate(paths):
+            info = self.index[p]
+            try:
+                if p in whole:
+                    if whole[p] % size == rank:
+                        sums[i] = self._checksum_whole(p)
+                    continue
+                mine = list(wants.get(p, ()))
+                for box, owner in plan.owners[p]:
+                    if owner == rank and p in got:
+                        sums[i] = checksum.add(sums[i], checksum.partial(got[p][mine.index(box)], info.shape, box))
+            except Exception as e:
+                errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
+        self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        for i, p in enumerate(paths):
+            stored = self.index[p].stored_checksum
+            if not np.array_equal(stored, sums[i]):
+                errors.append(f"checkpoint {self.path}: dataset {p}: checksum mismatch (stored {checksum.fmt(stored)}, "
+                              f"computed {checksum.fmt(sums[i])}); the data is corrupt")
+        return errors
+
+    def _checksum_whole(self, p: str) -> np.ndarray:
+        info, dset = self.index[p], self.file[p]
+        if not info.shape:
+            return checksum.partial(h5io.read_box(dset, ()), (), ())
+        row_bytes = max(1, info.nbytes // max(1, info.shape[0]))
+        step = max(1, _BLOCK_BYTES // row_bytes)
+        acc = checksum.zero()
+        for r0 in range(0, info.shape[0], step):
+            box = ((r0, min(info.shape[0], r0 + step)),) + full_box(info.shape[1:])
+            acc = checksum.add(acc, checksum.partial(h5io.read_box(dset, box), info.shape, box))
+        return acc

@@ -1,0 +1,253 @@
+"""What a checkpoint holds of a trainer, the blocking copy to host memory,
+and putting a loaded checkpoint back into a trainer.
+
+The tree (``h5ls -r`` shows it)::
+
+    /model/<logical name>               every parameter, logical shape
+    /optim/<state key>/<logical name>   optimizer state per parameter: tensors
+                                        shaped like the parameter share its
+                                        ShardSpec (Adam's exp_avg, exp_avg_sq);
+                                        scalars (Adam's step) are 0-d datasets
+    /meta/config                        the resolved config, YAML text
+    /meta/rng/torch_cpu                 (world size, state bytes) uint8, row = world rank
+    /meta/rng/torch_cuda                the same for the rank's GPU generator (GPU runs)
+    /meta  attributes                   format, format_version, step,
+                                        consumed_samples, world_size, layout,
+                                        scheduler, versions, created_unix, ...
+
+Each dataset carries ``torch_dtype``, ``checksum`` and, for tensors,
+``splits`` (the saving layout's ShardSpec splits, JSON); its path names
+the tensor and its kind, so nothing else is repeated per dataset (every
+attribute is a collective metadata write). bfloat16 is
+stored as its 16-bit pattern (``uint16``) with ``torch_dtype=bfloat16``.
+The learning-rate schedule is a pure function of the step, so the step
+restores it; the ``scheduler`` attribute records the schedule and the next
+LR for people and tools, and a load warns when the run's schedule differs.
+
+RNG states on load: restored row by row when the world size is unchanged.
+With another world size there is no meaningful mapping from old ranks to
+new ones, so they are not restored (a warning says so); training consumes
+no random numbers today (dropout is 0, the data order is a function of the
+sample index), so the losses are unaffected.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from hpctrain.log import get_logger
+from hpctrain.shard import get_spec
+from hpctrain.train.optim import lr_at
+
+from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, box_from_slices, box_shape, splits_json
+
+log = get_logger(__name__)
+
+TORCH_TO_NUMPY: Dict[torch.dtype, str] = {
+    torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", torch.bfloat16: "<u2",
+    torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
+    torch.bool: "|b1",
+}
+NAME_TO_TORCH: Dict[str, torch.dtype] = {str(t).replace("torch.", ""): t for t in TORCH_TO_NUMPY}
+
+Data = Union[torch.Tensor, np.ndarray]
+
+
+@dataclass
+class StateView:
+    """This rank's share of the checkpoint, referencing live tensors (no copies yet)."""
+
+    decls: List[DatasetDecl] = field(default_factory=list)
+    boxes: Dict[str, List[Box]] = field(default_factory=dict)
+    data: Dict[str, List[Data]] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    """Must be equal on every rank (checked by the Plan)."""
+    attrs: Dict[str, Any] = field(default_factory=dict)
+    """/meta attributes (rank 0's are written)."""
+
+    def add(self, decl: DatasetDecl, box: Box, data: Data) -> None:
+        if decl.path not in self.boxes:
+            self.decls.append(decl)
+        self.boxes.setdefault(decl.path, []).append(box)
+        self.data.setdefault(decl.path, []).append(data)
+
+
+def dtype_name(t: torch.dtype) -> str:
+    return str(t).replace("torch.", "")
+
+
+def _decl(path: str, shape: Tuple[int, ...], dtype: torch.dtype, **attrs: str) -> DatasetDecl:
+    if dtype not in TORCH_TO_NUMPY:
+        raise CheckpointError(f"{path}: dtype {dtype} cannot be stored")
+    attrs["torch_dtype"] = dtype_name(dtype)
+    return DatasetDecl(path, tuple(int(n) for n in shape), TORCH_TO_NUMPY[dtype], tuple(sorted(attrs.items())))
+
+
+def param_boxes(trainer: Any) -> List[Tuple[str, torch.nn.Parameter, Box]]:
+    """(logical name, parameter, this rank's box) for every parameter, each once."""
+    mesh, out, seen = trainer.mesh, [], set()
+    for _, p in trainer.model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        spec = get_spec(p)
+        box = box_from_slices(spec.local_slices(mesh.coords, mesh.sizes), spec.global_shape)
+        if box_shape(box) != tuple(p.shape):
+            raise CheckpointError(f"{spec.logical_name}: ShardSpec gives a local shape {box_shape(box)} "
+                                  f"but the parameter is {tuple(p.shape)}")
+        out.append((spec.logical_name, p, box))
+    return out
+
+
+def optimizer_state(trainer: Any) -> Any:
+    state = getattr(trainer.optimizer, "state", None)
+    if state is None:
+        raise CheckpointError(f"optimizer {type(trainer.optimizer).__name__} has no per-parameter .state; "
+                              "its plugin must expose one keyed by parameter to be checkpointed")
+    return state
+
+
+def versions() -> Dict[str, str]:
+    import h5py
+    import mpi4py
+    from mpi4py import MPI
+
+    import hpctrain
+
+    return {"hpctrain": hpctrain.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version, "mpi4py": mpi4py.__version__,
+            "mpi": MPI.Get_library_version().split("\x00")[0].splitlines()[0].strip(), "python": sys.version.split()[0]}
+
+
+def static_text(cfg: Any) -> Tuple[bytes, str]:
+    """(resolved config YAML, library versions JSON): fixed for a run, so the
+    checkpointer computes them once instead of inside every blocking save."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(cfg, resolve=True).encode("utf-8") or b"\n", json.dumps(versions())
+
+
+def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateView:
+    """Every dataset this rank holds, with its box, referencing live tensors."""
+    mesh, cfg, view = trainer.mesh, trainer.cfg, StateView()
+    text, versions_json = static or static_text(cfg)
+    state = optimizer_state(trainer)
+    for name, p, box in param_boxes(trainer):
+        spec = get_spec(p)
+        splits = splits_json(spec.splits)
+        view.add(_decl(f"/model/{name}", spec.global_shape, p.dtype, splits=splits), box, p)
+        for key, value in sorted(state.get(p, {}).items()):
+            path = f"/optim/{key}/{name}"
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if tuple(value.shape) != tuple(p.shape):
+                    raise CheckpointError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither "
+                                          f"the parameter's {tuple(p.shape)} nor a scalar; its plugin must map it")
+                view.add(_decl(path, spec.global_shape, value.dtype, splits=splits), box, value)
+            elif isinstance(value, torch.Tensor):
+                view.add(_decl(path, (), value.dtype), (), value)
+            elif isinstance(value, (bool, int, float)):
+                t = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+                view.add(_decl(path, (), t.dtype, python_type=type(value).__name__), (), t)
+            else:
+                raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
+                                      "only tensors and numbers are stored (no pickle)")
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if trainer.device.type == "cuda":
+        rng["torch_cuda"] = torch.cuda.get_rng_state(trainer.device)
+    for key, st in rng.items():
+        row = st.reshape(1, -1)
+        view.add(_decl(f"/meta/rng/{key}", (mesh.world_size, row.shape[1]), torch.uint8),
+                 ((mesh.world_rank, mesh.world_rank + 1), (0, row.shape[1])), row)
+    view.add(DatasetDecl("/meta/config", (), f"|S{len(text)}"), (),
+             np.array(text, dtype=f"S{len(text)}"))
+    consumed = int(trainer.cursor.state_dict()["consumed_samples"])
+    view.meta = {"step": int(trainer.step), "consumed_samples": consumed}
+    o, total = cfg.optim, int(cfg.trainer.steps)
+    view.attrs = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(trainer.step),
+        "consumed_samples": consumed, "world_size": mesh.world_size, "model": str(cfg.model.name),
+        "layout": json.dumps({"sizes": dict(mesh.sizes), "order": "-".join(mesh.order), "world_size": mesh.world_size}),
+        "scheduler": json.dumps({"name": "warmup_cosine", "next_lr": lr_at(int(trainer.step), o, total),
+                                 "lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio),
+                                 "warmup_steps": int(o.warmup_steps), "total_steps": total}),
+        "versions": versions_json, "created_unix": time.time(),
+    }
+    return view
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a contiguous CPU tensor (bfloat16 as uint16)."""
+    return t.view(torch.int16).numpy().view("<u2") if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None) -> np.ndarray:
+    """``t`` in host memory: the only part of an async save the step waits for.
+
+    ``buffer``: a host tensor of the same shape and dtype to copy into
+    (reused from the previous save, so its pages are already mapped; on GPU
+    it is pinned). ``copy=False``: a contiguous CPU tensor is returned as a
+    zero-copy view, for a synchronous save that writes it before training
+    can change it.
+    """
+    if isinstance(t, np.ndarray):
+        return t
+    src = t.detach()
+    if not copy and src.device.type == "cpu" and src.is_contiguous():
+        return _as_numpy(src)
+    if buffer is None:
+        buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
+    buffer.copy_(src)
+    return _as_numpy(buffer)
+
+
+class HostBuffers:
+    """Host copies of the owned boxes, kept from one async save to the next.
+
+    Allocating fresh memory each save makes the copy pay a page fault per
+    4 KiB; reusing the buffers leaves a plain memcpy in the step. Safe because
+    a save starts only after the previous one has finished writing. Costs one
+    host copy of this rank's owned state for the life of the checkpointer.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: Dict[Tuple[str, Box], torch.Tensor] = {}
+
+    def get(self, path: str, box: Box, like: Data) -> Optional[torch.Tensor]:
+        if not isinstance(like, torch.Tensor):
+            return None
+        buf = self._bufs.get((path, box))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
+            self._bufs[(path, box)] = buf
+        return buf
+
+
+def to_host(view: StateView, owned: Dict[str, List[Box]], copy: bool = True,
+            buffers: Optional[HostBuffers] = None) -> Dict[str, List[Tuple[Box, np.ndarray]]]:
+    """The boxes this rank owns (writes) in host memory (see ``host_copy``)."""
+    out: Dict[str, List[Tuple[Box, np.ndarray]]] = {}
+    for path, boxes in owned.items():
+        held = view.boxes[path]
+        pairs = []
+        for b in boxes:
+            data = view.data[path][held.index(b)]
+            buf = buffers.get(path, b, data) if (buffers is not None and copy) else None
+            pairs.append((b, host_copy(data, copy, buf)))
+        out[path] = pairs
+    return out
+
+
+def from_numpy(arr: np.ndarray, dtype_name_: str) -> torch.Tensor:
+    dtype = NAME_TO_TORCH.get(dtype_name_)
+    if dtype is None:
+        raise CheckpointError(f"unknown torch_dtype {dtype_name_!r}")
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.require(arr, requirements="C").view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.require(arr, requirements="C"))

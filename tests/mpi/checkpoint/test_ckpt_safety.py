@@ -1,0 +1,185 @@
+"""Async and sync saves agree, saves are atomic and never lose older
+checkpoints, corruption is detected and resume=auto falls back, keep-k,
+collective and serial (no MPI h5py) paths write the same file. Any world size >= 2."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+
+import h5py
+import pytest
+from mpi4py import MPI
+
+from ckpt_helpers import assert_same_datasets, build_trainer
+from hpctrain_h5ckpt import h5io, options, writer
+from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.reader import CheckpointReader
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def _ck(d: str, step: int) -> str:
+    return os.path.join(d, f"step_{step:08d}.h5")
+
+
+@contextlib.contextmanager
+def warnings_logged():
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("hpctrain")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _train(d: str, *overrides: str):
+    t = build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=0", *overrides)
+    t.fit()
+    return t
+
+
+def _meta(path: str) -> dict:
+    with h5py.File(path, "r") as f:
+        return {k: v for k, v in f["meta"].attrs.items() if k != "created_unix"}
+
+
+def _on_rank0(fn) -> None:
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        fn()
+    comm.Barrier()
+
+
+@pytest.fixture(scope="module")
+def baseline(module_dir):
+    """A synchronous, independent-I/O MPI-IO run: checkpoints at steps 2 and 4."""
+    d = f"{module_dir}/baseline"
+    _train(d, "trainer.steps=4", "checkpoint.every=2")
+    return d
+
+
+def _copy(src: str, dst: str) -> str:
+    _on_rank0(lambda: shutil.copytree(src, dst))
+    return dst
+
+
+def test_async_save_writes_the_same_file_as_a_sync_save(baseline, shared_tmp):
+    asyn = _train(f"{shared_tmp}/async", "trainer.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+    assert [s.async_save for s in asyn.checkpointer.stats] == [True, True]
+    assert all(s.committed and s.blocking_s >= 0 for s in asyn.checkpointer.stats)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        for step in (2, 4):
+            assert_same_datasets(_ck(baseline, step), _ck(f"{shared_tmp}/async", step))
+            assert _meta(_ck(baseline, step)) == _meta(_ck(f"{shared_tmp}/async", step))
+
+
+def test_async_save_returns_before_the_write_and_training_goes_on(shared_tmp, monkeypatch):
+    release, real = threading.Event(), writer.write_file
+
+    def held_write(*args, **kwargs):
+        assert release.wait(120), "the test never released the write"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_file", held_write)
+    d = f"{shared_tmp}/held"
+    t = build_trainer(f"checkpoint.dir={d}", "trainer.steps=3", "checkpoint.every=1", "checkpoint.async_save=true")
+    t.train_step()
+    path = t.save_checkpoint()
+    assert t.checkpointer._bg.busy and not os.path.exists(path)   # save() returned; nothing committed yet
+    t.train_step()                                                # a collective step while the write waits
+    assert not os.path.exists(path)
+    release.set()
+    t.checkpointer.wait()
+    assert os.path.exists(path) and t.checkpointer.stats[-1].committed
+
+
+def test_corrupt_newest_checkpoint_is_named_and_auto_falls_back(baseline, shared_tmp):
+    d = _copy(baseline, f"{shared_tmp}/flip")
+    bad = _ck(d, 4)
+
+    def flip():
+        with h5py.File(bad, "r") as f:
+            off = f["/model/norm.weight"].id.get_offset() + 5
+        with open(bad, "r+b") as f:
+            f.seek(off)
+            byte = f.read(1)[0]
+            f.seek(off)
+            f.write(bytes([byte ^ 0x40]))
+
+    _on_rank0(flip)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as err:
+        build_trainer(f"checkpoint.dir={d}", f"checkpoint.resume={bad}", "trainer.steps=6")
+    assert bad in str(err.value) and "/model/norm.weight" in str(err.value)
+    with warnings_logged() as logged:
+        t = build_trainer(f"checkpoint.dir={d}", "checkpoint.resume=auto", "trainer.steps=6")
+    assert t.step == 2 and t.cursor.consumed_samples == 16
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert any(bad in r.getMessage() and "skipping" in r.getMessage() for r in logged)
+
+
+def test_truncated_newest_checkpoint_is_named_and_auto_falls_back(baseline, shared_tmp):
+    d = _copy(baseline, f"{shared_tmp}/trunc")
+    bad = _ck(d, 4)
+    _on_rank0(lambda: os.truncate(bad, os.path.getsize(bad) // 3))
+    with pytest.raises(CheckpointError, match="truncated") as err:
+        build_trainer(f"checkpoint.dir={d}", f"checkpoint.resume={bad}", "trainer.steps=6")
+    assert bad in str(err.value)
+    assert build_trainer(f"checkpoint.dir={d}", "checkpoint.resume=auto", "trainer.steps=6").step == 2
+
+
+def test_a_failed_save_loses_nothing(baseline, shared_tmp, monkeypatch):
+    d = _copy(baseline, f"{shared_tmp}/fail")
+    t = build_trainer(f"checkpoint.dir={d}", "checkpoint.resume=auto", "trainer.steps=6", "checkpoint.every=1")
+    before = sorted(os.listdir(d))
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device (simulated)")
+
+    monkeypatch.setattr(h5io, "write_box", disk_full)
+    t.train_step()
+    with pytest.raises(CheckpointError, match="simulated"):
+        t.save_checkpoint()
+    assert sorted(os.listdir(d)) == before  # no step 5, no .tmp left behind, nothing pruned
+    monkeypatch.undo()
+    with CheckpointReader(_ck(d, 4), MPI.COMM_WORLD, options.resolve(options.H5Config())) as r:
+        r.read({})  # still complete and verified
+
+
+def test_keep_last_k(shared_tmp):
+    d = f"{shared_tmp}/keep"
+    build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=2", "trainer.steps=3", "checkpoint.every=1").fit()
+    assert sorted(os.listdir(d)) == ["latest", "step_00000002.h5", "step_00000003.h5"]
+    assert open(os.path.join(d, "latest")).read().strip() == "step_00000003.h5"
+
+
+def test_collective_io_for_every_dataset_writes_the_same_file(baseline, shared_tmp):
+    """The tiny model's tensors are below the collective threshold; force
+    collective MPI-IO (with empty selections on ranks that own nothing)."""
+    _train(f"{shared_tmp}/coll", "trainer.steps=2", "checkpoint.every=2", "checkpoint.hdf5.collective_min_mb=0")
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert_same_datasets(_ck(baseline, 2), _ck(f"{shared_tmp}/coll", 2))
+    t = build_trainer(f"checkpoint.dir={baseline}", f"checkpoint.resume={_ck(baseline, 2)}", "trainer.steps=4",
+                      "checkpoint.hdf5.collective_min_mb=0")
+    assert t.step == 2
+
+
+def test_serial_fallback_without_mpi_h5py(baseline, shared_tmp, monkeypatch):
+    monkeypatch.setattr(options, "h5py_has_mpi", lambda: False)  # as with PyPI's serial h5py
+    monkeypatch.setitem(options._warned, "serial", False)
+    with warnings_logged() as logged:
+        t = _train(f"{shared_tmp}/serial", "trainer.steps=2", "checkpoint.every=2")
+        options.resolve(options.H5Config(), MPI.COMM_WORLD.Get_rank())  # a second resolve does not warn again
+    assert t.checkpointer.opts.parallel is False
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert sum("no MPI support" in r.getMessage() for r in logged) == 1
+        assert_same_datasets(_ck(baseline, 2), _ck(f"{shared_tmp}/serial", 2))
+    monkeypatch.undo()
+    resumed = build_trainer(f"checkpoint.dir={shared_tmp}/serial", "checkpoint.resume=auto", "trainer.steps=4",
+                            "checkpoint.hdf5.driver=serial")
+    assert resumed.step == 2 and resumed.checkpointer.opts.parallel is False

@@ -1,0 +1,40 @@
+"""Smoke runs of ``hpctrain-bench comm`` and ``hpctrain-bench dp`` (tiny sizes,
+no timing asserted: benchmarks are not timed tests). What is checked: every
+rank finishes, rank 0 prints a row per implementation, and in the dp
+benchmark our data parallelism and torch DDP end on the same loss (same model,
+same data; tolerance 1e-4 relative for fp32 reassociation over 2 steps and
+the 6 printed digits)."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.mpi(min_size=2)
+def test_comm_bench_prints_a_row_per_implementation(world, capsys):
+    from hpctrain.bench import comm
+
+    code = comm.main(["--max-size", "16K", "--factor", "16", "--warmup", "1", "--iters", "2",
+                      "--ops", "all_reduce,all_to_all", "--backends", "torch,mpi"])
+    out = capsys.readouterr().out
+    assert code == 0
+    if world.Get_rank() == 0:
+        assert "## all_reduce" in out and "## all_to_all" in out
+        rows = [line.split() for line in out.splitlines() if line.strip().startswith(("1 KiB", "16 KiB"))]
+        impls = {r[2] for r in rows}
+        assert {"raw-mpi4py", "raw-gloo", "torch(gloo)"} <= impls
+        assert len(rows) == 2 * 2 * len(impls)  # ops x sizes x implementations
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dp_bench_runs_and_agrees_with_ddp(world, capsys):
+    from hpctrain.bench import dp
+
+    code = dp.main(["--steps", "2", "--warmup", "0", "--backends", "torch", "model.d_model=32", "model.n_layers=1",
+                    "model.n_heads=2", "model.n_kv_heads=2", "trainer.seq_len=16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    if world.Get_rank() == 0:
+        loss = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines()
+                if line.startswith(("hpctrain[torch]", "torch DDP"))}
+        assert set(loss) == {"hpctrain[torch]", "torch"}
+        assert loss["hpctrain[torch]"] == pytest.approx(loss["torch"], rel=1e-4)

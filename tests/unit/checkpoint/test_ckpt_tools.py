@@ -1,0 +1,151 @@
+"""hpctrain-ckpt inspect / verify / export on a checkpoint made in this process
+(one rank: MPI's world has size 1 under plain pytest)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpctrain_h5ckpt import cli
+from hpctrain_h5ckpt.export import rope_row_permutation
+
+ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I64": "<i8"}
+
+
+def read_safetensors(path: str):
+    """An independent reader of the safetensors layout: u64 header size, JSON, raw bytes."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    assert (8 + n) % 8 == 0, "data must start 8-byte aligned"
+    meta = header.pop("__metadata__", {})
+    spans = sorted(v["data_offsets"] for v in header.values())
+    assert spans[0][0] == 0 and spans[-1][1] == len(data)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "tensors must be contiguous"
+    out = {k: np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]], dtype=ST_DTYPES[v["dtype"]]).reshape(v["shape"])
+           for k, v in header.items()}
+    return out, meta
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """Two checkpoints (steps 2 and 4) of the tiny model, trained in this process."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config import compose
+    from hpctrain.config.store import to_config
+    from hpctrain.plugins import create_manager
+    from hpctrain.run import run
+
+    d = tmp_path_factory.mktemp("ckpt")
+    pm = create_manager()
+    raw = compose(["trainer.steps=4", "checkpoint.every=2", "checkpoint.keep=0", f"checkpoint.dir={d}/ck",
+                   "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.seq_len=32",
+                   "trainer.progress=off"], pm=pm)
+    run(to_config(OmegaConf.to_container(raw, resolve=True), pm), str(d / "run"), pm=pm)
+    return str(d / "ck")
+
+
+@pytest.fixture
+def copy_of(ckpt_dir, tmp_path):
+    def make(name: str = "step_00000004.h5") -> str:
+        dst = str(tmp_path / name)
+        shutil.copy(os.path.join(ckpt_dir, name), dst)
+        return dst
+    return make
+
+
+def _data_offset(path: str, dataset: str) -> int:
+    with h5py.File(path, "r") as f:
+        return f[dataset].id.get_offset()
+
+
+def test_tree_is_self_describing(ckpt_dir):
+    if shutil.which("h5ls") is None:
+        pytest.skip("h5ls (hdf5-tools) not installed")
+    out = subprocess.run(["h5ls", "-r", os.path.join(ckpt_dir, "step_00000004.h5")], capture_output=True, text=True).stdout
+    out = " ".join(out.split())  # h5ls pads its columns
+    for line in ("/model/tok_embeddings.weight Dataset {256, 64}", "/optim/exp_avg/norm.weight Dataset {64}",
+                 "/optim/step/norm.weight Dataset {SCALAR}", "/meta/config", "/meta/rng/torch_cpu Dataset {1, 5056}"):
+        assert line in out
+
+
+def test_inspect_shows_step_layout_and_size(ckpt_dir, capsys):
+    assert cli.main(["inspect", ckpt_dir, "--config"]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000004.h5" in out and "step        4" in out
+    assert "dp=1" in out and "/model/layers.1.attn.wq.weight" in out and "64x64" in out
+    assert "bytes/parameter" in out and "trainer:" in out
+
+
+def test_verify_accepts_a_good_file(ckpt_dir, capsys):
+    assert cli.main(["verify", os.path.join(ckpt_dir, "step_00000002.h5")]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+
+
+def test_verify_names_the_dataset_with_a_flipped_byte(copy_of, capsys):
+    path = copy_of()
+    off = _data_offset(path, "/model/layers.0.attn.wv.weight") + 37
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert cli.main(["verify", path]) == 1
+    err = capsys.readouterr().err
+    assert path in err and "/model/layers.0.attn.wv.weight" in err and "checksum mismatch" in err
+
+
+def test_verify_rejects_a_truncated_file(copy_of, capsys):
+    path = copy_of()
+    os.truncate(path, os.path.getsize(path) // 2)
+    assert cli.main(["verify", path]) == 1
+    err = capsys.readouterr().err
+    assert path in err and "truncated" in err
+
+
+def test_export_hf_llama_names_and_rope_permutation(ckpt_dir, tmp_path, capsys):
+    src = os.path.join(ckpt_dir, "step_00000004.h5")
+    out = str(tmp_path / "model.safetensors")
+    assert cli.main(["export", src, "--to", out, "--config-json", str(tmp_path / "config.json")]) == 0
+    tensors, meta = read_safetensors(out)
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{m}" for i in range(2) for m in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight")}
+    assert set(tensors) == names and meta["step"] == "4"
+    with h5py.File(src, "r") as f:
+        wq, wk, wv = (f[f"model/layers.1.attn.{w}.weight"][()] for w in ("wq", "wk", "wv"))
+    np.testing.assert_array_equal(tensors["model.layers.1.self_attn.q_proj.weight"], wq[rope_row_permutation(4, 16)])
+    np.testing.assert_array_equal(tensors["model.layers.1.self_attn.k_proj.weight"], wk[rope_row_permutation(2, 16)])
+    np.testing.assert_array_equal(tensors["model.layers.1.self_attn.v_proj.weight"], wv)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]) == (4, 2, 64)
+
+
+def test_export_bfloat16(ckpt_dir, tmp_path):
+    out = str(tmp_path / "bf16.safetensors")
+    assert cli.main(["export", os.path.join(ckpt_dir, "step_00000004.h5"), "--to", out, "--dtype", "bfloat16"]) == 0
+    tensors, _ = read_safetensors(out)
+    with h5py.File(os.path.join(ckpt_dir, "step_00000004.h5"), "r") as f:
+        norm = torch.from_numpy(f["model/norm.weight"][()])
+    got = torch.from_numpy(tensors["model.norm.weight"].view(np.int16).copy()).view(torch.bfloat16)
+    assert torch.equal(got, norm.to(torch.bfloat16))
+
+
+def test_safetensors_package_reads_the_export(ckpt_dir, tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    out = str(tmp_path / "m.safetensors")
+    cli.main(["export", os.path.join(ckpt_dir, "step_00000004.h5"), "--to", out])
+    mine, _ = read_safetensors(out)
+    theirs = st.load_file(out)
+    assert set(theirs) == set(mine) and all(np.array_equal(theirs[k], mine[k]) for k in mine)
