@@ -2,7 +2,7 @@
 
 The hierarchical backend needs several nodes, so when the launcher did not
 set ``HPCTRAIN_RANKS_PER_NODE`` and the world size is even, this file sets it
-to 2 before anything creates the runtime: at 4 ranks that is 2 emulated nodes
+to 2 while it creates the runtime (then unsets it): at 4 ranks that is 2 emulated nodes
 of 2, at 8 ranks 4 nodes of 2 (at 2 ranks a single node). Only topology-aware
 code reads node membership, so other tests in the same session are unaffected
 (``tests/mpi/test_bootstrap.py`` checks both the emulated and the real case).
@@ -17,8 +17,17 @@ from mpi4py import MPI
 
 from hpctrain.bootstrap import RANKS_PER_NODE_ENV
 
-if MPI.COMM_WORLD.Get_size() % 2 == 0:
-    os.environ.setdefault(RANKS_PER_NODE_ENV, "2")
+if MPI.COMM_WORLD.Get_size() % 2 == 0 and RANKS_PER_NODE_ENV not in os.environ:
+    # Create the (once per process) runtime with emulated nodes, then take the
+    # variable out again: one-process runs that other tests start as
+    # subprocesses must not inherit "2 ranks per node" for a world of 1.
+    from hpctrain.bootstrap import init_runtime
+
+    os.environ[RANKS_PER_NODE_ENV] = "2"
+    try:
+        init_runtime()
+    finally:
+        del os.environ[RANKS_PER_NODE_ENV]
 
 
 def compose_config(*overrides: str):
