@@ -9,8 +9,9 @@ row of a size saw the same machine conditions:
   (``Allreduce(IN_PLACE)``, ``Allgather``, ``Reduce_scatter_block``,
   ``Alltoall``, ``Bcast``): what an MPI program gets without hpctrain;
 - ``raw-gloo``: ``torch.distributed`` on its default gloo group
-  (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
-  ``all_to_all_single``, ``broadcast``);
+  (``all_reduce``, ``all_gather_single``/``all_gather_into_tensor``,
+  ``reduce_scatter_single``/``reduce_scatter_tensor``, ``all_to_all_single``,
+  ``broadcast``);
 - every hpctrain backend a plugin serves that can run here (reached through
   ``hpctrain.run.build_mesh``, so exactly what training uses), blocking calls
   of the Communicator protocol on the world group.
@@ -93,10 +94,13 @@ def raw_mpi_call(op: str, b: Buffers, mpi_comm) -> Optional[Callable[[], Any]]:
 def raw_gloo_call(op: str, b: Buffers) -> Optional[Callable[[], Any]]:
     import torch.distributed as dist
 
+    # newer torch renamed the flat-tensor forms (the old names warn); same collectives
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     calls = {
         "all_reduce": lambda: dist.all_reduce(b.out),
-        "all_gather": lambda: dist.all_gather_into_tensor(b.out, b.inp),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(b.out, b.inp),
+        "all_gather": lambda: gather(b.out, b.inp),
+        "reduce_scatter": lambda: scatter(b.out, b.inp),
         "all_to_all": lambda: dist.all_to_all_single(b.out, b.inp),
         "broadcast": lambda: dist.broadcast(b.out, src=0),
     }
@@ -133,7 +137,9 @@ def make_backends(names: Optional[List[str]], rt, pm) -> Tuple[Dict[str, Any], L
     seen: Dict[Tuple[str, str], str] = {}
     notes: List[str] = []
     for name in wanted:
-        cfg = to_config({"comm": {"backend": name}, "trainer": {"device": rt.device.type}}, pm)
+        # a run config that is valid for any world size, so only the backend can be at fault
+        trainer = {"device": rt.device.type, "global_batch_size": rt.world_size, "micro_batch_size": 1}
+        cfg = to_config({"comm": {"backend": name}, "trainer": trainer}, pm)
         problems = validate(cfg, rt.world_size, pm)
         if problems:
             notes.append(f"{name}: skipped ({problems[0]})")
