@@ -8,7 +8,9 @@ vocabulary 32768) sharded on their first dimension over the ranks (as ZeRO-3/FSD
 them), plus AdamW's ``exp_avg``/``exp_avg_sq`` (same shards) and ``step``,
 after one real optimizer step: 12 bytes per parameter.
 
-- hpctrain: ``H5Checkpointer.save`` / ``load`` on a stand-in trainer that
+- hpctrain: the ``hdf5`` checkpointer (made through the
+  ``hpctrain_make_checkpointer`` hook, as the trainer makes it; the core
+  never imports a plugin) ``save`` / ``load`` on a stand-in trainer that
   exposes exactly what the checkpointer reads (model, optimizer, mesh,
   cursor, config, step), so the whole path is measured: plan, host copy,
   checksums, one collective MPI-IO file, fsync, atomic commit; and the load
@@ -128,29 +130,38 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch.distributed.checkpoint as dcp
 
+    import h5py
+    from omegaconf import OmegaConf
+
     from hpctrain.bootstrap import init_runtime, init_torch_distributed
     from hpctrain.config import compose
     from hpctrain.config.store import to_config
     from hpctrain.plugins import get_manager
-    from hpctrain_h5ckpt import options
-    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
-    from omegaconf import OmegaConf
 
     rt = init_runtime("cpu")
     comm, rank, size = rt.mpi_comm, rt.world_rank, rt.world_size
     init_torch_distributed("gloo")
     pm = get_manager()
-    cfg = to_config(OmegaConf.to_container(compose([], pm=pm), resolve=True), pm)
     base = comm.bcast(args.dir or tempfile.mkdtemp(prefix="hpctrain-bench-ckpt-") if rank == 0 else None, root=0)
+    overrides = [f"checkpoint.dir={base}", "checkpoint.keep=0"]
+    if args.collective_mb is not None:
+        overrides.append(f"checkpoint.hdf5.collective_min_mb={args.collective_mb}")
+
+    def checkpointer(async_save: bool) -> Any:
+        """The hdf5 checkpointer as the trainer gets it: through the plugin hook."""
+        c = to_config(OmegaConf.to_container(compose(overrides + [f"checkpoint.async_save={async_save}"], pm=pm),
+                                             resolve=True), pm)
+        return c, pm.hook.hpctrain_make_checkpointer(name="hdf5", mesh=None, cfg=c)
+
+    cfg, sync_ck = checkpointer(False)
+    _, async_ck = checkpointer(True)
+    if sync_ck is None:
+        print_rank0(comm, "hpctrain-bench ckpt: no installed plugin serves checkpoint.format=hdf5")
+        return 2
     trainer = _stand_in(cfg, _shapes(args.d_model, args.layers, args.vocab), rank, size)
     params = sum(p.numel() for p in trainer.model.parameters()) * size
     state_bytes = 12 * params
-    h5cfg = options.H5Config()
-    if args.collective_mb is not None:
-        h5cfg.collective_min_mb = args.collective_mb
-    opts = options.resolve(h5cfg, rank)
-    sync_ck = H5Checkpointer(comm.Dup(), opts, None, 0, False)
-    async_ck = H5Checkpointer(comm.Dup(), opts, None, 0, True)
+    io = "MPI-IO" if (h5py.get_config().mpi and cfg.checkpoint.hdf5.driver != "serial") else "serial"
     h5_path, dcp_path = os.path.join(base, "ours.h5"), os.path.join(base, "dcp")
     state = _dcp_state(trainer, size)
     t: Dict[str, List[float]] = {k: [] for k in ("h5 save", "dcp save", "h5 load", "dcp load", "async block", "async total")}
@@ -198,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     size_t.add("DCP directory", dcp_size, dcp_size / (12 * params), dcp_size / (14 * params))
     print_rank0(comm, f"# hpctrain-bench ckpt: {params / 1e6:.1f}M fp32 parameters + AdamW state = {mb:.0f} MB, "
                 f"sharded on dim 0 over {size} ranks; median of {args.iters} (slowest rank); hpctrain "
-                f"{'MPI-IO' if opts.parallel else 'serial'}, collective I/O for datasets >= {h5cfg.collective_min_mb} MiB",
+                f"{io}, collective I/O for datasets >= {cfg.checkpoint.hdf5.collective_min_mb} MiB",
                 machine_summary(comm), "", table.render(args.markdown), "", asy.render(args.markdown), "",
                 size_t.render(args.markdown),
                 "", "12 bytes/param = fp32 param + Adam m, v (this state); 14 = mixed precision's 2 (bf16) + 12 "

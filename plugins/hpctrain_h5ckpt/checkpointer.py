@@ -166,17 +166,20 @@ class H5Checkpointer:
     # -- resuming --------------------------------------------------------------
     def resolve(self, resume: str) -> Optional[str]:
         """"auto": the newest committed checkpoint in the directory (older ones
-        are kept as fallbacks for load); a directory: its newest; a file: itself."""
+        are kept as fallbacks for load); another directory: the same there;
+        a file: exactly that file."""
         if resume == "auto":
             found = store.candidates(self.directory) if (self.rank == 0 and self.directory) else []
             self._auto = self.comm.bcast(found, root=0)
             return self._auto[0] if self._auto else None
-        self._auto = []
-        path = None
+        found, is_dir = [], False
         if self.rank == 0:
             p = os.path.abspath(resume)
-            path = (store.candidates(p)[:1] or [None])[0] if os.path.isdir(p) else (p if os.path.isfile(p) else None)
-        path = self.comm.bcast(path, root=0)
+            is_dir = os.path.isdir(p)
+            found = store.candidates(p) if is_dir else ([p] if os.path.isfile(p) else [])
+        found, is_dir = self.comm.bcast((found, is_dir), root=0)
+        self._auto = found if is_dir else []  # a directory falls back like auto; a file is exactly that file
+        path = found[0] if found else None
         if path is None:
             raise CheckpointError(f"checkpoint.resume={resume}: no checkpoint file there (expected a .h5 file, "
                                   "a checkpoint directory, or auto)")

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from typing import Any, List, Optional
 
@@ -129,6 +130,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None and hasattr(signal, "SIGPIPE"):  # as a command: `hpctrain-ckpt inspect X | head` ends quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -131,6 +131,7 @@ def test_truncated_newest_checkpoint_is_named_and_auto_falls_back(baseline, shar
         build_trainer(f"checkpoint.dir={d}", f"checkpoint.resume={bad}", "trainer.steps=6")
     assert bad in str(err.value)
     assert build_trainer(f"checkpoint.dir={d}", "checkpoint.resume=auto", "trainer.steps=6").step == 2
+    assert build_trainer(f"checkpoint.resume={d}", "trainer.steps=6").step == 2  # a directory falls back too
 
 
 def test_a_failed_save_loses_nothing(baseline, shared_tmp, monkeypatch):
