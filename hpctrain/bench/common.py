@@ -109,11 +109,16 @@ def time_collective(fn: Callable[[], Any], mpi_comm: Any, warmup: int = 3, iters
 def time_interleaved(fns: Sequence[Callable[[], Any]], mpi_comm: Any, warmup: int = 3, iters: int = 10,
                      budget_s: Optional[float] = None, min_iters: int = 3) -> List[Timing]:
     """Like ``time_collective`` for several contenders at once, in rounds:
-    each round times every ``fn`` once, in turn, so all of them see the
-    same drift of a shared machine's load. ``budget_s`` bounds one
-    contender's timed calls (from its slowest warm-up call, max over ranks).
+    each round times every ``fn`` once, so all of them see the same drift of
+    a shared machine's load. The order rotates from round to round, so each
+    contender follows each other one equally often: what a call leaves
+    behind (caches full of its buffers, a library's threads still winding
+    down) then weighs on everyone alike, not on whoever comes next.
+    ``budget_s`` bounds one contender's timed calls (from its slowest
+    warm-up call, max over ranks).
     """
-    slowest = [0.0] * len(fns)
+    n = len(fns)
+    slowest = [0.0] * n
     for _ in range(warmup):
         for i, fn in enumerate(fns):
             mpi_comm.Barrier()
@@ -125,14 +130,15 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], mpi_comm: Any, warmup: in
         if worst > 0:
             iters = max(min_iters, min(iters, int(budget_s / worst)))
     local: List[List[float]] = [[] for _ in fns]
-    for _ in range(iters):
-        for i, fn in enumerate(fns):
+    for k in range(iters):
+        for j in range(n):
+            i = (k + j) % n
             mpi_comm.Barrier()
             t0 = time.perf_counter()
-            fn()
+            fns[i]()
             local[i].append(time.perf_counter() - t0)
     everyone = mpi_comm.allgather(local)
-    return [Timing([max(per_rank[i][k] for per_rank in everyone) for k in range(iters)]) for i in range(len(fns))]
+    return [Timing([max(per_rank[i][k] for per_rank in everyone) for k in range(iters)]) for i in range(n)]
 
 
 def _mpi_max():

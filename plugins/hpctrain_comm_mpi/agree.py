@@ -67,7 +67,11 @@ class mpi_errors:
 
     def __exit__(self, kind, error, traceback) -> bool:
         if kind is not None and issubclass(kind, MPI.Exception):
-            tip = self.hint or "sizes may differ across ranks; rerun with comm.mpi.check_shapes=true to find out"
-            raise CommError(f"{self.what} on group {self.group_name} failed in MPI: "
-                            f"{error.Get_error_string().strip()} ({tip})") from error
+            raise as_comm_error(self.what, self.group_name, error, self.hint) from error
         return False
+
+
+def as_comm_error(what: str, group_name: str, error: Any, hint: Optional[str] = None) -> CommError:
+    """The CommError for an MPI error raised by ``what`` on ``group_name``."""
+    tip = hint or "sizes may differ across ranks; rerun with comm.mpi.check_shapes=true to find out"
+    return CommError(f"{what} on group {group_name} failed in MPI: {error.Get_error_string().strip()} ({tip})")

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Optional
+import weakref
+from typing import Any, Dict, NamedTuple, Optional
 
 import torch
+from mpi4py import MPI
 
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger
@@ -92,6 +94,70 @@ class WireBuffer:
         if self.write and self.staged:
             with torch.no_grad():
                 self.target.copy_(self.wire)
+
+
+class CachedView(NamedTuple):
+    """What ``ViewCache`` keeps of one tensor."""
+
+    tensor: "weakref.ref[torch.Tensor]"
+    address: int
+    numel: int
+    spec: list
+    """``[buffer, count, datatype]`` over the tensor's memory, by address."""
+    floating: bool
+
+
+class ViewCache:
+    """MPI buffer specs of contiguous CPU tensors that are passed again and
+    again (DP bucket buffers, persistent staging buffers), so the next call on
+    the same tensor goes straight to MPI.
+
+    Why it matters: right after a large collective the CPU caches hold message
+    data, not the interpreter's, so every Python operation before the next MPI
+    call is a cache miss. Building a ``WireBuffer`` measured 30-130 us there
+    (1-8 MiB messages, 2 ranks) against 13 us in a warm loop, which made
+    ``all_reduce`` 10-25% slower than a bare mpi4py call.
+
+    An entry holds no reference to the tensor or its memory (a weak reference
+    and an address-based mpi4py buffer), so caching never keeps memory alive;
+    it is used only while the same live tensor still has the same address,
+    element count and contiguity (``set_``/``resize_`` change one of those).
+    At most ``capacity`` tensors are remembered, oldest forgotten first
+    (0: none).
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.entries: Dict[int, CachedView] = {}
+        """By ``id(tensor)``; read directly by hot paths (see ``get`` for the checks)."""
+
+    def get(self, tensor: torch.Tensor) -> Optional[CachedView]:
+        hit = self.entries.get(id(tensor))
+        if (hit is not None and hit.tensor() is tensor and hit.address == tensor.data_ptr()
+                and hit.numel == tensor.numel() and tensor.is_contiguous()):
+            return hit
+        return None
+
+    def remember(self, tensor: torch.Tensor, buffer: "WireBuffer") -> None:
+        """Remember ``tensor`` if ``buffer`` is a zero-copy view of it in host memory."""
+        if buffer.staged or tensor.device.type != "cpu" or tensor.numel() == 0 or self.capacity <= 0:
+            return
+        key = id(tensor)
+        if key not in self.entries and len(self.entries) >= self.capacity:
+            del self.entries[next(iter(self.entries))]
+        entries = self.entries
+
+        def forget(_: Any, key: int = key) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry.tensor() is None:
+                del entries[key]
+
+        memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        self.entries[key] = CachedView(weakref.ref(tensor, forget), tensor.data_ptr(), tensor.numel(),
+                                        [memory, buffer.count, buffer.mpi_type], tensor.dtype.is_floating_point)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 def detect_cuda_aware(setting: str) -> bool:
