@@ -162,10 +162,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     params = sum(p.numel() for p in trainer.model.parameters()) * size
     state_bytes = 12 * params
     io = "MPI-IO" if (h5py.get_config().mpi and cfg.checkpoint.hdf5.driver != "serial") else "serial"
-    h5_path, dcp_path = os.path.join(base, "ours.h5"), os.path.join(base, "dcp")
     state = _dcp_state(trainer, size)
     t: Dict[str, List[float]] = {k: [] for k in ("h5 save", "dcp save", "h5 load", "dcp load", "async block", "async total")}
+    previous: List[str] = []
     for it in range(args.iters + 1):  # iteration 0 warms up (page cache, allocators, plans)
+        # New names every iteration, as training writes each checkpoint anew;
+        # the previous iteration's files are removed here, untimed.
+        h5_path, dcp_path = os.path.join(base, f"ours-{it}.h5"), os.path.join(base, f"dcp-{it}")
+        async_path = os.path.join(base, f"ours-async-{it}.h5")
+        if rank == 0:
+            for old in previous:
+                if os.path.isdir(old):
+                    shutil.rmtree(old)
+                else:
+                    os.remove(old)
+        previous = [h5_path, dcp_path, async_path]
+        comm.Barrier()
         runs = {
             "h5 save": lambda: sync_ck.save(trainer, h5_path),
             "dcp save": lambda: dcp.save(state, checkpoint_id=dcp_path),
@@ -178,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t[key].append(dt)
         comm.Barrier()
         t0 = time.perf_counter()
-        async_ck.save(trainer, h5_path)
+        async_ck.save(trainer, async_path)
         blocked = time.perf_counter() - t0
         async_ck.wait()
         total = time.perf_counter() - t0

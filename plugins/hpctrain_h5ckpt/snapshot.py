@@ -203,7 +203,13 @@ def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None)
         return _as_numpy(src)
     if buffer is None:
         buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
-    buffer.copy_(src)
+    if src.device.type == "cpu" and src.is_contiguous() and buffer.is_contiguous():
+        # host to host: numpy's copy is a plain memcpy, ~1.7x torch's copy_ on
+        # one thread here (12 vs 20 ms for 92 MB), and this copy is what the
+        # training step waits for
+        np.copyto(_as_numpy(buffer), _as_numpy(src))
+    else:
+        buffer.copy_(src)
     return _as_numpy(buffer)
 
 

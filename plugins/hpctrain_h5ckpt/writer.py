@@ -29,7 +29,7 @@ way; HDF5 errors there are normally seen by all ranks alike.)
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -40,6 +40,8 @@ from hpctrain_h5ckpt.layout import Box, Plan
 from hpctrain_h5ckpt.options import IOOptions
 
 _TOKEN_TAG = 7301
+WRITEBACK_EVERY = 32 << 20
+"""Bytes a rank writes between requests to start writing back (``h5io.start_writeback``)."""
 Owned = Dict[str, List[Tuple[Box, np.ndarray]]]
 
 
@@ -65,8 +67,12 @@ def _write_meta(f: Any, attrs: Mapping[str, Any]) -> None:
         meta.attrs[key] = np.int64(value) if isinstance(value, (bool, int)) else value
 
 
-def _write_owned(f: Any, plan: Plan, owned: Owned, opts: IOOptions, collective: bool) -> None:
+def _write_owned(f: Any, plan: Plan, owned: Owned, opts: IOOptions, collective: bool,
+                 written: Optional[Callable[[], None]] = None) -> None:
+    """Write this rank's boxes. ``written``: called after every
+    ``WRITEBACK_EVERY`` bytes this rank wrote, and at the end."""
     dxpl = h5io.collective_dxpl() if collective else None
+    pending = 0
     for decl in plan.datasets:
         mine = owned.get(decl.path, [])
         dset = f[decl.path]
@@ -79,6 +85,12 @@ def _write_owned(f: Any, plan: Plan, owned: Owned, opts: IOOptions, collective: 
         else:
             for box, arr in mine:
                 h5io.write_box(dset, box, arr)
+        pending += sum(arr.nbytes for _, arr in mine)
+        if written is not None and pending >= WRITEBACK_EVERY:
+            written()
+            pending = 0
+    if written is not None and pending:
+        written()
 
 
 def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], comm: Any, opts: IOOptions) -> None:
@@ -89,7 +101,9 @@ def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any
     with h5io.open_file(path, "w", comm, opts.alignment) as f:
         h5io.create_all(f, plan.datasets)
         _write_meta(f, attrs)
-        _write_owned(f, plan, owned, opts, collective=True)
+        # The device writes while later datasets are copied and checksums summed
+        _write_owned(f, plan, owned, opts, collective=True,
+                     written=(lambda: h5io.start_writeback(path)) if opts.fsync else None)
         h5io.write_checksums(f, plan.datasets, compute_checksums(plan, owned, comm))
         if opts.fsync:
             f.flush()
