@@ -25,9 +25,12 @@ Columns follow nccl-tests: ``size`` is the total bytes of the op (all-gather:
 the gathered output; reduce-scatter: the input; all-to-all: one rank's send
 buffer), algbw = size / time, busbw = algbw x 2(n-1)/n for all-reduce,
 x (n-1)/n for all-gather, reduce-scatter and all-to-all, x 1 for broadcast.
-``vs raw`` is our busbw over the raw peer's at the same size: raw-gloo for a
-gloo-based backend, raw-mpi4py for every other one. Reductions are sums of
-float32 zeros (no overflow, no denormals). Timing: see ``hpctrain.bench.common``.
+``vs raw`` is our busbw over the raw peer's at the same size (ratio of
+median times): raw-gloo for a gloo-based backend, raw-mpi4py for every
+other one. ``paired`` is the median over rounds of the peer's time over ours
+in the same round: the two calls are adjacent in time, so it drifts less
+with a shared machine's load. Reductions are sums of float32 zeros (no
+overflow, no denormals). Timing: see ``hpctrain.bench.common``.
 """
 from __future__ import annotations
 
@@ -201,11 +204,11 @@ def run(args, rt, pm) -> Dict[str, Table]:
                 f"median of up to {args.iters} iterations (budget {args.budget:g} s per cell)",
                 *[f"# {note}" for note in notes])
     tables: Dict[str, Table] = {}
-    ratios: Dict[Tuple[str, str], List[Tuple[int, float]]] = {}  # (op, impl) -> [(bytes, ratio)]
+    ratios: Dict[Tuple[str, str], List[Tuple[int, float, float]]] = {}  # (op, impl) -> [(bytes, ratio, paired)]
     for op in args.ops:
         table = Table([Column("size", "{}"), Column("impl", "{}", "<"), Column("time (us)", "{:.1f}"),
                        Column("algbw (GB/s)", "{:.3f}"), Column("busbw (GB/s)", "{:.3f}"),
-                       Column("vs raw", "{:.2f}")])
+                       Column("vs raw", "{:.2f}"), Column("paired", "{:.2f}")])
         for size in sizes:
             b = make_buffers(op, size, n, dtype)
             impls: List[Tuple[str, Optional[Callable[[], Any]], Optional[str]]] = [
@@ -222,19 +225,23 @@ def run(args, rt, pm) -> Dict[str, Table]:
                 t = timings[label].median
                 alg = b.nbytes / t / 1e9
                 busbw[label] = alg * bus_factor(op, n)
-                ratio = busbw[label] / busbw[peer] if peer in busbw else None
-                if ratio is not None:
-                    ratios.setdefault((op, label), []).append((b.nbytes, ratio))
-                table.add(format_size(b.nbytes), label, t * 1e6, alg, busbw[label], ratio)
+                ratio = paired = None
+                if peer in busbw:
+                    ratio = busbw[label] / busbw[peer]
+                    # per round: the peer's time over ours, the two calls adjacent in time
+                    paired = statistics.median(p / o for p, o in zip(timings[peer].samples, timings[label].samples))
+                    ratios.setdefault((op, label), []).append((b.nbytes, ratio, paired))
+                table.add(format_size(b.nbytes), label, t * 1e6, alg, busbw[label], ratio, paired)
             del b
         tables[op] = table
         print_rank0(world, "", f"## {op} ({n} ranks)", table.render(args.markdown))
     print_rank0(world, "", f"## busbw vs the raw peer, messages >= {format_size(args.summary_from)}")
     for (op, label), found in ratios.items():
-        big = [r for nbytes, r in found if nbytes >= args.summary_from]
+        big = [(r, p) for nbytes, r, p in found if nbytes >= args.summary_from]
         if big:
-            print_rank0(world, f"{op:<15} {label:<12} min {min(big):.2f}  median {statistics.median(big):.2f}  "
-                               f"({len(big)} sizes)")
+            plain, paired = [r for r, _ in big], [p for _, p in big]
+            print_rank0(world, f"{op:<15} {label:<12} min {min(plain):.2f}  median {statistics.median(plain):.2f}  "
+                               f"paired min {min(paired):.2f}  median {statistics.median(paired):.2f}  ({len(big)} sizes)")
     return tables
 
 

@@ -57,3 +57,48 @@ def test_table_text_and_markdown():
 
 def test_timing_median_is_robust_to_one_slow_sample():
     assert Timing([1.0, 1.1, 0.9, 50.0, 1.05]).median == 1.05
+
+
+class _OneRank:
+    """The few MPI calls the timing helpers make, for a world of one rank."""
+
+    def Barrier(self):
+        return None
+
+    def allreduce(self, value, op=None):
+        return value
+
+    def allgather(self, value):
+        return [value]
+
+
+def test_interleaved_timing_rotates_so_each_contender_follows_each_other_equally():
+    from hpctrain.bench.common import time_interleaved
+
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    timings = time_interleaved(fns, _OneRank(), warmup=0, iters=6)
+    assert [len(t.samples) for t in timings] == [6, 6, 6]
+    rounds = [calls[k * 3:(k + 1) * 3] for k in range(6)]
+    assert rounds[:3] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    follows = {}
+    for a, b in zip(calls, calls[1:]):
+        follows[(a, b)] = follows.get((a, b), 0) + 1
+    assert {pair for pair in follows if pair[0] != pair[1]} == {(0, 1), (1, 2), (2, 0), (0, 2), (1, 0), (2, 1)}
+
+
+def test_comm_bench_times_each_peer_with_its_own_backends():
+    from types import SimpleNamespace
+
+    from hpctrain.bench.comm import _time_by_family
+
+    calls = []
+    impls = [("raw-mpi4py", lambda: calls.append("raw-mpi4py"), None),
+             ("raw-gloo", lambda: calls.append("raw-gloo"), None),
+             ("torch(gloo)", lambda: calls.append("torch(gloo)"), "raw-gloo"),
+             ("mpi", lambda: calls.append("mpi"), "raw-mpi4py"),
+             ("nccl", None, "raw-mpi4py")]
+    timings = _time_by_family(impls, _OneRank(), SimpleNamespace(warmup=0, iters=4, budget=None))
+    assert set(timings) == {"raw-mpi4py", "raw-gloo", "torch(gloo)", "mpi"}
+    mpi_family = [c for c in calls if c in ("raw-mpi4py", "mpi")]
+    assert calls[:len(mpi_family)] == mpi_family  # one family is finished before the other starts
