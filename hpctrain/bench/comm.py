@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -274,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         _parser().error(f"unknown op(s) {', '.join(bad)}; choose from {', '.join(OPS)}")
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print("hpctrain-bench comm needs at least 2 ranks: mpiexec -n 2 hpctrain-bench comm")
+        print("hpctrain-bench comm needs at least 2 ranks: mpiexec -n 2 hpctrain-bench comm", file=sys.stderr)
         return 2
     run(args, rt, get_manager())
     return 0

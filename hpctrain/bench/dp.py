@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -209,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print("hpctrain-bench dp needs at least 2 ranks: mpiexec -n 2 hpctrain-bench dp")
+        print("hpctrain-bench dp needs at least 2 ranks: mpiexec -n 2 hpctrain-bench dp", file=sys.stderr)
         return 2
     pm = get_manager()
     steps = [f"trainer.steps={args.warmup + args.steps}"]  # the learning-rate schedule's length

@@ -73,11 +73,11 @@ class Arch:
     # -- shapes ----------------------------------------------------------
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self._shape.head_dim  # one definition: the model's own shape
 
     @property
     def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
+        return self._shape.kv_dim
 
     @property
     def is_moe(self) -> bool:
