@@ -23,8 +23,10 @@ from typing import Any, Optional, Protocol, runtime_checkable
 class Checkpointer(Protocol):
     def save(self, trainer: Any, path: Optional[str] = None) -> str:
         """Write a checkpoint of ``trainer`` (collective over all ranks) and
-        return its final path. With async saving this returns once tensors
-        are copied to host memory; the commit happens in the background."""
+        return its final path. With async saving this may return before the
+        tensors are even copied to host memory (overlapped staging); the
+        commit happens in the background. Until ``before_update`` returns,
+        the caller must not change parameters or optimizer state in place."""
 
     def load(self, trainer: Any, path: str) -> Optional[str]:
         """Restore ``trainer`` (model, optimizer, step, cursor, RNG) from ``path``
@@ -38,3 +40,10 @@ class Checkpointer(Protocol):
 
     def wait(self) -> None:
         """Block until any background save has committed."""
+
+    def before_update(self) -> None:
+        """Called by the trainer every step right before the optimizer step
+        (the first in-place change to parameters and optimizer state after a
+        save). A checkpointer that copies state in the background waits here
+        until that copy is done. Optional: the trainer skips a checkpointer
+        without it, which must then finish copying inside ``save``."""

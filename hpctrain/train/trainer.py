@@ -3,8 +3,10 @@
 Per step: the data cursor hands this rank its micro-batches; the step
 schedule runs forward/backward (``hpctrain_before_backward`` fires before
 each backward); ``hpctrain_after_backward`` lets plugins finish gradient
-reductions; gradients are clipped by the global norm; the optimizer steps;
-the loss is averaged over data-parallel ranks for the metrics.
+reductions; gradients are clipped by the global norm; the checkpointer's
+``before_update`` waits for an async save still copying state to host
+memory; the optimizer steps; the loss is averaged over data-parallel ranks
+for the metrics.
 """
 from __future__ import annotations
 
@@ -99,6 +101,10 @@ class Trainer:
         loss = self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast)
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         grad_norm = clip_grad_norm(self.params, mesh, cfg.optim.grad_clip)
+        # an async save may still be copying parameters and optimizer state to host
+        before_update = getattr(self.checkpointer, "before_update", None)
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         self.step += 1
         loss = loss if loss is not None else torch.zeros((), device=self.device)

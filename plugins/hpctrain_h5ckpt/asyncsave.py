@@ -18,18 +18,28 @@ A failure in the background is logged at once (naming the rank) and raised
 again in the training thread at the next ``wait()``: the next save, or the
 end of training. The thread is a daemon so a crashed run can still exit;
 the trainer waits for it in a ``finally`` on the normal path.
+
+Overlapped staging (``checkpoint.hdf5.staging=overlap``, the default): the
+copy to host memory also leaves the step. ``submit`` takes a ``stage``
+callable that runs first on the worker thread, while the training thread
+goes on with the next forward and backward (which only read parameters and
+optimizer state); ``wait_staged`` (the checkpointer's ``before_update``,
+called by the trainer right before the optimizer step) blocks until that
+copy is done. A failure while staging is raised there, before the
+optimizer could change the state being saved.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from mpi4py import MPI
 
 from hpctrain.log import get_logger
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 def threads_supported() -> bool:
@@ -41,25 +51,51 @@ class BackgroundSaver:
     def __init__(self, rank: int):
         self.rank = rank
         self._thread: Optional[threading.Thread] = None
+        self._staged = threading.Event()
+        self._staged.set()
         self._error: Optional[BaseException] = None
+        self._staging_failed = False
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, job: Callable[[], None], what: str) -> None:
-        """Run ``job`` in the background once the previous job has finished."""
+    @property
+    def staging(self) -> bool:
+        """A submitted job has not finished copying its state to host memory yet."""
+        return not self._staged.is_set()
+
+    def submit(self, stage: Callable[[], T], write: Callable[[T], None], what: str) -> None:
+        """Run ``write(stage())`` in the background once the previous job has
+        finished; ``wait_staged`` returns once ``stage`` has."""
         self.wait()
+        self._staged.clear()
 
         def run() -> None:
             try:
-                job()
-            except BaseException as e:  # re-raised in the training thread by wait()
+                try:
+                    staged = stage()
+                except BaseException:
+                    self._staging_failed = True
+                    raise
+                finally:
+                    self._staged.set()
+                write(staged)
+            except BaseException as e:  # re-raised in the training thread by wait() / wait_staged()
                 self._error = e
                 log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
 
         self._thread = threading.Thread(target=run, name=f"hpctrain-ckpt-{what}", daemon=True)
         self._thread.start()
+
+    def wait_staged(self) -> float:
+        """Block until the job in flight has copied its state to host memory.
+        Raises a staging failure (the job has then ended). Returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._staged.wait()
+        if self._staging_failed:
+            self.wait()  # joins the finished job and raises its error
+        return time.perf_counter() - t0
 
     def wait(self) -> float:
         """Block until the job in flight has finished; raise its error. Returns the seconds waited."""
@@ -68,6 +104,6 @@ class BackgroundSaver:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            err, self._error = self._error, None
+            err, self._error, self._staging_failed = self._error, None, False
             raise err
         return time.perf_counter() - t0

@@ -3,14 +3,18 @@ HDF5 file per checkpoint.
 
 save: (1) wait for the previous background save, if any; (2) describe this
 rank's state and allgather the declarations into a Plan (who writes which
-hyperslab); (3) copy the boxes this rank *owns* to host memory. That is
-all the training step waits for; the time is measured and logged. (A
-synchronous save of CPU tensors skips the copy and writes from the tensors'
-own memory: training cannot change them before the call returns.) (4)
-write ``<name>.h5.tmp`` collectively and (5) commit: every rank has closed
-the file, rank 0 renames it, updates ``latest`` and prunes to
-``checkpoint.keep``. With ``checkpoint.async_save`` steps 4-5 run on a
-background thread (see ``asyncsave``); otherwise in the call.
+hyperslab); (3) stage: copy the boxes this rank *owns* to host memory (see
+``staging``: with ``checkpoint.hdf5.staging=overlap`` the copy runs in the
+background during the next forward/backward and ``before_update`` waits
+for it before the optimizer step; with ``blocking`` it runs here; a
+synchronous save of CPU tensors skips it and writes from the tensors' own
+memory, which training cannot change before the call returns); (4) write
+``<name>.h5.tmp`` collectively and (5) commit: every rank has closed the
+file, rank 0 renames it, updates ``latest`` and prunes to
+``checkpoint.keep``. With ``checkpoint.async_save`` steps 4-5 (and 3 when
+overlapped) run on a background thread (see ``asyncsave``); otherwise in
+the call. The time training waits (in ``save`` and in ``before_update``)
+is measured, kept in ``stats`` and logged.
 
 load: read and verify this rank's boxes by the current layout, then
 restore (``restore.load_into``). With ``resume=auto`` a checkpoint that
@@ -31,6 +35,7 @@ from typing import Any, Deque, List, Optional, Tuple
 from hpctrain.log import get_logger, log_rank0
 
 from hpctrain_h5ckpt import snapshot, store, writer
+from hpctrain_h5ckpt.staging import HostBuffers, Stager
 from hpctrain_h5ckpt.asyncsave import BackgroundSaver, threads_supported
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import Plan, PlanError, gather_plan
@@ -47,21 +52,25 @@ class SaveStats:
     path: str
     async_save: bool
     blocking_s: float
-    """Time the training thread spent in save() (includes waited_s)."""
+    """Time training waited for this save: in save() (includes waited_s) plus staging_wait_s."""
     waited_s: float
-    """Part of blocking_s spent waiting for the previous background save."""
+    """Part of blocking_s spent in save() waiting for the previous background save."""
     host_bytes: int
-    """Bytes this rank copied to host memory (the boxes it owns)."""
+    """Bytes of the boxes this rank owns (what it stages to host memory and writes)."""
     total_bytes: int
     """Tensor bytes in the file (all ranks)."""
+    staging_wait_s: float = 0.0
+    """Part of blocking_s spent in before_update() waiting for an overlapped host copy."""
     write_s: float = 0.0
     """Time from the start of the write to the commit (background when async)."""
     committed: bool = False
 
 
 class H5Checkpointer:
-    def __init__(self, comm: Any, opts: IOOptions, directory: Optional[str], keep: int, async_save: bool):
+    def __init__(self, comm: Any, opts: IOOptions, directory: Optional[str], keep: int, async_save: bool,
+                 staging: str = "overlap"):
         self.comm, self.opts, self.directory, self.keep = comm, opts, directory, keep
+        self.overlap = staging == "overlap"
         self.rank = comm.Get_rank()
         self._bg: Optional[BackgroundSaver] = None
         if async_save:
@@ -71,7 +80,7 @@ class H5Checkpointer:
                 log.warning("checkpoint.async_save=true needs MPI_THREAD_MULTIPLE; this MPI gives less, so saves are synchronous")
         self._auto: List[str] = []
         self._cached_plan: Optional[Tuple[Any, Plan]] = None
-        self._buffers = snapshot.HostBuffers() if self._bg is not None else None
+        self._buffers = HostBuffers() if self._bg is not None else None
         self._static: Optional[Tuple[Any, Tuple[bytes, str]]] = None
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
@@ -96,27 +105,57 @@ class H5Checkpointer:
         except PlanError as e:
             raise CheckpointError(f"checkpoint {final}: {e}") from e
         attrs = self.comm.bcast(view.attrs if self.rank == 0 else None, root=0)
-        owned = snapshot.to_host(view, plan.owned_by(self.rank), copy=self._bg is not None, buffers=self._buffers)
+        stager = Stager(view, plan.owned_by(self.rank), self._buffers)
         del view
         stats = SaveStats(step=step, path=final, async_save=self._bg is not None, blocking_s=0.0, waited_s=waited,
-                          host_bytes=sum(a.nbytes for pairs in owned.values() for _, a in pairs),
-                          total_bytes=sum(plan.bytes_by_rank().values()))
+                          host_bytes=stager.nbytes, total_bytes=sum(plan.bytes_by_rank().values()))
         self.stats.append(stats)
 
-        def job() -> None:
+        def stage() -> Tuple[Optional[writer.Owned], Optional[str]]:
+            try:
+                return stager.copy(), None
+            except Exception as e:  # agreed in write(), so no rank is left alone in a collective
+                return None, f"{type(e).__name__}: {e}"
+
+        def write(staged: Tuple[Optional[writer.Owned], Optional[str]]) -> None:
+            owned, error = staged
+            errors = self.comm.allgather(error)
+            if any(errors):
+                writer.raise_failures(final, "copying to host memory", errors)
             self._write_and_commit(plan, owned, attrs, final, stats)
 
-        if self._bg is not None:
-            self._bg.submit(job, f"step{step}")
+        if self._bg is None:
+            write(stage())
+            stats.blocking_s = time.perf_counter() - t0
+            log_rank0("checkpoint step %d: training blocked %.3f s (synchronous save)", step, stats.blocking_s)
+        elif self.overlap:
+            self._bg.submit(stage, write, f"step{step}")
+            stats.blocking_s = time.perf_counter() - t0
+            log_rank0("checkpoint step %d: training blocked %.3f s (waited %.3f s for the previous save); copying "
+                      "%.1f MB to host during the next step, then writing %s in the background", step,
+                      stats.blocking_s, waited, stats.host_bytes / 1e6, os.path.basename(final))
+        else:
+            staged = stage()
+            self._bg.submit(lambda: staged, write, f"step{step}")
             stats.blocking_s = time.perf_counter() - t0
             log_rank0("checkpoint step %d: training blocked %.3f s (waited %.3f s for the previous save, "
                       "copied %.1f MB to host); writing %s in the background", step, stats.blocking_s, waited,
                       stats.host_bytes / 1e6, os.path.basename(final))
-        else:
-            job()
-            stats.blocking_s = time.perf_counter() - t0
-            log_rank0("checkpoint step %d: training blocked %.3f s (synchronous save)", step, stats.blocking_s)
         return final
+
+    def before_update(self) -> None:
+        """Called by the trainer right before the optimizer step: wait until an
+        overlapped host copy is done (at once when nothing is being staged).
+        A failed copy is agreed among the ranks in the background and raised
+        by the next ``save``/``wait``, like a failed write."""
+        if self._bg is None or not self._bg.staging:
+            return
+        stats = self.stats[-1]
+        waited = self._bg.wait_staged()
+        stats.staging_wait_s += waited
+        stats.blocking_s += waited
+        if waited >= 1e-3:
+            log_rank0("checkpoint step %d: the optimizer step waited %.3f s for the host copy", stats.step, waited)
 
     def _plan(self, view: snapshot.StateView) -> Plan:
         """The Plan, reused while no rank's declaration changed: then an

@@ -23,6 +23,7 @@ from hpctrain.log import get_logger
 from hpctrain_h5ckpt.h5io import h5py_has_mpi
 
 DRIVERS = ("auto", "mpio", "serial")
+STAGING_MODES = ("overlap", "blocking")
 
 log = get_logger(__name__)
 _warned = {"serial": False}
@@ -42,6 +43,8 @@ class H5Config:
     """fsync the file and directory before the checkpoint counts as committed."""
     verify: bool = True
     """Check every dataset's checksum while loading."""
+    staging: str = "overlap"
+    """With checkpoint.async_save: overlap (copy to host during the next forward/backward; the trainer waits before the optimizer step) or blocking (copy inside save()); see hpctrain_h5ckpt.staging."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ def problems(h5: Any) -> List[str]:
     elif h5.driver == "mpio" and not h5py_has_mpi():
         out.append("checkpoint.hdf5.driver=mpio but this h5py has no MPI support; rebuild h5py against "
                    "parallel HDF5 (scripts/setup.sh) or use checkpoint.hdf5.driver=auto")
+    if h5.staging not in STAGING_MODES:
+        out.append(f"checkpoint.hdf5.staging={h5.staging!r} is not one of {', '.join(STAGING_MODES)}")
     if h5.collective_min_mb < 0:
         out.append(f"checkpoint.hdf5.collective_min_mb={h5.collective_min_mb} must be >= 0")
     if h5.alignment_kb < 0:

@@ -58,4 +58,4 @@ def hpctrain_make_checkpointer(name: str, mesh: Any, cfg: Any) -> Optional[Any]:
     ck = cfg.checkpoint
     comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator
     return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
-                          bool(ck.async_save))
+                          bool(ck.async_save), str(ck.hdf5.staging))

@@ -1,5 +1,5 @@
-"""What a checkpoint holds of a trainer, the blocking copy to host memory,
-and putting a loaded checkpoint back into a trainer.
+"""What a checkpoint holds of a trainer (``describe``), and the conversions
+between tensors and the numpy arrays h5py reads and writes.
 
 The tree (``h5ls -r`` shows it)::
 
@@ -187,14 +187,17 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view("<u2") if t.dtype == torch.bfloat16 else t.numpy()
 
 
-def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None) -> np.ndarray:
-    """``t`` in host memory: the only part of an async save the step waits for.
+def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None,
+              non_blocking: bool = False) -> np.ndarray:
+    """``t`` in host memory (an async save's staging copy; see ``staging``).
 
     ``buffer``: a host tensor of the same shape and dtype to copy into
     (reused from the previous save, so its pages are already mapped; on GPU
     it is pinned). ``copy=False``: a contiguous CPU tensor is returned as a
     zero-copy view, for a synchronous save that writes it before training
-    can change it.
+    can change it. ``non_blocking``: a device-to-host copy is only queued on
+    the current CUDA stream; the caller synchronises that stream before
+    reading the result.
     """
     if isinstance(t, np.ndarray):
         return t
@@ -209,45 +212,8 @@ def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None)
         # training step waits for
         np.copyto(_as_numpy(buffer), _as_numpy(src))
     else:
-        buffer.copy_(src)
+        buffer.copy_(src, non_blocking=non_blocking and buffer.is_pinned())
     return _as_numpy(buffer)
-
-
-class HostBuffers:
-    """Host copies of the owned boxes, kept from one async save to the next.
-
-    Allocating fresh memory each save makes the copy pay a page fault per
-    4 KiB; reusing the buffers leaves a plain memcpy in the step. Safe because
-    a save starts only after the previous one has finished writing. Costs one
-    host copy of this rank's owned state for the life of the checkpointer.
-    """
-
-    def __init__(self) -> None:
-        self._bufs: Dict[Tuple[str, Box], torch.Tensor] = {}
-
-    def get(self, path: str, box: Box, like: Data) -> Optional[torch.Tensor]:
-        if not isinstance(like, torch.Tensor):
-            return None
-        buf = self._bufs.get((path, box))
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.device.type == "cuda")
-            self._bufs[(path, box)] = buf
-        return buf
-
-
-def to_host(view: StateView, owned: Dict[str, List[Box]], copy: bool = True,
-            buffers: Optional[HostBuffers] = None) -> Dict[str, List[Tuple[Box, np.ndarray]]]:
-    """The boxes this rank owns (writes) in host memory (see ``host_copy``)."""
-    out: Dict[str, List[Tuple[Box, np.ndarray]]] = {}
-    for path, boxes in owned.items():
-        held = view.boxes[path]
-        pairs = []
-        for b in boxes:
-            data = view.data[path][held.index(b)]
-            buf = buffers.get(path, b, data) if (buffers is not None and copy) else None
-            pairs.append((b, host_copy(data, copy, buf)))
-        out[path] = pairs
-    return out
 
 
 def from_numpy(arr: np.ndarray, dtype_name_: str) -> torch.Tensor:

@@ -150,10 +150,11 @@ def write_file(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], co
         error = f"{type(e).__name__}: {e}"
     errors = comm.allgather(error)
     if any(errors):
-        _raise(path, "writing", errors)
+        raise_failures(path, "writing", errors)
     return sum(arr.nbytes for pairs in owned.values() for _, arr in pairs)
 
 
-def _raise(path: str, what: str, errors: Sequence[Optional[str]]) -> None:
+def raise_failures(path: str, what: str, errors: Sequence[Optional[str]]) -> None:
+    """One CheckpointError naming every rank's failure (``errors``: one entry per rank, allgathered)."""
     lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     raise CheckpointError(f"checkpoint {path}: {what} failed\n  " + "\n  ".join(lines))

@@ -15,16 +15,19 @@ def test_ckpt_bench_prints_its_tables_and_keeps_only_the_last_files(world, share
 
     if world.Get_size() > 4:
         pytest.skip("smoke-tested at 2..4 ranks")
-    code = ckpt.main(["--iters", "2", "--d-model", "64", "--layers", "1", "--vocab", "512", "--dir", shared_tmp])
+    code = ckpt.main(["--iters", "2", "--d-model", "64", "--layers", "1", "--vocab", "512", "--step-s", "0.02",
+                      "--dir", shared_tmp])
     out = capsys.readouterr().out
     assert code == 0
     world.Barrier()
     if world.Get_rank() == 0:
-        for row in ("save", "load", "training blocked (host copy)", "hpctrain .h5", "DCP directory"):
+        for row in ("save", "load", "async, overlap", "async, blocking", "sync (for reference)", "hpctrain .h5",
+                    "DCP directory"):
             assert any(line.strip().startswith(row) for line in out.splitlines()), row
         sizes = {line.split()[0] + line.split()[1]: int(line.split()[2].replace(",", ""))
                  for line in out.splitlines() if line.startswith(("hpctrain .h5", "DCP directory"))}
         # the same tensor bytes (1.4 MB here); each format's metadata (HDF5 object
         # headers and attributes, DCP's .metadata) is a few percent of so small a state
         assert sizes["hpctrain.h5"] == pytest.approx(sizes["DCPdirectory"], rel=0.10)
-        assert sorted(os.listdir(shared_tmp)) == ["dcp-2", "latest", "ours-2.h5", "ours-async-2.h5"]
+        assert sorted(os.listdir(shared_tmp)) == ["dcp-2", "latest", "ours-2.h5", "ours-async-blocking-2.h5",
+                                                  "ours-async-overlap-2.h5"]

@@ -17,6 +17,7 @@ from ckpt_helpers import assert_same_datasets, build_trainer
 from hpctrain_h5ckpt import h5io, options, writer
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.reader import CheckpointReader
+from hpctrain_h5ckpt.staging import Stager
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -69,15 +70,82 @@ def _copy(src: str, dst: str) -> str:
     return dst
 
 
-def test_async_save_writes_the_same_file_as_a_sync_save(baseline, shared_tmp):
-    asyn = _train(f"{shared_tmp}/async", "trainer.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+@pytest.mark.parametrize("staging", ["overlap", "blocking"])
+def test_async_save_writes_the_same_file_as_a_sync_save(baseline, shared_tmp, staging):
+    d = f"{shared_tmp}/async-{staging}"
+    asyn = _train(d, "trainer.steps=4", "checkpoint.every=2", "checkpoint.async_save=true",
+                  f"checkpoint.hdf5.staging={staging}")
     assert [s.async_save for s in asyn.checkpointer.stats] == [True, True]
     assert all(s.committed and s.blocking_s >= 0 for s in asyn.checkpointer.stats)
     if MPI.COMM_WORLD.Get_rank() == 0:
         for step in (2, 4):
-            assert_same_datasets(_ck(baseline, step), _ck(f"{shared_tmp}/async", step))
-            assert _meta(_ck(baseline, step)) == _meta(_ck(f"{shared_tmp}/async", step))
+            assert_same_datasets(_ck(baseline, step), _ck(d, step))
+            assert _meta(_ck(baseline, step)) == _meta(_ck(d, step))
 
+
+def _hold_staging(monkeypatch) -> threading.Event:
+    """Make every overlapped host copy wait for the returned event."""
+    release, real = threading.Event(), Stager.copy
+
+    def held_copy(self):
+        assert release.wait(120), "the test never released the copy"
+        return real(self)
+
+    monkeypatch.setattr(Stager, "copy", held_copy)
+    return release
+
+
+def test_overlapped_copy_runs_during_the_next_step_and_the_optimizer_waits_for_it(baseline, shared_tmp, monkeypatch):
+    release = _hold_staging(monkeypatch)
+    d = f"{shared_tmp}/overlap"
+    t = build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=0", "checkpoint.every=100", "trainer.steps=4",
+                      "checkpoint.async_save=true")
+    t.train_step()
+    t.train_step()
+    t.save_checkpoint()
+    seen = {}
+    bg = t.checkpointer._bg
+    run, step, wait_staged = t.schedule.run, t.optimizer.step, bg.wait_staged
+
+    def forward_backward(*args, **kwargs):
+        seen["copying during forward/backward"] = bg.staging
+        return run(*args, **kwargs)
+
+    def waiting_before_update():
+        threading.Timer(0.2, release.set).start()  # the copy finishes while the trainer waits
+        return wait_staged()
+
+    def optimizer_step(*args, **kwargs):
+        seen.setdefault("copying at the optimizer step", bg.staging)
+        return step(*args, **kwargs)
+
+    t.schedule.run, t.optimizer.step, bg.wait_staged = forward_backward, optimizer_step, waiting_before_update
+    t.train_step()
+    t.checkpointer.wait()
+    stats = t.checkpointer.stats[-1]
+    assert seen == {"copying during forward/backward": True, "copying at the optimizer step": False}
+    assert stats.committed and stats.staging_wait_s >= 0.15 and stats.blocking_s >= stats.staging_wait_s
+    if MPI.COMM_WORLD.Get_rank() == 0:  # the file holds step 2, not the state the next update made
+        assert_same_datasets(_ck(baseline, 2), _ck(d, 2))
+
+
+def test_a_loop_that_updates_before_the_copy_fails_the_save_on_every_rank(shared_tmp, monkeypatch):
+    release = _hold_staging(monkeypatch)
+    d = f"{shared_tmp}/raced"
+    t = build_trainer(f"checkpoint.dir={d}", "trainer.steps=4", "checkpoint.every=1", "checkpoint.async_save=true")
+    t.train_step()
+    path = t.save_checkpoint()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        t.optimizer.step()  # one rank's loop skips before_update(): its copy would mix two steps
+    release.set()
+    with pytest.raises(CheckpointError, match="copying to host memory failed") as err:
+        t.checkpointer.wait()
+    assert "rank 0: CheckpointError" in str(err.value) and "before_update" in str(err.value)
+    assert not os.path.exists(path) and not os.path.exists(path + ".tmp")
+    t.train_step()  # training and the next save go on
+    t.save_checkpoint()
+    t.checkpointer.wait()
+    assert t.checkpointer.stats[-1].committed
 
 def test_async_save_returns_before_the_write_and_training_goes_on(shared_tmp, monkeypatch):
     release, real = threading.Event(), writer.write_file
