@@ -12,8 +12,8 @@ says when that copy happens:
   the copy runs on the background saver's thread while the next forward and
   backward run (they read parameters and optimizer state, never write
   them), and the trainer calls ``Checkpointer.before_update()`` right before
-  the optimizer step, which waits until the copy is done. This is the
-  schedule of DCP/torchtitan's pinned-memory async staging. On a GPU the
+  the optimizer step, which waits until the copy is done (torchtitan waits
+  for its pinned-memory staging at the same point). On a GPU the
   copy is a device-to-host transfer on its own CUDA stream into pinned
   buffers, done by the copy engine beside the compute kernels. On a
   CPU-only node the copy shares the cores with the forward and backward: the
