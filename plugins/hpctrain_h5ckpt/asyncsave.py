@@ -26,8 +26,10 @@ callable that runs first on the worker thread, while the training thread
 goes on with the next forward and backward (which only read parameters and
 optimizer state); ``wait_staged`` (the checkpointer's ``before_update``,
 called by the trainer right before the optimizer step) blocks until that
-copy is done. A failure while staging is raised there, before the
-optimizer could change the state being saved.
+copy is done. If ``stage`` raises, ``wait_staged`` raises it; the
+checkpointer's ``stage`` never does (it returns its error, which every
+rank agrees on before the collective write, so none is left alone in a
+collective), so there a copy failure surfaces at the next ``wait()``.
 """
 from __future__ import annotations
 
@@ -87,7 +89,12 @@ class BackgroundSaver:
                 log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
 
         self._thread = threading.Thread(target=run, name=f"hpctrain-ckpt-{what}", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None
+            self._staged.set()  # nothing is staging; wait_staged must not block forever
+            raise
 
     def wait_staged(self) -> float:
         """Block until the job in flight has copied its state to host memory.

@@ -5,8 +5,9 @@ save: (1) wait for the previous background save, if any; (2) describe this
 rank's state and allgather the declarations into a Plan (who writes which
 hyperslab); (3) stage: copy the boxes this rank *owns* to host memory (see
 ``staging``: with ``checkpoint.hdf5.staging=overlap`` the copy runs in the
-background during the next forward/backward and ``before_update`` waits
-for it before the optimizer step; with ``blocking`` it runs here; a
+background during the next forward/backward and ``before_update`` (also
+registered as the optimizer's step pre-hook) waits for it before the
+optimizer step; with ``blocking`` it runs here; a
 synchronous save of CPU tensors skips it and writes from the tensors' own
 memory, which training cannot change before the call returns); (4) write
 ``<name>.h5.tmp`` collectively and (5) commit: every rank has closed the
@@ -82,6 +83,7 @@ class H5Checkpointer:
         self._cached_plan: Optional[Tuple[Any, Plan]] = None
         self._buffers = HostBuffers() if self._bg is not None else None
         self._static: Optional[Tuple[Any, Tuple[bytes, str]]] = None
+        self._hooked: List[Any] = []
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
 
@@ -106,6 +108,8 @@ class H5Checkpointer:
             raise CheckpointError(f"checkpoint {final}: {e}") from e
         attrs = self.comm.bcast(view.attrs if self.rank == 0 else None, root=0)
         stager = Stager(view, plan.owned_by(self.rank), self._buffers)
+        if self._bg is not None and self.overlap:
+            self._hook_optimizer(trainer.optimizer)
         del view
         stats = SaveStats(step=step, path=final, async_save=self._bg is not None, blocking_s=0.0, waited_s=waited,
                           host_bytes=stager.nbytes, total_bytes=sum(plan.bytes_by_rank().values()))
@@ -157,6 +161,16 @@ class H5Checkpointer:
         if waited >= 1e-3:
             log_rank0("checkpoint step %d: the optimizer step waited %.3f s for the host copy", stats.step, waited)
 
+    def _hook_optimizer(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` itself wait for an overlapped copy, so a
+        training loop that never calls ``before_update`` cannot tear a
+        checkpoint (torch optimizers; others rely on the caller)."""
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None or any(o is optimizer for o in self._hooked):
+            return
+        register(lambda *_: self.before_update())
+        self._hooked.append(optimizer)
+
     def _plan(self, view: snapshot.StateView) -> Plan:
         """The Plan, reused while no rank's declaration changed: then an
         allgather of a flag and the step replaces the allgather of every
@@ -201,6 +215,11 @@ class H5Checkpointer:
     def wait(self) -> None:
         if self._bg is not None:
             self._bg.wait()
+
+    @property
+    def busy(self) -> bool:
+        """A background save is still copying, writing or committing."""
+        return self._bg is not None and self._bg.busy
 
     # -- resuming --------------------------------------------------------------
     def resolve(self, resume: str) -> Optional[str]:

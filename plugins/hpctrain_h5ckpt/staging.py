@@ -20,12 +20,17 @@ says when that copy happens:
   step no longer waits for it, but runs slower by about the copy's CPU time
   (``hpctrain-bench ckpt`` reports both).
 
-A guard makes the overlap safe to rely on: each tensor's version counter
-(``Tensor._version``, bumped by every in-place change; shared with the
-alias kept here) is recorded by ``save()`` and checked once the copy is
-done. If anything changed a tensor in between (a training loop that steps
-the optimizer without calling ``before_update``), the save fails with an
-error that says so and nothing is committed.
+What keeps the copy consistent: the checkpointer also registers
+``before_update`` as a step pre-hook on a torch optimizer
+(``register_step_pre_hook``), so even a training loop that never calls it
+cannot step the optimizer during the copy. Beyond that, a best-effort
+guard: each tensor's version counter (``Tensor._version``, bumped by
+in-place changes autograd sees; shared with the alias kept here) is
+recorded by ``save()`` and checked once the copy is done, and a change
+fails the save with an error that says so, committing nothing. It cannot
+see writes through ``.data`` or a raw buffer (numpy view, MPI receive), nor
+an in-place op still running when the copy ends (a ``_foreach_`` op bumps
+the counters only when the whole list is done).
 """
 from __future__ import annotations
 
@@ -94,24 +99,30 @@ class Stager:
                    for _, _, d, _ in self.items)
 
     def copy(self) -> Owned:
+        """The owned boxes in host memory. Runs once; afterwards the Stager
+        holds no reference to the training's tensors."""
         copy = self.buffers is not None
         streams = {dev: torch.cuda.Stream(dev) for dev in self._ready}
-        for dev, stream in streams.items():
-            stream.wait_event(self._ready[dev])
         out: Owned = {}
-        for path, box, data, _ in self.items:
-            buf = self.buffers.get(path, box, data) if copy else None
-            stream = streams.get(data.device) if isinstance(data, torch.Tensor) else None
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    arr = host_copy(data, copy, buf, non_blocking=True)
-            else:
-                arr = host_copy(data, copy, buf)
-            out.setdefault(path, []).append((box, arr))
-        for stream in streams.values():
-            stream.synchronize()
+        try:
+            for dev, stream in streams.items():
+                stream.wait_event(self._ready[dev])
+            for path, box, data, _ in self.items:
+                buf = self.buffers.get(path, box, data) if copy else None
+                stream = streams.get(data.device) if isinstance(data, torch.Tensor) else None
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        arr = host_copy(data, copy, buf, non_blocking=True)
+                else:
+                    arr = host_copy(data, copy, buf)
+                out.setdefault(path, []).append((box, arr))
+        finally:
+            # also after a failure: queued copies into the reused buffers must end first
+            for stream in streams.values():
+                stream.synchronize()
         if copy:
             self._check_unchanged()
+        self.items = []
         return out
 
     def _check_unchanged(self) -> None:

@@ -45,8 +45,10 @@ def test_copy_holds_the_values_at_save_time_in_reused_buffers():
 def test_without_buffers_a_cpu_tensor_is_written_from_its_own_memory():
     w = torch.randn(8, 4)
     view = _view(w=w)
-    out = Stager(view, _owned(view), None).copy()
+    stager = Stager(view, _owned(view), None)
+    out = stager.copy()
     assert np.shares_memory(out["/model/w"][0][1], w.numpy())
+    assert stager.items == []  # the Stager lets go of the training's tensors once copied
 
 
 def test_a_tensor_changed_before_its_copy_fails_the_save_and_names_it():
