@@ -84,6 +84,26 @@ def test_async_save_writes_the_same_file_as_a_sync_save(baseline, shared_tmp, st
             assert _meta(_ck(baseline, step)) == _meta(_ck(d, step))
 
 
+def test_async_save_returns_before_the_write_and_training_goes_on(shared_tmp, monkeypatch):
+    release, real = threading.Event(), writer.write_file
+
+    def held_write(*args, **kwargs):
+        assert release.wait(120), "the test never released the write"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_file", held_write)
+    d = f"{shared_tmp}/held"
+    t = build_trainer(f"checkpoint.dir={d}", "trainer.steps=3", "checkpoint.every=1", "checkpoint.async_save=true")
+    t.train_step()
+    path = t.save_checkpoint()
+    assert t.checkpointer._bg.busy and not os.path.exists(path)   # save() returned; nothing committed yet
+    t.train_step()                                                # a collective step while the write waits
+    assert not os.path.exists(path)
+    release.set()
+    t.checkpointer.wait()
+    assert os.path.exists(path) and t.checkpointer.stats[-1].committed
+
+
 def _hold_staging(monkeypatch) -> threading.Event:
     """Make every overlapped host copy wait for the returned event."""
     release, real = threading.Event(), Stager.copy
@@ -96,14 +116,20 @@ def _hold_staging(monkeypatch) -> threading.Event:
     return release
 
 
-def test_overlapped_copy_runs_during_the_next_step_and_the_optimizer_waits_for_it(baseline, shared_tmp, monkeypatch):
-    release = _hold_staging(monkeypatch)
-    d = f"{shared_tmp}/overlap"
+def _async_saved_at_step_2(d: str):
+    """A trainer two steps in whose async save of step 2 is still copying (held by ``_hold_staging``)."""
     t = build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=0", "checkpoint.every=100", "trainer.steps=4",
                       "checkpoint.async_save=true")
     t.train_step()
     t.train_step()
     t.save_checkpoint()
+    return t
+
+
+def test_overlapped_copy_runs_during_the_next_step_and_the_optimizer_waits_for_it(baseline, shared_tmp, monkeypatch):
+    release = _hold_staging(monkeypatch)
+    d = f"{shared_tmp}/overlap"
+    t = _async_saved_at_step_2(d)
     seen = {}
     bg = t.checkpointer._bg
     run, step, wait_staged = t.schedule.run, t.optimizer.step, bg.wait_staged
@@ -135,11 +161,7 @@ def test_the_optimizer_step_waits_for_the_copy_even_in_a_loop_without_before_upd
                                                                                      monkeypatch):
     release = _hold_staging(monkeypatch)
     d = f"{shared_tmp}/own-loop"
-    t = build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=0", "checkpoint.every=100", "trainer.steps=4",
-                      "checkpoint.async_save=true")
-    t.train_step()
-    t.train_step()
-    t.save_checkpoint()
+    t = _async_saved_at_step_2(d)
     bg, seen = t.checkpointer._bg, []
     t.optimizer.register_step_pre_hook(lambda *_: seen.append(bg.staging))  # runs after the checkpointer's hook
     threading.Timer(0.2, release.set).start()
