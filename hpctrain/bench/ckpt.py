@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0
+from hpctrain.bench.common import Column, Table, machine_summary, max_over_ranks, print_rank0, timed_call
 
 
 def _shapes(d: int, layers: int, vocab: int) -> List[Tuple[str, Tuple[int, int]]]:
@@ -123,26 +123,13 @@ def _step_work(seconds: float, comm: Any):
     for _ in range(3):
         once()
     per_rep = (time.perf_counter() - t0) / 3
-    reps = comm.allreduce(max(1, round(seconds / per_rep)), op=_max())
+    reps = int(max_over_ranks(comm, max(1, round(seconds / per_rep))))
 
     def work() -> None:
         for _ in range(reps):
             once()
 
     return work
-
-
-def _timed(comm: Any, fn) -> float:
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    return comm.allreduce(time.perf_counter() - t0, op=_max())
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def _dir_size(path: str) -> int:
@@ -228,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "work alone": work,
         }
         for key, fn in runs.items():
-            dt = _timed(comm, fn)
+            dt = max_over_ranks(comm, timed_call(comm, fn))
             if it:
                 t[key].append(dt)
         for mode, ck in async_cks.items():
@@ -253,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 measured = {"blocked": blocked, "steps": steps, "added": overlapped - steps * t["work alone"][-1],
                             "committed": committed}
                 for k, v in measured.items():
-                    t[f"{mode} {k}"].append(comm.allreduce(v, op=_max()))
+                    t[f"{mode} {k}"].append(max_over_ranks(comm, v))
     med = {k: statistics.median(v) for k, v in t.items()}
     # Both contenders run back to back in each iteration, so the machine's load
     # affects both alike there: the median of per-iteration ratios is steadier

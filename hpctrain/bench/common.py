@@ -84,24 +84,12 @@ def time_collective(fn: Callable[[], Any], mpi_comm: Any, warmup: int = 3, iters
     """
     slowest_warmup = 0.0
     for _ in range(warmup):
-        mpi_comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        slowest_warmup = max(slowest_warmup, time.perf_counter() - t0)
+        slowest_warmup = max(slowest_warmup, timed_call(mpi_comm, fn, sync))
     if budget_s is not None:
-        slowest_warmup = mpi_comm.allreduce(slowest_warmup, op=_mpi_max())
+        slowest_warmup = max_over_ranks(mpi_comm, slowest_warmup)
         if slowest_warmup > 0:
             iters = max(min_iters, min(iters, int(budget_s / slowest_warmup)))
-    local = []
-    for _ in range(iters):
-        mpi_comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        local.append(time.perf_counter() - t0)
+    local = [timed_call(mpi_comm, fn, sync) for _ in range(iters)]
     everyone = mpi_comm.allgather(local)
     return Timing([max(per_rank[i] for per_rank in everyone) for i in range(iters)])
 
@@ -121,30 +109,36 @@ def time_interleaved(fns: Sequence[Callable[[], Any]], mpi_comm: Any, warmup: in
     slowest = [0.0] * n
     for _ in range(warmup):
         for i, fn in enumerate(fns):
-            mpi_comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            slowest[i] = max(slowest[i], time.perf_counter() - t0)
+            slowest[i] = max(slowest[i], timed_call(mpi_comm, fn))
     if budget_s is not None and fns:
-        worst = mpi_comm.allreduce(max(slowest), op=_mpi_max())
+        worst = max_over_ranks(mpi_comm, max(slowest))
         if worst > 0:
             iters = max(min_iters, min(iters, int(budget_s / worst)))
     local: List[List[float]] = [[] for _ in fns]
     for k in range(iters):
         for j in range(n):
             i = (k + j) % n
-            mpi_comm.Barrier()
-            t0 = time.perf_counter()
-            fns[i]()
-            local[i].append(time.perf_counter() - t0)
+            local[i].append(timed_call(mpi_comm, fns[i]))
     everyone = mpi_comm.allgather(local)
     return [Timing([max(per_rank[i][k] for per_rank in everyone) for k in range(iters)]) for i in range(n)]
 
 
-def _mpi_max():
+def timed_call(mpi_comm: Any, fn: Callable[[], Any], sync: Optional[Callable[[], Any]] = None) -> float:
+    """All ranks meet at a barrier (untimed), then this rank's seconds for one
+    ``fn()`` (and ``sync()``, e.g. a device synchronisation). Collective."""
+    mpi_comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - t0
+
+
+def max_over_ranks(mpi_comm: Any, value: float) -> float:
+    """The largest of every rank's ``value`` (for times: the slowest rank's). Collective."""
     from mpi4py import MPI
 
-    return MPI.MAX
+    return mpi_comm.allreduce(value, op=MPI.MAX)
 
 
 # -- tables ------------------------------------------------------------------
