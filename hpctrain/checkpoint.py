@@ -3,12 +3,17 @@
 The trainer owns *when* (``checkpoint.every``, on demand, at resume); the
 plugin owns *how*. A checkpoint holds logical (unsharded) tensors keyed by
 ShardSpec.logical_name, so any layout can load any checkpoint; each rank
-writes and reads only its hyperslabs (``ShardSpec.local_slices``).
+writes and reads only the pieces it holds (``ShardSpec.pieces``: boxes of
+the logical tensor, padding left out, each with a view of the local tensor).
 
 What the trainer exposes to a checkpointer (read and restore):
-- ``trainer.model.named_parameters()`` with ``hpctrain_spec`` on each;
-- ``trainer.optimizer`` (its per-parameter state has the parameter's shape
-  and so its ShardSpec, unless a ZeRO plugin documents otherwise);
+- ``trainer.model.named_parameters()`` with ``hpctrain_spec`` on each, and
+  the model's persistent buffers (with a spec when they carry one);
+- ``trainer.optimizer``: ``optimizer.state`` maps each parameter to its
+  state; a state tensor shaped like its parameter shares the parameter's
+  ShardSpec, and an optimizer whose state is laid out otherwise (ZeRO's flat
+  shards) answers ``optimizer.state_spec(param, key) -> ShardSpec``
+  (``ShardedStateOptimizer``);
 - ``trainer.step`` (the LR schedule is a pure function of it);
 - ``trainer.cursor.state_dict()`` / ``load_state_dict`` (global data cursor);
 - ``trainer.cfg`` (resolved config) and ``trainer.mesh`` (the layout);
@@ -17,6 +22,13 @@ What the trainer exposes to a checkpointer (read and restore):
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable
+
+
+class ShardedStateOptimizer(Protocol):
+    """An optimizer whose state tensors are not shaped like their parameters."""
+
+    def state_spec(self, param: Any, key: str) -> Optional[Any]:
+        """The ShardSpec of ``state[param][key]`` (None: the parameter's own)."""
 
 
 @runtime_checkable

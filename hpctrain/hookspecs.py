@@ -8,9 +8,13 @@ decline (e.g. a backend plugin asked for a backend name it does not serve).
 Call order in a run: register_configs / config_sections (before composition)
 -> validate (every rank, before any collective) -> make_backend (per group)
 -> make_module (while the model is built on the meta device) -> parallelize
-(per axis, in the order tp, cp, ep, pp, dp) -> make_optimizer -> step_schedule
--> on_train_start -> [before_backward / after_backward / on_step_end]* ->
-on_train_end.
+(per axis, in the order tp, cp, ep, pp, dp; only the plugin chosen for the
+axis answers) -> after_materialize -> make_optimizer -> step_schedule ->
+make_checkpointer -> on_train_start -> [before_backward / after_backward /
+step_metrics / on_step_end]* -> on_train_end.
+
+Hook implementations may accept any subset of a spec's arguments (pluggy),
+so arguments added to a spec later do not break existing plugins.
 """
 from __future__ import annotations
 
@@ -22,8 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from omegaconf import DictConfig
 
+    from hpctrain.checkpoint import Checkpointer
     from hpctrain.comm.protocol import Communicator
     from hpctrain.mesh import Group, Mesh
+    from hpctrain.train.schedule import StepSchedule
 
 PROJECT = "hpctrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -76,33 +82,64 @@ def hpctrain_make_backend(name: str, group: "Group", cfg: "DictConfig") -> Optio
 
 
 @hookspec(firstresult=True)
-def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: int) -> Optional["torch.nn.Module"]:
+def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: int,
+                         mesh: Optional["Mesh"]) -> Optional["torch.nn.Module"]:
     """Build a replaceable model part (``kind`` in ``attention``, ``ffn``)
     named ``name`` for block ``layer_index``, on the meta device, with a
-    ShardSpec on every parameter. Return None to decline."""
+    ShardSpec on every parameter. ``mesh`` is the run's layout (None when the
+    model is built without one, e.g. by tools). Return None to decline."""
 
 
 @hookspec(firstresult=True)
 def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["torch.nn.Module"]:
     """Apply the transform of mesh axis ``axis`` to the meta-device model and
     return it (possibly wrapped). Update the ShardSpec of every parameter
-    split. Return None if this plugin does not handle ``axis``."""
+    split. Return None if this plugin does not handle ``axis``.
+
+    Only the plugin chosen for the axis is asked: ``parallel.impl.<axis>``
+    names it (an entry-point name), or the one installed plugin whose
+    capabilities list the axis under ``parallel``. Axis ``dp`` stands for the
+    data axes: it is asked whenever ``cp x ep x dp`` > 1 (``ep`` and ``cp``
+    ranks are data-parallel for every weight not split on them), and its
+    plugin sets up gradient averaging (``hpctrain.grad_sync``)."""
+
+
+@hookspec
+def hpctrain_claim_axis(axis: str, cfg: "DictConfig") -> Optional[bool]:
+    """Whether this plugin wants to implement ``axis`` (one it serves) for
+    this config: True (chosen over plugins without an opinion, e.g. a ZeRO
+    plugin when ``parallel.zero.stage > 0``), False (not for this config),
+    None (no opinion). ``parallel.impl.<axis>`` overrides every claim; two
+    True claims without it are an error naming both. Pure function of cfg."""
+
+
+@hookspec
+def hpctrain_after_materialize(model: "torch.nn.Module", mesh: "Mesh", cfg: "DictConfig") -> None:
+    """The model's parameters now hold their real values on their device
+    (parameter objects are the same as during ``parallelize``). Attach
+    gradient hooks, buckets and other per-tensor state here."""
 
 
 @hookspec(firstresult=True)
-def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], mesh: "Mesh", cfg: "DictConfig") -> Optional["torch.optim.Optimizer"]:
-    """Return the optimizer (e.g. a ZeRO-sharded one) or None for the core's AdamW."""
+def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], model: "torch.nn.Module", mesh: "Mesh",
+                            cfg: "DictConfig") -> Optional["torch.optim.Optimizer"]:
+    """Return the optimizer of ``params`` (the trainable parameters of
+    ``model``), e.g. a ZeRO-sharded one, or None for the core's AdamW.
+
+    For checkpointing, ``optimizer.state`` maps each parameter to its state;
+    a state tensor not shaped like its parameter needs
+    ``optimizer.state_spec(param, key)`` (``hpctrain.checkpoint``)."""
 
 
 @hookspec(firstresult=True)
-def hpctrain_step_schedule(cfg: "DictConfig", mesh: "Mesh") -> Optional[Any]:
+def hpctrain_step_schedule(cfg: "DictConfig", mesh: "Mesh") -> Optional["StepSchedule"]:
     """Return the object that runs forward/backward over the micro-batches of
     one step (a pipeline schedule), or None for plain gradient accumulation.
     See ``hpctrain.train.schedule.StepSchedule``."""
 
 
 @hookspec(firstresult=True)
-def hpctrain_make_checkpointer(name: str, mesh: "Mesh", cfg: "DictConfig") -> Optional[Any]:
+def hpctrain_make_checkpointer(name: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["Checkpointer"]:
     """Return a checkpointer for format ``name`` or None."""
 
 
@@ -116,6 +153,18 @@ def hpctrain_before_backward(model: "torch.nn.Module", microbatch: int, num_micr
 def hpctrain_after_backward(model: "torch.nn.Module", mesh: "Mesh") -> None:
     """Called after the last backward of a step, before clipping and the
     optimizer step: finish gradient reductions here."""
+
+
+@hookspec
+def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) -> Optional[Dict[str, float]]:
+    """Add metrics of optimizer step ``step`` (1-based) before they are
+    logged and written to ``metrics.jsonl``: return ``{name: value}``
+    (e.g. ``{"moe.aux_loss": 0.01}``; prefix names with your plugin's).
+
+    Called on every rank in the same order, so a plugin may reduce its
+    values with a collective here (every rank must then enter it, holding
+    something to report or not). ``metrics`` holds the core's values so far;
+    a name that is already there is an error."""
 
 
 @hookspec

@@ -1,18 +1,40 @@
-"""The device mesh: named axes ``tp cp ep dp pp`` and one ``Group`` per axis.
+"""The device mesh: named axes ``tp cp ep dp pp``, their groups, and the
+data axes every parallel feature shares.
 
 A rank's coordinate on each axis follows the rank-order string, fastest
 varying axis first. With the default ``tp-cp-ep-dp-pp`` consecutive ranks form
 a TP group, so TP stays inside a node, and PP varies slowest.
 
-The mesh only computes rank sets. The communicator that serves a group is
-attached afterwards by a backend plugin (``hpctrain_make_backend``), because
-creating process groups is itself a collective operation.
+Data axes. Samples are split over ``dp x ep`` (expert ranks are
+data-parallel for every dense layer) and the sequence over ``cp``; a
+gradient is averaged over the data axes its parameter is not split on
+(``reduction_axes``): dense weights over ``cp ep dp``, expert weights
+(split on ``ep``) over ``cp dp``.
+
+Groups. ``group(axes)`` is the group of ranks that differ only in ``axes``.
+Axes of size 1 are dropped from the key, so groups with the same ranks are
+one object with one communicator (``("cp", "ep", "dp")`` is the ``dp``
+group when ``cp = ep = 1``). Besides the axis groups there are named
+subgroups: ``pp_ends`` (the first and last pipeline stage of a pipeline,
+for tied embeddings; middle stages are alone in theirs), ``<group>:node``
+and ``<group>:across`` (the part of a group on this rank's node, and the
+ranks at the same position on every node: hierarchical sharding), and
+``replicas(axis, pieces)`` (ranks of an axis holding the same piece when it
+is cut into fewer pieces than ranks).
+
+Creating a group's communicator is collective over the world, so the mesh
+defines every standard group when it is built and ``attach_backends``
+creates them all at once, before the first training collective. A plugin
+may define more during set-up (every rank runs the same set-up code);
+after ``seal()`` (the trainer seals once the model, optimizer and
+checkpointer exist) asking for a group that does not exist is an error
+instead of a collective that some ranks might not enter.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from hpctrain.errors import ConfigError
 
@@ -21,6 +43,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 AXES: Tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+DATA_AXES: Tuple[str, ...] = ("cp", "ep", "dp")
+"""Axes over which gradients are averaged (each rank sees different tokens)."""
+SAMPLE_AXES: Tuple[str, ...] = ("ep", "dp")
+"""Axes over which the samples of a global batch are split."""
+SEQUENCE_AXIS = "cp"
+"""The axis over which each sample's sequence is split."""
 
 
 def parse_order(order: str) -> Tuple[str, ...]:
@@ -69,17 +97,20 @@ def resolve_sizes(sizes: Mapping[str, int], world_size: int, order: str = DEFAUL
 
 @dataclass
 class Group:
-    """One group of ranks along one or more mesh axes, as seen from this rank.
+    """One group of ranks, as seen from this rank.
 
-    ``ranks`` are world ranks in group-rank order; ``partition`` holds every
-    group of the same axes (all ranks of the world, each exactly once), which
-    backends need because creating a torch process group is collective.
+    ``ranks`` are world ranks in group-rank order (ascending world rank);
+    ``partition`` holds every group of the same kind (all ranks of the
+    world, each exactly once), which backends need because creating a
+    communicator is collective over the world. ``axes`` are the mesh axes
+    the group spans (its backend follows ``comm.per_axis`` of those).
     """
 
     name: str
     ranks: Tuple[int, ...]
     rank: int
     partition: Tuple[Tuple[int, ...], ...]
+    axes: Tuple[str, ...] = ()
     comm: Optional["Communicator"] = field(default=None, repr=False)
 
     @property
@@ -93,28 +124,34 @@ class Group:
 
 
 class Mesh:
-    """Named-axis layout of the world.
+    """Named-axis layout of the world (see the module docstring)."""
 
-    ``coords[axis]`` is this rank's index on that axis; ``group(axis)`` its
-    Group; ``group(("ep", "dp"))`` a group spanning several axes (for example
-    the gradient group of dense layers in an MoE model).
-    """
-
-    def __init__(self, sizes: Mapping[str, int], world_rank: int, world_size: int, order: str = DEFAULT_ORDER):
+    def __init__(self, sizes: Mapping[str, int], world_rank: int, world_size: int, order: str = DEFAULT_ORDER,
+                 rank_nodes: Optional[Sequence[int]] = None):
         self.order: Tuple[str, ...] = parse_order(order)
         self.sizes: Dict[str, int] = resolve_sizes(sizes, world_size, order)
         self.world_size = world_size
         self.world_rank = world_rank
+        self.rank_nodes: Tuple[int, ...] = tuple(rank_nodes) if rank_nodes is not None else (0,) * world_size
+        if len(self.rank_nodes) != world_size:
+            raise ValueError(f"rank_nodes has {len(self.rank_nodes)} entries for a world of {world_size}")
         stride = 1
         self.strides: Dict[str, int] = {}
         for a in self.order:
             self.strides[a] = stride
             stride *= self.sizes[a]
         self.coords: Dict[str, int] = self.coords_of(world_rank)
-        self._groups: Dict[Tuple[str, ...], Group] = {}
+        self._groups: Dict[str, Group] = {}            # by name (aliases included)
+        self._by_partition: Dict[Tuple[Tuple[int, ...], ...], Group] = {}
+        self._created: List[Group] = []                # distinct groups, in creation order
         self._backend_factory: Optional[Callable[[Group], "Communicator"]] = None
-        for a in AXES:
-            self.group(a)
+        self._sealed = False
+        for axes in self.standard_group_keys():
+            self.group(axes)
+        self.pp_ends()
+        for axes in ("dp", DATA_AXES):
+            self.node_local(axes)
+            self.across_nodes(axes)
 
     # -- coordinates -----------------------------------------------------
     def coords_of(self, rank: int) -> Dict[str, int]:
@@ -131,62 +168,185 @@ class Mesh:
     def rank(self, axis: str) -> int:
         return self.coords[axis]
 
+    # -- data axes ---------------------------------------------------------
+    @property
+    def sample_size(self) -> int:
+        """Ranks that split the samples of a batch (dp x ep)."""
+        return math.prod(self.sizes[a] for a in SAMPLE_AXES)
+
+    @property
+    def sample_rank(self) -> int:
+        """This rank's index among ``sample_size`` (mesh order, fastest axis first)."""
+        return self.index_on(SAMPLE_AXES)
+
+    @property
+    def data_size(self) -> int:
+        """Ranks that see different tokens (cp x ep x dp)."""
+        return math.prod(self.sizes[a] for a in DATA_AXES)
+
+    def index_on(self, axes: Iterable[str]) -> int:
+        """This rank's index in the group spanning ``axes`` (its group rank)."""
+        idx, scale = 0, 1
+        for a in self.order:
+            if a in tuple(axes):
+                idx += self.coords[a] * scale
+                scale *= self.sizes[a]
+        return idx
+
+    def reduction_axes(self, split_axes: Iterable[str]) -> Tuple[str, ...]:
+        """Data axes a gradient is averaged over: those its parameter is not
+        split on, of size > 1, in mesh order."""
+        split = set(split_axes)
+        return tuple(a for a in self.order if a in DATA_AXES and a not in split and self.sizes[a] > 1)
+
     # -- groups ----------------------------------------------------------
-    def _key(self, axes: "str | Iterable[str]") -> Tuple[str, ...]:
+    def canonical(self, axes: "str | Iterable[str]") -> Tuple[str, ...]:
+        """Axes of size > 1 among ``axes``, in the mesh's rank order."""
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in axes:
             if a not in AXES:
                 raise ValueError(f"unknown mesh axis {a!r}; axes are {AXES}")
-        # canonical order: the mesh's rank order, so ("dp","ep") == ("ep","dp")
-        return tuple(a for a in self.order if a in axes)
+        return tuple(a for a in self.order if a in axes and self.sizes[a] > 1)
+
+    @staticmethod
+    def standard_group_keys() -> Tuple[Tuple[str, ...], ...]:
+        """Axis groups every run may use, created up front: each axis, the
+        data axes (dense gradients), the sample axes, the data axes without
+        ``ep`` (expert gradients) and the world (loss and gradient norm)."""
+        return tuple((a,) for a in AXES) + (DATA_AXES, SAMPLE_AXES, ("cp", "dp"), AXES)
 
     def group_ranks(self, axes: "str | Iterable[str]", rank: Optional[int] = None) -> Tuple[int, ...]:
         """World ranks of the group along ``axes`` that contains ``rank``."""
-        key = self._key(axes)
+        key = self.canonical(axes)
         coords = self.coords_of(self.world_rank if rank is None else rank)
         members = [coords]
-        for a in key:  # fastest axis first, so group rank order follows world order
+        for a in key:
             members = [dict(c, **{a: i}) for i in range(self.sizes[a]) for c in members]
         return tuple(sorted(self.rank_of(c) for c in members))
 
     def partition(self, axes: "str | Iterable[str]") -> Tuple[Tuple[int, ...], ...]:
-        key = self._key(axes)
+        return self._partition(lambda r: self.group_ranks(axes, r))
+
+    def _partition(self, members_of: Callable[[int], Tuple[int, ...]]) -> Tuple[Tuple[int, ...], ...]:
         seen, parts = set(), []
         for r in range(self.world_size):
             if r not in seen:
-                g = self.group_ranks(key, r)
+                g = tuple(sorted(members_of(r)))
+                if r not in g or seen.intersection(g):
+                    raise ValueError(f"group membership is not a partition of the world at rank {r}: {g}")
                 seen.update(g)
                 parts.append(g)
         return tuple(parts)
 
-    def group(self, axes: "str | Iterable[str]") -> Group:
-        key = self._key(axes)
-        if key not in self._groups:
-            ranks = self.group_ranks(key)
-            self._groups[key] = Group(
-                name="+".join(key) if key else "self",
-                ranks=ranks,
-                rank=ranks.index(self.world_rank),
-                partition=self.partition(key),
-            )
+    def _define(self, name: str, axes: Tuple[str, ...], members_of: Callable[[int], Tuple[int, ...]]) -> Group:
+        """The group called ``name`` (created if new; the same object as an
+        existing group with the same partition)."""
+        if name in self._groups:
+            return self._groups[name]
+        part = self._partition(members_of)
+        found = self._by_partition.get(part)
+        if found is None:
+            if self._sealed:
+                raise RuntimeError(
+                    f"group {name!r} was not created at set-up: every group must exist before training starts "
+                    "(define it while building the model, e.g. in hpctrain_parallelize or hpctrain_after_materialize)")
+            ranks = next(g for g in part if self.world_rank in g)
+            found = Group(name=name, ranks=ranks, rank=ranks.index(self.world_rank), partition=part, axes=axes)
+            self._by_partition[part] = found
+            self._created.append(found)
             if self._backend_factory is not None:
-                self._groups[key].comm = self._backend_factory(self._groups[key])
-        return self._groups[key]
+                found.comm = self._backend_factory(found)
+        self._groups[name] = found
+        return found
+
+    def group(self, axes: "str | Iterable[str]") -> Group:
+        """The group of ranks that differ only on ``axes``."""
+        key = self.canonical(axes)
+        return self._define("+".join(key) if key else "self", key, lambda r: self.group_ranks(key, r))
+
+    def pp_ends(self) -> Group:
+        """The first and last stage of this rank's pipeline (tied embeddings).
+        A middle stage is alone in its group; with pp = 1 every rank is."""
+        last = self.sizes["pp"] - 1
+
+        def members(r: int) -> Tuple[int, ...]:
+            if self.coords_of(r)["pp"] not in (0, last):
+                return (r,)
+            return tuple(x for x in self.group_ranks("pp", r) if self.coords_of(x)["pp"] in (0, last))
+
+        return self._define("pp_ends", ("pp",) if last > 0 else (), members)
+
+    def node_local(self, axes: "str | Iterable[str]") -> Group:
+        """The ranks of the group along ``axes`` that share this rank's node."""
+        key = self.canonical(axes)
+        return self._define(f"{'+'.join(key) or 'self'}:node", key,
+                            lambda r: tuple(x for x in self.group_ranks(key, r)
+                                            if self.rank_nodes[x] == self.rank_nodes[r]))
+
+    def across_nodes(self, axes: "str | Iterable[str]") -> Group:
+        """The ranks of the group along ``axes`` at this rank's position on
+        every node (its index among the group's ranks on its node)."""
+        key = self.canonical(axes)
+
+        def members(r: int) -> Tuple[int, ...]:
+            ranks = self.group_ranks(key, r)
+            position = [x for x in ranks if self.rank_nodes[x] == self.rank_nodes[r]].index(r)
+            out = []
+            for node in dict.fromkeys(self.rank_nodes[x] for x in ranks):
+                on_node = [x for x in ranks if self.rank_nodes[x] == node]
+                if position < len(on_node):
+                    out.append(on_node[position])
+            return tuple(out)
+
+        return self._define(f"{'+'.join(key) or 'self'}:across", key, members)
+
+    def replicas(self, axis: str, pieces: int) -> Group:
+        """Ranks of ``axis`` holding the same piece when the axis is cut into
+        ``pieces`` (< its size) contiguous runs of ranks: ``coord // (size / pieces)``.
+        For example the tp ranks sharing a key/value head when tp > n_kv_heads."""
+        n = self.sizes[axis]
+        if pieces < 1 or n % pieces:
+            raise ValueError(f"cannot cut axis {axis} of size {n} into {pieces} equal runs of ranks")
+        per = n // pieces
+
+        def members(r: int) -> Tuple[int, ...]:
+            mine = self.coords_of(r)[axis] // per
+            return tuple(x for x in self.group_ranks(axis, r) if self.coords_of(x)[axis] // per == mine)
+
+        return self._define(f"{axis}/{pieces}", (axis,) if per > 1 else (), members)
 
     def attach_backends(self, factory: Callable[[Group], "Communicator"]) -> None:
-        """Give every group its communicator, now and for groups created later.
+        """Give every group its communicator, now and for groups defined later.
 
-        Creating a communicator may be collective over the world, so every
-        rank must create the same groups in the same order: the single-axis
-        groups here, multi-axis ones at the same point of the same code.
+        Creating a communicator may be collective over the world; every rank
+        creates the same groups in the same order (their definition order).
+        Groups of more than one rank get a ``CountingCommunicator`` around the
+        backend's, so bytes on the wire are counted for every backend.
         """
-        self._backend_factory = factory
-        for key in sorted(self._groups, key=lambda k: (len(k), k)):
-            self._groups[key].comm = factory(self._groups[key])
+        from hpctrain.comm.counting import CountingCommunicator
+
+        def counted(group: Group) -> "Communicator":
+            comm = factory(group)
+            return CountingCommunicator(comm) if group.size > 1 else comm
+
+        self._backend_factory = counted
+        for g in self._created:
+            if g.comm is None:
+                g.comm = counted(g)
+
+    def seal(self) -> None:
+        """No new groups from now on (see the module docstring)."""
+        self._sealed = True
 
     @property
-    def groups(self) -> Dict[Tuple[str, ...], Group]:
+    def groups(self) -> Dict[str, Group]:
+        """Every group by name (names of the same group included)."""
         return dict(self._groups)
+
+    @property
+    def distinct_groups(self) -> Tuple[Group, ...]:
+        """Every group once, in creation order."""
+        return tuple(self._created)
 
     def describe(self) -> str:
         return " * ".join(f"{a}={self.sizes[a]}" for a in self.order) + f" (order {'-'.join(self.order)})"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pluggy
+from omegaconf import OmegaConf
 
 from hpctrain import hookspecs
 from hpctrain.errors import PluginError
@@ -102,6 +103,61 @@ def describe(pm: pluggy.PluginManager) -> List[PluginInfo]:
             capabilities=caps,
         ))
     return sorted(out, key=lambda p: p.name)
+
+
+def axis_plugins(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
+    """{axis: names of the plugins whose capabilities list it under ``parallel``}."""
+    out: Dict[str, List[str]] = {}
+    for name, plugin in pm.list_name_plugin():
+        impl = getattr(plugin, "hpctrain_capabilities", None) if plugin is not None else None
+        if impl is None:
+            continue
+        for axis in (impl() or {}).get("parallel", []):
+            out.setdefault(axis, []).append(name)
+    return out
+
+
+def axis_claims(pm: pluggy.PluginManager, cfg: Any, axis: str) -> Dict[str, Optional[bool]]:
+    """{plugin name: its ``hpctrain_claim_axis`` answer} (plugins without the hook are absent)."""
+    out: Dict[str, Optional[bool]] = {}
+    for impl in pm.hook.hpctrain_claim_axis.get_hookimpls():
+        given = {"axis": axis, "cfg": cfg}
+        out[impl.plugin_name] = impl.function(**{a: given[a] for a in impl.argnames})
+    return out
+
+
+def axis_plugin(pm: pluggy.PluginManager, cfg: Any, axis: str) -> Optional[str]:
+    """The plugin that implements ``axis``, decided by the config, never by
+    the order plugins happen to be installed in:
+
+    1. ``parallel.impl.<axis>`` when set;
+    2. else the one serving plugin that claims the axis for this config
+       (``hpctrain_claim_axis`` True, e.g. ZeRO at ``parallel.zero.stage > 0``);
+    3. else the one serving plugin that does not decline it (False).
+
+    Two candidates at step 2 or 3 are an error naming both. None when no
+    installed plugin serves the axis."""
+    served = axis_plugins(pm).get(axis, [])
+    chosen = OmegaConf.select(cfg, f"parallel.impl.{axis}", default=None)
+    if chosen:
+        if chosen not in served:
+            raise PluginError(f"parallel.impl.{axis}={chosen!r} is not an installed plugin serving axis {axis!r}; "
+                              f"choose one of: {', '.join(served) or '(none installed)'}")
+        return str(chosen)
+    claims = axis_claims(pm, cfg, axis)
+    wanted = [n for n in served if claims.get(n) is True]
+    candidates = wanted or [n for n in served if claims.get(n) is not False]
+    if len(candidates) > 1:
+        how = "claim" if wanted else "parallelise"
+        raise PluginError(f"plugins {' and '.join(repr(s) for s in candidates)} both {how} axis {axis!r}; "
+                          f"choose one with parallel.impl.{axis}=<name>")
+    return candidates[0] if candidates else None
+
+
+def parallelize_caller(pm: pluggy.PluginManager, name: str):
+    """``hpctrain_parallelize`` of plugin ``name`` alone (other plugins' answers are never asked)."""
+    others = [p for n, p in pm.list_name_plugin() if n != name and p is not None]
+    return pm.subset_hook_caller("hpctrain_parallelize", remove_plugins=others)
 
 
 def require(pm: pluggy.PluginManager, kind: str, name: str, config_key: str) -> None:

@@ -60,8 +60,7 @@ def backend_factory(cfg: Any, pm, device: torch.device):
     def make(group: Group) -> Communicator:
         if group.size == 1:
             return LocalCommunicator()
-        axes = group.name.split("+")
-        names = {resolve_backend_name(cfg.comm.per_axis.get(a, cfg.comm.backend), device, pm) for a in axes}
+        names = {resolve_backend_name(cfg.comm.per_axis.get(a, cfg.comm.backend), device, pm) for a in group.axes}
         if len(names) > 1:
             raise ConfigError(f"group {group.name} spans axes with different comm.per_axis backends {sorted(names)}")
         name = names.pop()
@@ -74,7 +73,8 @@ def backend_factory(cfg: Any, pm, device: torch.device):
 
 
 def build_mesh(cfg: Any, rt: Runtime, pm) -> Mesh:
-    mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order)
+    mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order,
+                rank_nodes=rt.rank_nodes or None)
     mesh.attach_backends(backend_factory(cfg, pm, rt.device))
     return mesh
 

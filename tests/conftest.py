@@ -49,12 +49,9 @@ def pm():
 
 def compose(*overrides: str, pm=None):
     """The run config for ``overrides`` (Hydra composition, as the CLI does)."""
-    from hpctrain.config import compose as _compose
-    from hpctrain.config.store import to_config
-    from omegaconf import OmegaConf
+    from hpctrain.config import compose_resolved
 
-    cfg = _compose(list(overrides), pm=pm)
-    return to_config(OmegaConf.to_container(cfg, resolve=True), pm)
+    return compose_resolved(overrides, pm)
 
 
 @pytest.fixture

@@ -135,6 +135,7 @@ def peer_of(comm) -> str:
 def make_backends(names: Optional[List[str]], rt, pm) -> Tuple[Dict[str, Any], List[str]]:
     """{name: world-group communicator} for the backends that can run here,
     and notes on the ones skipped. Collective: same calls on every rank."""
+    from hpctrain.comm.counting import unwrap
     from hpctrain.config.store import to_config
     from hpctrain.config.validate import validate
     from hpctrain.plugins import capabilities
@@ -162,7 +163,7 @@ def make_backends(names: Optional[List[str]], rt, pm) -> Tuple[Dict[str, Any], L
         if failures:
             notes.append(f"{name}: skipped ({failures[0]})")
             continue
-        key = (type(comm).__name__, str(getattr(comm, "backend", name)))
+        key = (type(unwrap(comm)).__name__, str(getattr(comm, "backend", name)))
         if key in seen:  # e.g. "gloo" is the same communicator as "torch" on CPU
             notes.append(f"{name}: same communicator as {seen[key]}, not repeated")
             continue

@@ -55,14 +55,11 @@ DEFAULT_OVERRIDES = (
 
 def make_config(overrides: List[str], pm, world_size: int):
     """The typed run config, validated for ``world_size`` ranks."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.config import compose
-    from hpctrain.config.store import to_config
+    from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.errors import ConfigError
 
-    cfg = to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    cfg = compose_resolved(overrides, pm)
     problems = validate(cfg, world_size, pm)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -79,13 +76,16 @@ class StepLoop:
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model, materialize
+        from hpctrain.plugins import axis_plugin, parallelize_caller
         from hpctrain.train.optim import build_adamw
 
         self.cfg, self.pm, self.sync, self.mesh, self.dist = cfg, pm, sync, mesh, dist
         model = build_model(cfg, pm)
         if sync == "hpctrain":  # on the meta model, as the trainer does
-            model = pm.hook.hpctrain_parallelize(model=model, axis="dp", mesh=mesh, cfg=cfg)
+            model = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
         materialize(model, rt.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers)
+        if sync == "hpctrain":
+            pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, cfg.optim)
         self.model = DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb) if sync == "ddp" else model
@@ -108,7 +108,7 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         n, total = len(micro), None
-        for i, (x, y) in enumerate(micro):
+        for i, (x, y, _) in enumerate(micro):
             quiet = self.model.no_sync() if self.sync == "ddp" and i < n - 1 else contextlib.nullcontext()
             with quiet:
                 loss = self.model(x, y)

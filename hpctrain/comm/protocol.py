@@ -13,7 +13,9 @@ Shapes:
 - ``reduce_scatter(output, input)``: input is ``group.size`` chunks along dim
   0; group rank r receives the reduction of chunk r.
 - ``all_to_all(output, input, output_splits, input_splits)``: dim-0 splits;
-  ``None`` means equal splits.
+  ``None`` means equal splits. Pass ``None`` on every rank of a call or on
+  none: a backend may use a different algorithm for each (the mpi backend's
+  ``MPI_Alltoall`` vs ``Alltoallv``), and ranks that disagree hang.
 """
 from __future__ import annotations
 

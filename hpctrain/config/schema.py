@@ -51,6 +51,24 @@ class ModelConfig:
 
 
 @dataclass
+class AxisImplConfig:
+    """Which installed plugin implements each axis, by its entry-point name
+    (``hpctrain-train --plugins`` lists them). Needed only when several
+    plugins serve one axis; None means the only one installed."""
+
+    tp: Optional[str] = None
+    """Tensor parallelism."""
+    cp: Optional[str] = None
+    """Context parallelism."""
+    ep: Optional[str] = None
+    """Expert parallelism."""
+    dp: Optional[str] = None
+    """The data axes (cp x ep x dp): gradient averaging, e.g. zero for a ZeRO plugin."""
+    pp: Optional[str] = None
+    """Pipeline parallelism."""
+
+
+@dataclass
 class ParallelConfig:
     """Mesh layout. The product tp*cp*ep*dp*pp must equal the world size."""
 
@@ -66,6 +84,8 @@ class ParallelConfig:
     """Expert-parallel size."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first (tp first keeps TP groups inside a node)."""
+    impl: AxisImplConfig = field(default_factory=AxisImplConfig)
+    """Which plugin implements an axis when several serve it (parallel.impl.dp=zero)."""
 
 
 @dataclass

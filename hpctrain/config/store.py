@@ -99,6 +99,12 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
     return cfg
 
 
+def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
+    """The typed, resolved run config for ``overrides``: what every rank of a
+    job receives from rank 0 (tests, benchmarks, tools)."""
+    return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+
+
 def to_config(data: Any, pm=None) -> DictConfig:
     """A typed DictConfig from a plain dict or YAML string (rank 0's resolved
     config, as received by the other ranks)."""

@@ -10,10 +10,12 @@ layout it proposes passes the same checks as training.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Mapping
 
+from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.errors import ConfigError, PluginError
-from hpctrain.mesh import AXES, DEFAULT_ORDER, resolve_sizes
+from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -40,19 +42,28 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
     except ConfigError as e:
         problems.append(str(e))
 
-    dp, mb, gbs = sizes["dp"], trainer.micro_batch_size, trainer.global_batch_size
+    # samples are split over dp x ep (hpctrain.mesh.SAMPLE_AXES), tokens over cp
+    mb, gbs = trainer.micro_batch_size, trainer.global_batch_size
+    splitters = [(a, sizes[a]) for a in ("dp", "ep") if a == "dp" or sizes[a] > 1]
     if mb < 1 or gbs < 1:
         problems.append("trainer.global_batch_size and trainer.micro_batch_size must be positive")
-    elif gbs % (dp * mb):
-        m = dp * mb
+    elif gbs % (math.prod(n for _, n in splitters) * mb):
+        m = math.prod(n for _, n in splitters) * mb
         lo = max(m, (gbs // m) * m)  # the nearest multiples at or below and above
         hi = lo + m
+        shown = " x ".join(f"{a}({n})" for a, n in splitters)
         problems.append(
-            f"trainer.global_batch_size={gbs} is not divisible by dp({dp}) x "
+            f"trainer.global_batch_size={gbs} is not divisible by {shown} x "
             f"trainer.micro_batch_size({mb}) = {m}; use a multiple of {m} (e.g. {lo} or {hi})"
         )
     if trainer.seq_len > model.max_seq_len:
         problems.append(f"trainer.seq_len={trainer.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    cp = sizes["cp"]
+    if cp > 1 and trainer.seq_len % (2 * cp):
+        problems.append(
+            f"trainer.seq_len={trainer.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds "
+            f"two of {2 * cp} equal chunks); use trainer.seq_len="
+            + " or ".join(str(n) for n in valid_seq_lens(trainer.seq_len, cp)))
     return problems
 
 
@@ -88,12 +99,26 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         except PluginError as e:
             problems.append(str(e))
     served_axes = caps.get("parallel", [])
+    data_size = math.prod(sizes[a] for a in DATA_AXES)
     for axis in AXES:
-        if sizes[axis] > 1 and axis not in served_axes:
+        needed = data_size > 1 if axis == "dp" else sizes[axis] > 1
+        if not needed:
+            continue
+        if axis not in served_axes:
+            if axis == "ep":  # without an expert plugin, ep ranks are plain data-parallel ranks
+                continue
+            what = f"parallel.{axis}={sizes[axis]}" if axis != "dp" else \
+                " x ".join(f"parallel.{a}={sizes[a]}" for a in DATA_AXES if sizes[a] > 1)
             problems.append(
-                f"parallel.{axis}={sizes[axis]} but no installed plugin parallelises axis {axis!r} "
+                f"{what} but no installed plugin parallelises axis {axis!r} "
                 f"(available: {', '.join(served_axes) or 'none'}); set parallel.{axis}=1 or install its plugin"
             )
+            continue
+        if pm is not None:
+            try:
+                plugins.axis_plugin(pm, cfg, axis)
+            except PluginError as e:
+                problems.append(str(e))
     for kind, builtin in (("attention", BUILTIN_ATTENTION), ("ffn", BUILTIN_FFN)):
         name = cfg.model[kind]
         if name not in builtin and name not in caps.get(f"model.{kind}", []):

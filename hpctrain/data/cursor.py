@@ -4,14 +4,18 @@ Sample ``i`` of the stream is a window of ``seq_len + 1`` tokens. Windows are
 the non-overlapping ``seq_len``-token blocks of the source, visited in a
 random permutation per epoch (seed, epoch): a function of ``i`` alone.
 Step ``s`` consumes samples ``[c, c + global_batch)`` where ``c`` is the
-number consumed so far; data-parallel rank ``r`` of ``D`` takes the r-th
-contiguous slice, then cuts it into micro-batches. So the global batch at a
-step is the same samples whatever the DP size, and a resumed run continues
-the same stream on any layout (the cursor is one integer).
+number consumed so far; sample rank ``r`` of ``D`` (``D`` = dp x ep, the
+mesh's sample axes) takes the r-th contiguous slice, then cuts it into
+micro-batches. With context parallelism each sample's tokens are split too:
+the cp rank keeps only its positions (``data.sequence.cp_positions``) of
+the inputs and targets, and the micro-batch carries those positions for
+RoPE. So the global batch at a step is the same tokens whatever the layout,
+and a resumed run continues the same stream on any layout (the cursor is one
+integer).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -49,36 +53,60 @@ class SampleOrder:
         return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
 
 
+class MicroBatch(NamedTuple):
+    """One forward/backward's share of this rank."""
+
+    inputs: torch.Tensor
+    """Token ids (micro_batch, tokens)."""
+    targets: torch.Tensor
+    """Next-token ids, shaped like inputs."""
+    positions: Optional[torch.Tensor] = None
+    """Absolute positions of the tokens in their sequences (context parallelism); None: 0, 1, ..."""
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(*(None if t is None else t.to(device) for t in self))
+
+
 class DataCursor:
-    """Hands each rank its micro-batches, step by step, from the global order."""
+    """Hands each rank its micro-batches, step by step, from the global order.
+
+    ``sample_rank``/``sample_size``: this rank's place among the ranks that
+    split the samples (dp x ep). ``positions``: the token positions this rank
+    keeps of every sample (context parallelism), or None for all.
+    """
 
     def __init__(self, order: SampleOrder, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, consumed_samples: int = 0):
-        if global_batch_size % (dp_size * micro_batch_size):
-            raise ValueError("global batch must be divisible by dp * micro batch (validated earlier)")
+                 sample_rank: int, sample_size: int, consumed_samples: int = 0,
+                 positions: Optional[torch.Tensor] = None):
+        if global_batch_size % (sample_size * micro_batch_size):
+            raise ValueError("global batch must be divisible by dp * ep * micro batch (validated earlier)")
         self.order = order
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+        self.sample_rank = sample_rank
+        self.sample_size = sample_size
         self.consumed_samples = consumed_samples
+        self.positions = positions
 
     @property
     def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.dp_size * self.micro_batch_size)
+        return self.global_batch_size // (self.sample_size * self.micro_batch_size)
 
     def local_indices(self) -> range:
-        per_rank = self.global_batch_size // self.dp_size
-        start = self.consumed_samples + self.dp_rank * per_rank
+        per_rank = self.global_batch_size // self.sample_size
+        start = self.consumed_samples + self.sample_rank * per_rank
         return range(start, start + per_rank)
 
-    def next_step(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches (inputs, targets) for the next step; advances the cursor."""
+    def next_step(self) -> List[MicroBatch]:
+        """This rank's micro-batches for the next step; advances the cursor."""
         idx = self.local_indices()
         mbs = []
         for k in range(0, len(idx), self.micro_batch_size):
             window = self.order.batch(idx[k:k + self.micro_batch_size])
-            mbs.append((window[:, :-1].contiguous(), window[:, 1:].contiguous()))
+            inputs, targets = window[:, :-1], window[:, 1:]
+            if self.positions is not None:
+                inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+            mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), self.positions))
         self.consumed_samples += self.global_batch_size
         return mbs
 

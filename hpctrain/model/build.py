@@ -3,33 +3,38 @@
 ``build_model`` allocates nothing: every parameter lives on the meta device
 with a ShardSpec naming its logical tensor. Plugins then transform the model
 axis by axis (``hpctrain_parallelize``), narrowing parameters and recording
-their splits. ``materialize`` finally allocates each rank's shards and fills
-them: for each parameter it draws the *logical* tensor from a generator
-seeded by (seed, logical name) and copies out this rank's hyperslab. One
-tensor at a time is ever whole on a rank, never the whole model, and the
-weights do not depend on the layout.
+their splits. ``materialize`` finally allocates each rank's local tensors
+and fills every piece a rank holds (``ShardSpec.pieces``) from
+``init_box``: random values come in fixed tiles of the logical tensor, each
+drawn from a generator seeded by (seed, tensor name, tile index), so a rank
+draws only the tiles its pieces touch (never a whole sharded tensor, let
+alone the model) and the weights do not depend on the layout.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from hpctrain.boxes import Box, box_shape, full_box, intersect
+from hpctrain.mesh import AXES
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import Block, SwiGLU, Transformer
-from hpctrain.shard import ShardSpec, get_spec, replicated_spec, set_spec
+from hpctrain.shard import SPEC_ATTR, ShardSpec, get_spec, replicated_spec, set_spec
 
 BUILTIN_ATTENTION = {"sdpa": SdpaAttention}
 BUILTIN_FFN = {"swiglu": SwiGLU}
 
 
-def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, shape: ModelShape, layer: int) -> nn.Module:
+def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, shape: ModelShape, layer: int,
+               mesh: Any) -> nn.Module:
     if pm is not None:
-        part = pm.hook.hpctrain_make_module(kind=kind, name=name, cfg=cfg, layer_index=layer)
+        part = pm.hook.hpctrain_make_module(kind=kind, name=name, cfg=cfg, layer_index=layer, mesh=mesh)
         if part is not None:
             return part
     if name in builtins:
@@ -41,10 +46,11 @@ def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, sha
     )
 
 
-def build_model(cfg: Any, pm=None) -> Transformer:
+def build_model(cfg: Any, pm=None, mesh: Any = None) -> Transformer:
     """The full (one-process) model on the meta device, a ShardSpec on every parameter.
 
-    ``cfg`` is the whole run config (plugins building parts may read any section).
+    ``cfg`` is the whole run config (plugins building parts may read any
+    section); ``mesh`` the layout, passed to plugins that build parts.
     """
     m = cfg.model
     shape = ModelShape.from_config(m)
@@ -53,8 +59,8 @@ def build_model(cfg: Any, pm=None) -> Transformer:
             Block(
                 shape,
                 m.norm_eps,
-                _make_part(pm, "attention", m.attention, BUILTIN_ATTENTION, cfg, shape, i),
-                _make_part(pm, "ffn", m.ffn, BUILTIN_FFN, cfg, shape, i),
+                _make_part(pm, "attention", m.attention, BUILTIN_ATTENTION, cfg, shape, i, mesh),
+                _make_part(pm, "ffn", m.ffn, BUILTIN_FFN, cfg, shape, i, mesh),
             )
             for i in range(shape.n_layers)
         )
@@ -80,18 +86,52 @@ def tensor_seed(seed: int, logical_name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_logical(spec: ShardSpec, seed: int, std: float, n_layers: int) -> torch.Tensor:
-    """The whole logical tensor of one parameter, in fp32 on the CPU."""
+TILE = 256
+"""Random initialisation is drawn in tiles of the logical tensor: TILE x TILE
+over the last two dims (one index of each leading dim), TILE * TILE
+elements of a 1-D tensor. A tile's values depend only on (seed, tensor name,
+tile index), so a rank draws the tiles its boxes touch and nothing else,
+whatever the layout."""
+
+
+def _tile_ranges(box: Box, ndim: int) -> List[List[Tuple[int, int, int]]]:
+    """Per dim: (tile index, tile start, tile stop) of the tiles ``box`` touches."""
+    sizes = [1] * max(0, ndim - 2) + ([TILE, TILE] if ndim >= 2 else [TILE * TILE] * ndim)
+    out = []
+    for (a, b), t in zip(box, sizes):
+        out.append([(i, i * t, (i + 1) * t) for i in range(a // t, -(-b // t))])
+    return out
+
+
+def init_box(spec: ShardSpec, box: Box, seed: int, std: float, n_layers: int) -> torch.Tensor:
+    """The values of ``box`` of the logical tensor, in fp32 on the CPU."""
+    shape = box_shape(box)
     if spec.init == "ones":
-        return torch.ones(spec.global_shape)
+        return torch.ones(shape)
     if spec.init == "zeros":
-        return torch.zeros(spec.global_shape)
+        return torch.zeros(shape)
     if spec.init not in ("normal", "normal_scaled"):
         raise ValueError(f"{spec.logical_name}: unknown init {spec.init!r}")
     if spec.init == "normal_scaled":
         std = std / math.sqrt(2 * n_layers)
-    g = torch.Generator().manual_seed(tensor_seed(seed, spec.logical_name))
-    return torch.empty(spec.global_shape).normal_(0.0, std, generator=g)
+    out = torch.empty(shape)
+    full = spec.global_shape
+    for tile in itertools.product(*_tile_ranges(box, len(full))):
+        tile_box = tuple((lo, min(hi, n)) for (_, lo, hi), n in zip(tile, full))
+        index = ",".join(str(i) for i, _, _ in tile)
+        g = torch.Generator().manual_seed(tensor_seed(seed, f"{spec.logical_name}#{index}"))
+        values = torch.empty(box_shape(tile_box)).normal_(0.0, std, generator=g)
+        common = intersect(box, tile_box)
+        if common is None:
+            continue
+        out[tuple(slice(x0 - b0, x1 - b0) for (x0, x1), (b0, _) in zip(common, box))] = \
+            values[tuple(slice(x0 - t0, x1 - t0) for (x0, x1), (t0, _) in zip(common, tile_box))]
+    return out
+
+
+def init_logical(spec: ShardSpec, seed: int, std: float, n_layers: int) -> torch.Tensor:
+    """The whole logical tensor of one parameter (tests and tools; training never draws it whole)."""
+    return init_box(spec, full_box(spec.global_shape), seed, std, n_layers)
 
 
 @torch.no_grad()
@@ -104,34 +144,44 @@ def materialize(
     coords: Optional[Mapping[str, int]] = None,
     sizes: Optional[Mapping[str, int]] = None,
 ) -> nn.Module:
-    """Allocate this rank's shards on ``device`` and fill them from the logical init.
+    """Allocate this rank's shards on ``device`` and fill each piece it holds
+    from the logical init (``init_box``); padding stays zero.
 
     Parameters keep their identity (``torch.utils.swap_tensors``): a plugin
     may hold references to them from ``hpctrain_parallelize`` (gradient hooks,
     buckets), and tied parameters stay tied.
     """
-    coords = coords or {}
-    sizes = sizes or {}
+    coords = dict(coords or {})
+    sizes = dict(sizes or {})
+    for a in AXES:
+        coords.setdefault(a, 0)
+        sizes.setdefault(a, 1)
     seen = set()
     for p in model.parameters():  # unique: tied parameters come once
         if id(p) in seen:
             continue
         seen.add(id(p))
         spec = get_spec(p)
-        full = init_logical(spec, seed, init_std, n_layers)
-        shard = full[spec.local_slices(coords, sizes)] if spec.splits else full
-        if tuple(shard.shape) != tuple(p.shape):
+        shape = spec.local_shape(coords, sizes)
+        if tuple(shape) != tuple(p.shape):
             raise RuntimeError(
-                f"{spec.logical_name}: ShardSpec gives a local shape {tuple(shard.shape)} but the parameter "
+                f"{spec.logical_name}: ShardSpec gives a local shape {tuple(shape)} but the parameter "
                 f"is {tuple(p.shape)}; the plugin that split it must update its ShardSpec"
             )
-        real = nn.Parameter(shard.to(device=device, dtype=p.dtype).contiguous(), requires_grad=p.requires_grad)
+        local = torch.zeros(shape)
+        for piece in spec.pieces(coords, sizes):
+            piece.take(local).copy_(init_box(spec, piece.box, seed, init_std, n_layers))
+        real = nn.Parameter(local.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, real)  # swaps __dict__ too: re-attach the spec
         set_spec(p, spec)
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type == "meta":
-                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+                spec = getattr(buf, SPEC_ATTR, None)
+                filled = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+                if spec is not None:
+                    setattr(filled, SPEC_ATTR, spec)
+                module._buffers[name] = filled
     return model
 
 

@@ -11,7 +11,7 @@ Each module lists the initialisation of its parameters in ``param_init``
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -104,34 +104,92 @@ class CrossEntropy(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
 
 
+class Layers(nn.ModuleDict):
+    """The blocks, keyed by their index in the whole model (``"0"``, ``"1"``,
+    ...), so parameter names are the one-process names even when a pipeline
+    stage holds only some blocks. ``layers[3]`` and ``layers["3"]`` are the
+    same, and iterating gives the blocks (as a ModuleList would), in order."""
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, key) -> nn.Module:
+        return super().__getitem__(str(key))
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(str(key))
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(str(key))
+
+
 class Transformer(nn.Module):
-    def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks: nn.ModuleList):
+    """The decoder, or the part of it one pipeline stage runs (``keep_stage``):
+    the first stage holds the token embedding, the last the final norm, the
+    output projection and the loss; modules a stage does not hold are None
+    or absent from ``layers``."""
+
+    def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks):
         super().__init__()
         self.shape = shape
         self.rope_theta = rope_theta
-        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.d_model)
-        self.layers = blocks
-        self.norm = RMSNorm(shape.d_model, eps)
-        self.output = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(shape.vocab_size, shape.d_model)
+        self.layers = Layers({str(i): b for i, b in enumerate(blocks)})
+        self.norm: Optional[RMSNorm] = RMSNorm(shape.d_model, eps)
+        self.output: Optional[nn.Linear] = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.loss_fn = CrossEntropy()
+        self.loss_fn: Optional[nn.Module] = CrossEntropy()
+
+    @property
+    def has_embedding(self) -> bool:
+        return self.tok_embeddings is not None
+
+    @property
+    def has_head(self) -> bool:
+        return self.output is not None
+
+    def keep_stage(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
+        """Drop everything a pipeline stage does not run: the blocks not in
+        ``layer_ids``, the embedding unless ``first``, the final norm, output
+        projection and loss unless ``last``. With tied embeddings on a stage
+        that is last but not first, ``output.weight`` stays the (formerly
+        shared) parameter named ``tok_embeddings.weight``."""
+        keep = {str(i) for i in layer_ids}
+        missing = keep - set(self.layers.keys())
+        if missing:
+            raise ValueError(f"keep_stage: no blocks {sorted(int(i) for i in missing)} in this model")
+        for key in [k for k in self.layers.keys() if k not in keep]:
+            del self.layers[key]
+        if not first:
+            self.tok_embeddings = None
+        if not last:
+            self.norm = self.output = self.loss_fn = None
+        return self
 
     def forward(
         self,
-        tokens: torch.Tensor,
+        inputs: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits (batch, seq, vocab), or the mean loss when ``targets`` is given.
-        ``positions`` are absolute token positions (context parallelism passes
-        its chunk's); default ``arange(seq)``."""
+        """Run the parts this module holds.
+
+        ``inputs``: token ids (batch, seq) when it holds the embedding, else
+        hidden states (batch, seq, d_model) from the previous stage. Returns
+        logits (batch, seq, vocab), or the mean loss when ``targets`` is
+        given, when it holds the head; hidden states otherwise.
+        ``positions`` are the tokens' absolute positions (context parallelism
+        passes its chunks'); default ``arange(seq)``.
+        """
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
         cos, sin = rope_tables(positions, self.shape.head_dim, self.rope_theta)
-        x = self.tok_embeddings(tokens)
-        for block in self.layers:
+        x = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
+        for block in self.layers.values():
             x = block(x, cos, sin)
+        if self.output is None:
+            return x
         logits = self.output(self.norm(x))
         if targets is None:
             return logits

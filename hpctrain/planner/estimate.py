@@ -90,6 +90,10 @@ class Estimate:
     tokens_per_s: float
     comm_bytes: Dict[str, float] = field(default_factory=dict)
     """Bytes each GPU puts on the wire per step, per axis (nbytes x busbw factor)."""
+    comm_time: Dict[str, float] = field(default_factory=dict)
+    """Seconds each axis's collectives take per step if nothing overlapped them
+    (the wire time); ``time.exposed[axis]`` is never less than this minus the
+    step's compute."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -216,10 +220,15 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     comm["pp"] = 2 * m * lay.vpp * pp_bytes if lay.pp > 1 else 0.0
 
     # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
-    t_dp, comm["dp"] = _data_parallel(arch, lay, work, cluster, sizes, m, t_f, t_b)
+    # dp collectives hide behind compute only, not behind the tp/cp/ep
+    # collectives inside t_f and t_b (they compete for the same links)
+    pure_f = layers * layer_f + head_f
+    pure_b = 2 * pure_f + layers * layer_re
+    t_dp, comm["dp"], wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
 
     exposed = {"tp": m * layers * n_tp * t_tp, "cp": m * layers * (cp_f + cp_b), "ep": m * layers * 4 * t_a2a,
                "pp": t_pp, "dp": t_dp}
+    wire_time = dict(exposed, cp=m * layers * 3 * t_kv, dp=wire_dp)
     # tp/cp/ep are inside t_f/t_b; report them separately and keep compute pure
     compute -= exposed["tp"] + exposed["cp"] + exposed["ep"]
     time = StepTime(compute, bubble, exposed)
@@ -228,19 +237,27 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     mfu = tokens_step * model_flops_per_token(arch, s) / (step * lay.gpus * cluster.peak_flops)
     fits = memory.total <= cluster.mem_bytes
     frac = bubble / (compute + bubble + exposed["tp"] + exposed["cp"] + exposed["ep"]) if bubble else 0.0
-    return Estimate(lay, memory, time, fits, m, frac, mfu, tokens_step / step, comm)
+    return Estimate(lay, memory, time, fits, m, frac, mfu, tokens_step / step, comm, wire_time)
 
 
 def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec,
-                   sizes: Tuple[Tuple[str, int], ...], m: int, t_f: float, t_b: float) -> Tuple[float, float]:
-    """(exposed seconds, wire bytes) of gradient reduction and ZeRO gathers per step."""
+                   sizes: Tuple[Tuple[str, int], ...], m: int, t_f: float, t_b: float) -> Tuple[float, float, float]:
+    """(exposed seconds, wire bytes, wire seconds) of gradient reduction and ZeRO
+    gathers per step.
+
+    Overlap is per micro-batch: a micro-batch's gathers and reduce-scatters hide
+    only behind that micro-batch's forward (``t_f``) and backward (``t_b``),
+    never behind the rest of the step, and one bucket of each is always exposed
+    (the first gather has nothing before it, the last reduce-scatter nothing
+    after it). Stage 1/2's parameter all-gather runs after the optimizer step
+    with nothing to hide behind."""
     G = cluster.gpus_per_node
     dense, expert, _ = max(_stage_params(arch, lay, True, lay.pp == 1), _stage_params(arch, lay, lay.pp == 1, True))
     sb = work.state_bytes
     groups = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:
         groups.append((expert, ("cp", "dp"), lay.cp * lay.dp))
-    exposed = wire = 0.0
+    exposed = wire = seconds = 0.0
     for params, axes, n in groups:
         if n == 1 or params == 0:
             continue
@@ -255,17 +272,21 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
 
         grads, weights = params * sb.grads, params * sb.weights
         rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - t_b)
+        ag, rs = t("all_gather", weights), t("reduce_scatter", grads)
         if lay.zero == 0:
             exposed += max(one("all_reduce", grads), t("all_reduce", grads) - t_b)
             wire += grads * bus_factor("all_reduce", n)
+            seconds += t("all_reduce", grads)
         elif lay.zero == 1:
-            exposed += rs_hidden + t("all_gather", weights)
+            exposed += rs_hidden + ag
             wire += (grads + weights) * bus_factor("all_gather", n)
+            seconds += rs + ag
         elif lay.zero == 2:
-            exposed += m * rs_hidden + t("all_gather", weights)
+            exposed += m * rs_hidden + ag
             wire += (m * grads + weights) * bus_factor("all_gather", n)
-        else:
-            ag, rs = t("all_gather", weights), t("reduce_scatter", grads)
+            seconds += m * rs + ag
+        else:  # forward gather, backward gather + reduce-scatter, every micro-batch
             exposed += m * (max(one("all_gather", weights), ag - t_f) + max(one("reduce_scatter", grads), ag + rs - t_b))
             wire += m * (2 * weights + grads) * bus_factor("all_gather", n)
-    return exposed, wire
+            seconds += m * (2 * ag + rs)
+    return exposed, wire, seconds

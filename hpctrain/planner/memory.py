@@ -16,6 +16,11 @@ Two byte profiles, because the paper and our trainer keep different copies:
   with activations), fp32 gradients, and AdamW's two fp32 moments; torch's
   AdamW also keeps a 4-byte ``step`` tensor per parameter tensor. Also 16
   bytes per parameter, split differently, which changes what each stage saves.
+  At stage 1 our ZeRO plugin keeps the reduce-scatter's output (g * P / Nd)
+  next to the whole accumulated gradient, so its stage-1 gradients are
+  g * P * (1 + 1 / Nd); at stage 3 the fp32 parameters are the masters.
+  ``plugins/hpctrain_zero/memory.py`` has the plugin's exact table (padding
+  included); tests/mpi/test_zero.py checks the two agree on the tiny model.
 
 GB is 1e9 bytes everywhere in the planner (as in the ZeRO table).
 """
@@ -36,6 +41,8 @@ class StateBytes:
     optimizer_per_tensor: float = 0.0
     """Extra optimizer bytes per parameter tensor (torch AdamW's ``step``)."""
     name: str = ""
+    stage1_keeps_shard: bool = False
+    """Stage 1 holds the reduced gradient shard apart from the whole gradient."""
 
     @property
     def per_param(self) -> float:
@@ -43,7 +50,7 @@ class StateBytes:
 
 
 ZERO_PAPER = StateBytes(2, 2, 12, 0.0, "mixed-precision Adam, K=12 (ZeRO paper)")
-HPCTRAIN = StateBytes(4, 4, 8, 4.0, "hpctrain AdamW: fp32 weights, fp32 grads, 2 fp32 moments")
+HPCTRAIN = StateBytes(4, 4, 8, 4.0, "hpctrain AdamW: fp32 weights, fp32 grads, 2 fp32 moments", True)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ def model_states(params: float, stage: int, shards: int, profile: StateBytes, te
     if stage == 0:
         return ModelStates(w, g, k + profile.optimizer_per_tensor * tensors)
     if stage == 1:
-        return ModelStates(w, g, k / shards)
+        return ModelStates(w, g + (g / shards if profile.stage1_keeps_shard else 0.0), k / shards)
     if stage == 2:
         return ModelStates(w, g / shards, k / shards)
     return ModelStates(w / shards, g / shards, k / shards)

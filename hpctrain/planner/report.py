@@ -123,8 +123,9 @@ def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[
              f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + exposed comm ({exposed}); "
              f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%",
              f"  memory {best.memory.total / GB:.1f} GB of {cluster.mem_bytes / GB:.1f} usable (stage {best.memory.stage})",
-             "  on the wire per GPU per step: " + (", ".join(f"{a} {v / GB:.2f} GB" for a, v in best.comm_bytes.items()
-                                                          if v > 0) or "nothing"),
+             "  on the wire per GPU per step: " + (", ".join(
+                 f"{a} {v / GB:.2f} GB in {best.comm_time.get(a, 0.0):.3f} s" for a, v in best.comm_bytes.items()
+                 if v > 0) or "nothing") + " (seconds: the collectives alone, before overlap)",
              "run it with:", "  " + launch_line(cluster, overrides)]
     if not_in_schema:
         lines.append("note: not in this installation's config schema yet (their plugins are on the roadmap): "

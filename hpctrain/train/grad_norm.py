@@ -1,48 +1,96 @@
-"""Global gradient norm and clipping over a sharded model.
+"""The step's global numbers: gradient norm and loss, over the whole mesh.
 
-A parameter's local gradient covers its own hyperslab (ShardSpec). The sum
-of squares is therefore added up over the axes the parameter is split on,
-and not over axes where it is replicated (those copies are identical after
-the gradient reductions). Parameters are grouped by their split axes so
-there is one small all-reduce per distinct set.
+Whoever owns the gradients hands over ``(gradient, ShardSpec)`` pairs: the
+model's parameters by default, or an optimizer that keeps gradient shards
+itself (ZeRO) through a ``gradients()`` method returning such pairs (flat
+specs). Each rank adds up the squares of the logical elements it holds
+(``ShardSpec.pieces``: padding is left out), each divided by the number of
+ranks holding the same element (replicas over data axes, replicated key/value
+heads, tied weights on two pipeline stages), so every logical element counts
+once in the sum.
+
+That sum, the loss sum and the token count go into one float64 all-reduce
+over the world, which every rank enters whether it holds gradients or not
+(a pipeline stage with no loss, a rank whose experts got no tokens): no
+lazily created groups, no rank-dependent set of collectives. Ranks that
+compute the same loss (tensor parallel) add both its sum and its tokens, so
+the mean is unchanged.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
 from hpctrain.comm.protocol import ReduceOp
-from hpctrain.mesh import Mesh
-from hpctrain.shard import get_spec
+from hpctrain.mesh import AXES, Mesh
+from hpctrain.shard import ShardSpec, get_spec
+
+GradPair = Tuple[torch.Tensor, ShardSpec]
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], mesh: Mesh) -> torch.Tensor:
-    sums: Dict[Tuple[str, ...], torch.Tensor] = {}
-    device = None
+def gradient_pairs(params: Iterable[torch.nn.Parameter], optimizer: Any = None) -> List[GradPair]:
+    """(gradient, spec) of every gradient this rank holds: the optimizer's
+    ``gradients()`` when it has one, else each parameter's ``.grad``."""
+    owner = getattr(optimizer, "gradients", None)
+    if callable(owner):
+        return list(owner())
+    out, seen = [], set()
     for p in params:
-        if p.grad is None:
+        if p.grad is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append((p.grad, get_spec(p)))
+    return out
+
+
+def local_square_sum(pairs: Sequence[GradPair], coords: Mapping[str, int], sizes: Mapping[str, int],
+                     device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global norm (float64 scalar on ``device``)."""
+    whole: Dict[int, List[torch.Tensor]] = {}  # replicas -> gradients held whole
+    parts: List[torch.Tensor] = []
+    for grad, spec in pairs:
+        pieces = spec.pieces(coords, sizes)
+        if len(pieces) == 1 and pieces[0].flat is None and _covers(pieces[0].local_box, grad.shape):
+            whole.setdefault(pieces[0].replicas, []).append(grad)
             continue
-        device = p.grad.device
-        axes = tuple(a for a in get_spec(p).split_axes if mesh.size(a) > 1)
-        sq = p.grad.detach().float().pow(2).sum()
-        sums[axes] = sums[axes] + sq if axes in sums else sq
-    if device is None:
-        return torch.zeros(())
-    total = torch.zeros((), device=device)
-    for axes, s in sorted(sums.items()):
-        if axes:
-            mesh.group(axes).communicator().all_reduce(s, ReduceOp.SUM)
-        total = total + s
-    return total.sqrt()
+        for piece in pieces:
+            view = piece.take(grad)
+            parts.append(view.detach().double().pow(2).sum() / piece.replicas)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for replicas, grads in whole.items():
+        norms = torch._foreach_norm([g.detach() for g in grads])
+        total = total + torch.stack(norms).double().pow(2).sum() / replicas
+    for part in parts:
+        total = total + part.to(device)
+    return total
+
+
+def _covers(box: Tuple[Tuple[int, int], ...], shape: Sequence[int]) -> bool:
+    return all(a == 0 and b == n for (a, b), n in zip(box, shape)) and len(box) == len(shape)
+
+
+def reduce_step(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,
+                device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(global gradient norm, global mean loss), fp32 scalars, from one
+    all-reduce over the world that every rank enters."""
+    values = torch.stack([
+        local_square_sum(pairs, mesh.coords, mesh.sizes, device),
+        loss_sum.detach().to(device=device, dtype=torch.float64).reshape(()),
+        torch.tensor(float(tokens), dtype=torch.float64, device=device),
+    ])
+    mesh.group(AXES).communicator().all_reduce(values, ReduceOp.SUM)
+    square, loss, count = values.tolist()
+    norm = torch.tensor(math.sqrt(max(square, 0.0)), dtype=torch.float32)
+    mean = torch.tensor(loss / count if count else float("nan"), dtype=torch.float32)
+    return norm, mean
 
 
 @torch.no_grad()
-def clip_grad_norm(params, mesh: Mesh, max_norm: float) -> torch.Tensor:
-    """Scale gradients so the global norm is at most ``max_norm`` (0: measure only)."""
-    params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params, mesh)
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([p.grad for p in params], scale.to(params[0].grad.device) if params else scale)
-    return norm
+def clip_(pairs: Sequence[GradPair], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients so the global norm is at most ``max_norm`` (0: no clipping)."""
+    if max_norm <= 0 or not pairs:
+        return
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    if scale < 1.0:
+        torch._foreach_mul_([g for g, _ in pairs], scale)

@@ -8,12 +8,21 @@ from typing import Any, Iterable, List
 
 import torch
 
+from hpctrain.shard import SPEC_ATTR
+
+
+def logical_dim(p: torch.Tensor) -> int:
+    """Dims of the logical tensor ``p`` holds part of (its ShardSpec's), or its own."""
+    spec = getattr(p, SPEC_ATTR, None)
+    return len(spec.global_shape) if spec is not None else p.dim()
+
 
 def param_groups(params: Iterable[torch.nn.Parameter], weight_decay: float) -> List[dict]:
-    """Decay tensors of rank >= 2 (matrices, embeddings); not norms or biases."""
+    """Decay tensors of rank >= 2 (matrices, embeddings); not norms or biases.
+    Decided from the logical shape, so a flat shard of a matrix still decays."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if logical_dim(p) >= 2]
+    no_decay = [p for p in params if logical_dim(p) < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -3,38 +3,81 @@
 The trainer calls ``schedule.run(...)`` once per step. The default runs
 forward and backward per micro-batch and accumulates gradients; a pipeline
 plugin returns its own schedule from ``hpctrain_step_schedule`` (1F1B, ...).
+
+A schedule returns a ``StepResult``: the sum of this rank's per-token losses
+and the number of tokens they cover (0 and 0 on ranks that compute no loss,
+such as a pipeline's non-last stages). The trainer adds both up over the
+mesh, so the logged loss is the global mean whatever the layout.
+
+Gradients: each micro-batch's backward is of its mean token loss (plus the
+auxiliary losses, ``hpctrain.model.aux``) divided by the number of
+micro-batches; the gradient-sync engine then averages over the data axes.
+With the same number of tokens on every data rank (the cursor guarantees
+it) that is the gradient of the global mean loss, as in one process.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, Union
 
 import torch
+
+from hpctrain.data.cursor import MicroBatch
+from hpctrain.model.aux import collect_aux_losses, with_aux
+
+
+@dataclass
+class StepResult:
+    """What one step's forward passes computed on this rank."""
+
+    loss_sum: torch.Tensor
+    """Sum over this rank's tokens of the language-model loss (detached scalar)."""
+    tokens: int
+    """Tokens the sum covers."""
 
 
 class StepSchedule(Protocol):
     def run(
         self,
         model: torch.nn.Module,
-        microbatches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        microbatches: Sequence[MicroBatch],
         hooks: Any,
         autocast: Callable[[], ContextManager],
-    ) -> Optional[torch.Tensor]:
-        """Forward and backward every micro-batch; gradients are the mean over
-        micro-batches. Return this rank's mean loss (detached), or None on
-        ranks that do not compute a loss (non-last pipeline stages)."""
+    ) -> StepResult:
+        """Forward and backward every micro-batch (gradients: the mean over
+        micro-batches) and return this rank's loss sum and token count.
+        Call ``hooks.hpctrain_before_backward`` before each backward.
+        (Returning a detached mean-loss tensor or None, the protocol's first
+        form, still works: see ``as_step_result``.)"""
+
+
+def as_step_result(out: Union[StepResult, torch.Tensor, None], microbatches: Sequence[MicroBatch]) -> StepResult:
+    """A schedule's return value as a StepResult (a mean-loss tensor counts
+    every target token of ``microbatches``; None: this rank has no loss)."""
+    if isinstance(out, StepResult):
+        return out
+    if out is None:
+        return StepResult(torch.zeros(()), 0)
+    tokens = sum(mb.targets.numel() for mb in microbatches)
+    return StepResult(out.detach().float() * tokens, tokens)
 
 
 class GradAccumulation:
     """Forward then backward per micro-batch (loss scaled by 1/n)."""
 
-    def run(self, model, microbatches, hooks, autocast=contextlib.nullcontext):
+    def run(self, model, microbatches, hooks, autocast=contextlib.nullcontext) -> StepResult:
         n = len(microbatches)
-        total = None
-        for i, (inputs, targets) in enumerate(microbatches):
-            with autocast():
-                loss = model(inputs, targets)
+        total: Optional[torch.Tensor] = None
+        tokens = 0
+        for i, mb in enumerate(microbatches):
+            with autocast(), collect_aux_losses() as aux:
+                loss = model(mb.inputs, mb.targets, mb.positions)
+                objective = with_aux(loss, aux)
             hooks.hpctrain_before_backward(model=model, microbatch=i, num_microbatches=n)
-            (loss / n).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        return total / n
+            (objective / n).backward()
+            count = mb.targets.numel()
+            part = loss.detach().float() * count
+            total = part if total is None else total + part
+            tokens += count
+        return StepResult(total if total is not None else torch.zeros(()), tokens)

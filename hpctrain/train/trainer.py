@@ -1,12 +1,24 @@
 """The trainer: build, parallelise, materialise, then step.
 
+Set-up: the model is built on the meta device, each axis of size > 1 is
+parallelised by the plugin chosen for it (``hpctrain.plugins.axis_plugin``;
+axis ``dp`` stands for all data axes), the model is materialised,
+``hpctrain_after_materialize`` lets plugins attach gradient hooks, then come
+the optimizer, the step schedule, the data cursor (samples over dp x ep,
+tokens over cp) and the checkpointer; the mesh is then sealed (no group is
+created after set-up).
+
 Per step: the data cursor hands this rank its micro-batches; the step
 schedule runs forward/backward (``hpctrain_before_backward`` fires before
-each backward); ``hpctrain_after_backward`` lets plugins finish gradient
-reductions; gradients are clipped by the global norm; the checkpointer's
+each backward) and returns its loss sum and token count;
+``hpctrain_after_backward`` lets plugins finish gradient reductions; one
+all-reduce over the world gives the global gradient norm and mean loss
+(``grad_norm.reduce_step``); gradients are clipped; the checkpointer's
 ``before_update`` waits for an async save still copying state to host
-memory; the optimizer steps; the loss is averaged over data-parallel ranks
-for the metrics.
+memory; the optimizer steps; plugins add metrics
+(``hpctrain_step_metrics``), and the bytes each group's communicator moved
+in the step are logged as ``comm_bytes.<group>`` (from the first step a
+group moves anything).
 """
 from __future__ import annotations
 
@@ -16,22 +28,32 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hpctrain.comm.protocol import ReduceOp
 from hpctrain.data import DataCursor, SampleOrder, open_source
+from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
-from hpctrain.train.grad_norm import clip_grad_norm
+from hpctrain.plugins import axis_plugin, parallelize_caller
+from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_step
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
-from hpctrain.train.schedule import GradAccumulation
+from hpctrain.train.schedule import GradAccumulation, as_step_result
 
 # Axis transforms apply inside-out: tensor splits first, then sequence and
 # expert splits, then pipeline stages, then data parallelism over the result.
 PARALLELIZE_ORDER = ("tp", "cp", "ep", "pp", "dp")
 
 log = get_logger(__name__)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class Trainer:
@@ -41,13 +63,18 @@ class Trainer:
         self.step = 0
         self.model = self._build_model()
         self.params: List[torch.nn.Parameter] = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = pm.hook.hpctrain_make_optimizer(params=self.params, mesh=mesh, cfg=cfg) or build_adamw(self.params, cfg.optim)
+        self.optimizer = (pm.hook.hpctrain_make_optimizer(params=self.params, model=self.model, mesh=mesh, cfg=cfg)
+                          or build_adamw(self.params, cfg.optim))
         self.schedule = pm.hook.hpctrain_step_schedule(cfg=cfg, mesh=mesh) or GradAccumulation()
         order = SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed)
-        self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.rank("dp"), mesh.size("dp"))
+        self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
+                                 positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len))
         self.metrics: Dict[str, float] = {}
         self.history: List[Dict[str, float]] = []
         self.checkpointer = self._make_checkpointer()
+        mesh.seal()
+        self._comm_seen = self._comm_totals()
+        self._comm_logged: set = set()
         if self.checkpointer is not None and cfg.checkpoint.resume:
             path = self.checkpointer.resolve(str(cfg.checkpoint.resume))
             if path is not None:
@@ -73,17 +100,29 @@ class Trainer:
         return saved
 
     def _build_model(self) -> torch.nn.Module:
-        cfg, mesh = self.cfg, self.mesh
-        model = build_model(cfg, self.pm)
+        cfg, mesh, pm = self.cfg, self.mesh, self.pm
+        model = build_model(cfg, pm, mesh)
         for axis in PARALLELIZE_ORDER:
-            if mesh.size(axis) == 1:
+            # dp stands for every data axis: ep and cp ranks average gradients too
+            size = mesh.data_size if axis == "dp" else mesh.size(axis)
+            if size == 1:
                 continue
-            out = self.pm.hook.hpctrain_parallelize(model=model, axis=axis, mesh=mesh, cfg=cfg)
+            name = axis_plugin(pm, cfg, axis)
+            if name is None:
+                if axis == "ep":  # a model without experts: ep is only a data axis
+                    continue
+                raise PluginError(f"no plugin parallelised axis {axis!r} (size {size})")
+            out = parallelize_caller(pm, name)(model=model, axis=axis, mesh=mesh, cfg=cfg)
             if out is None:
-                raise PluginError(f"no plugin parallelised axis {axis!r} (size {mesh.size(axis)})")
+                raise PluginError(f"plugin {name!r} was chosen for axis {axis!r} (size {size}) but declined it")
             model = out
         materialize(model, self.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers, mesh.coords, mesh.sizes)
+        pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
         return model
+
+    def _comm_totals(self) -> Dict[str, float]:
+        return {g.name: float(getattr(getattr(g.comm, "counter", None), "bytes", 0.0))
+                for g in self.mesh.distinct_groups if g.size > 1}
 
     def autocast(self):
         if self.cfg.trainer.precision == "bf16":
@@ -93,23 +132,22 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         cfg, mesh = self.cfg, self.mesh
         t0 = time.perf_counter()
-        microbatches = [(x.to(self.device), y.to(self.device)) for x, y in self.cursor.next_step()]
+        microbatches = [mb.to(self.device) for mb in self.cursor.next_step()]
         lr = lr_at(self.step, cfg.optim, cfg.trainer.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        loss = self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast)
+        result = as_step_result(self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast), microbatches)
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
-        grad_norm = clip_grad_norm(self.params, mesh, cfg.optim.grad_clip)
+        pairs = gradient_pairs(self.params, self.optimizer)
+        grad_norm, loss = reduce_step(pairs, result.loss_sum, result.tokens, mesh, self.device)
+        clip_(pairs, grad_norm, cfg.optim.grad_clip)
         # an async save may still be copying parameters and optimizer state to host
         before_update = getattr(self.checkpointer, "before_update", None)
         if before_update is not None:
             before_update()
         self.optimizer.step()
         self.step += 1
-        loss = loss if loss is not None else torch.zeros((), device=self.device)
-        if mesh.size("dp") > 1:
-            mesh.group("dp").communicator().all_reduce(loss, ReduceOp.AVG)
         dt = time.perf_counter() - t0
         tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.metrics = {
@@ -120,7 +158,22 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "consumed_samples": self.cursor.consumed_samples,
+            "peak_rss_bytes": peak_rss_bytes(),
         }
+        # bytes per group in this step; a group appears from the first step it moves anything
+        now = self._comm_totals()
+        for name, total in now.items():
+            moved = total - self._comm_seen.get(name, 0.0)
+            if moved or name in self._comm_logged:
+                self._comm_logged.add(name)
+                self.metrics[f"comm_bytes.{name}"] = moved
+        self._comm_seen = now
+        for extra in self.pm.hook.hpctrain_step_metrics(trainer=self, step=self.step, metrics=dict(self.metrics)):
+            for key, value in (extra or {}).items():
+                if key in self.metrics:
+                    raise PluginError(f"a plugin's hpctrain_step_metrics returned {key!r}, which is already a metric; "
+                                      "prefix plugin metrics with the plugin's name")
+                self.metrics[key] = value
         return self.metrics
 
     def fit(self) -> List[Dict[str, float]]:

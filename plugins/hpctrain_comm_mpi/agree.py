@@ -38,12 +38,19 @@ def check_same(comm: Any, what: str, group_name: str, **fields: Any) -> None:
 
 
 def check_all_to_all(comm: Any, what: str, group_name: str, dtype: str, row: int,
-                     input_splits: Sequence[int], output_splits: Sequence[int]) -> None:
-    """Rank i sends rank j exactly what rank j expects from rank i, in rows of one size."""
-    everyone = comm.allgather((dtype, row, list(input_splits), list(output_splits)))
-    check = [(d, r) for d, r, _, _ in everyone]
+                     input_splits: Sequence[int], output_splits: Sequence[int], equal: bool = False) -> None:
+    """Rank i sends rank j exactly what rank j expects from rank i, in rows
+    of one size, and either every rank or none passed no splits (``equal``:
+    those ranks call MPI_Alltoall, the others MPI_Alltoallv)."""
+    everyone = comm.allgather((dtype, row, list(input_splits), list(output_splits), equal))
+    check = [(d, r) for d, r, _, _, _ in everyone]
     if any(c != check[0] for c in check):
         raise CommError(f"{what} on group {group_name}: ranks disagree on (dtype, row size): {_describe(check)}")
+    unsplit = [e for *_, e in everyone]
+    if any(e != unsplit[0] for e in unsplit):
+        shown = _describe(["no splits (equal)" if e else "splits" for e in unsplit])
+        raise CommError(f"{what} on group {group_name}: some ranks passed splits and others None ({shown}); "
+                        "pass splits on every rank or on none")
     bad = [(i, j, everyone[i][2][j], everyone[j][3][i])
            for i in range(len(everyone)) for j in range(len(everyone))
            if everyone[i][2][j] != everyone[j][3][i]]

@@ -1,8 +1,8 @@
 """A tensor as an MPI buffer, for the duration of one operation.
 
 Zero-copy whenever possible: a contiguous CPU tensor whose dtype MPI can
-handle as is is passed as a numpy view of its own memory
-(``tensor.numpy()``); pure data movement reinterprets the bytes as a
+handle as is is passed as a buffer over its own memory
+(``MPI.buffer.fromaddress``); pure data movement reinterprets the bytes as a
 same-width integer type (``dtypes.transport_dtype``), so bfloat16 moves
 without a copy too. A staging copy is made only when it must be:
 
@@ -20,7 +20,7 @@ THE GPU PATHS ARE UNTESTED HERE (no GPU on the development machines).
 
 ``finish()`` runs after the operation completed: it scales (AVG) and copies
 a staged result back into the caller's tensor. The ``WireBuffer`` object is
-kept alive by the Work handle until then, which keeps the numpy view and any
+kept alive by the Work handle until then, which keeps the buffer over its memory and any
 staging buffer alive for MPI.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from mpi4py import MPI
@@ -73,9 +73,12 @@ class WireBuffer:
             flat = flat.view(transport_dtype(flat.dtype))
         self.flat = flat
         self.mpi_type = mpi_type(flat.dtype)
-        # CPU: a numpy view (no copy). CUDA-aware: the tensor itself (mpi4py
-        # takes __cuda_array_interface__ / DLPack objects as buffers).
-        self.array: Any = flat.numpy() if flat.device.type == "cpu" else flat
+        # CPU: an mpi4py buffer over the tensor's memory, by address (no copy;
+        # unlike ``tensor.numpy()`` it leaves the storage resizable, which
+        # ZeRO-3 needs to free gathered parameters). CUDA-aware: the tensor
+        # itself (mpi4py takes __cuda_array_interface__ / DLPack objects).
+        self.array: Any = (MPI.buffer.fromaddress(flat.data_ptr(), flat.numel() * flat.element_size())
+                           if flat.device.type == "cpu" else flat)
 
     @property
     def count(self) -> int:
@@ -155,6 +158,117 @@ class ViewCache:
         memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
         self.entries[key] = CachedView(weakref.ref(tensor, forget), tensor.data_ptr(), tensor.numel(),
                                         [memory, buffer.count, buffer.mpi_type], tensor.dtype.is_floating_point)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class CachedPair(NamedTuple):
+    """What ``PairCache`` keeps of one (output, input) pair."""
+
+    output: "weakref.ref[torch.Tensor]"
+    input: "weakref.ref[torch.Tensor]"
+    out_address: int
+    in_address: int
+    out_nbytes: int
+    in_nbytes: int
+    out_shape: torch.Size
+    in_shape: torch.Size
+    send: Any
+    """``[buffer, datatype]`` over the input's memory, by address (no
+    reference to it), or ``MPI.IN_PLACE``. No count: mpi4py divides the
+    buffer into one block per rank where the call needs it."""
+    recv: list
+    """``[buffer, datatype]`` over the output's memory, likewise."""
+    floating: bool
+
+
+class PairCache:
+    """``ViewCache`` for the operations with an output and an input tensor
+    (all_gather, reduce_scatter, all_to_all: one cache per operation, since
+    the wire types differ): the MPI buffer specs of a pair of contiguous CPU
+    tensors passed together again and again (ZeRO's shard and bucket, a
+    layer's persistent all_to_all buffers), remembered the second time the
+    pair is passed (``remember`` says why not the first), so later calls
+    with the same pair go straight to MPI.
+
+    Same reason as ``ViewCache``, and the same rules: no reference to either
+    tensor or its memory is kept (not even for a pair noted once); an entry
+    is used only while both tensors are contiguous and at the addresses and
+    sizes they had (then whether they overlap, and so which buffers MPI
+    gets, cannot have changed either); it is dropped as soon as one of them
+    dies, by the weak references' callbacks, which run while the tensor is
+    deallocated, before its id can be reused. So an entry found under the
+    ids of two live tensors is theirs, and the hot paths, unlike
+    ``ViewCache``'s, do not dereference the weak references (measurably
+    slower with cold caches).
+
+    Sizes are byte sizes (``nbytes``: a property, cheaper than ``numel()``
+    with cold caches; a tensor's dtype never changes) where the operation
+    depends on element counts only, shapes (``by_shape``) where it depends
+    on dim-0 rows (all_to_all). Keyed on both tensors: the same output with
+    another input is another entry. At most ``capacity`` pairs are
+    remembered, oldest forgotten first (0: none).
+    """
+
+    def __init__(self, capacity: int = 256, *, by_shape: bool = False):
+        self.capacity = capacity
+        self.by_shape = by_shape
+        self.entries: Dict[Tuple[int, int], CachedPair] = {}
+        """By ``(id(output), id(input))``; read directly by hot paths (see ``get`` for the checks)."""
+        self._sightings: Dict[Tuple[int, int], Tuple[Any, Any]] = {}
+        """Pairs seen once: weak references (no callback, so cheap), by the same key."""
+
+    def get(self, output: torch.Tensor, input: torch.Tensor) -> Optional[CachedPair]:
+        hit = self.entries.get((id(output), id(input)))
+        if (hit is not None and hit.out_address == output.data_ptr() and hit.in_address == input.data_ptr()
+                and ((hit.out_shape == output.shape and hit.in_shape == input.shape) if self.by_shape
+                     else (hit.out_nbytes == output.nbytes and hit.in_nbytes == input.nbytes))
+                and output.is_contiguous() and input.is_contiguous()):
+            return hit
+        return None
+
+    def remember(self, output: torch.Tensor, input: torch.Tensor, recv: WireBuffer,
+                 send: Optional[WireBuffer]) -> None:
+        """Remember the pair, the second time it is passed, if ``recv`` (for
+        ``output``) and ``send`` (for ``input``; None: the input goes as
+        MPI_IN_PLACE) are zero-copy views in host memory.
+
+        The first time, the pair is only noted (two weak references): most
+        pairs that come this way are fresh tensors never passed again (a
+        layer's activations and outputs), and making an entry would cost
+        each of their calls microseconds with cold caches.
+        """
+        if recv.staged or (send is not None and send.staged) or self.capacity <= 0:
+            return
+        key = (id(output), id(input))
+        seen = self._sightings.pop(key, None)
+        if seen is None or seen[0]() is not output or seen[1]() is not input:
+            sightings = self._sightings
+            if len(sightings) >= 16 * self.capacity:  # dead or rare pairs, oldest first
+                del sightings[next(iter(sightings))]
+            sightings[key] = (weakref.ref(output), weakref.ref(input))
+            return
+        if not (output.is_cpu and input.is_cpu):
+            return
+        out_address, in_address, out_nbytes, in_nbytes = (output.data_ptr(), input.data_ptr(),
+                                                          output.nbytes, input.nbytes)
+        if not (out_nbytes and in_nbytes):
+            return
+        entries = self.entries
+        if key not in entries and len(entries) >= self.capacity:
+            del entries[next(iter(entries))]
+
+        def forget(_: Any, key: Tuple[int, int] = key) -> None:
+            entry = entries.get(key)
+            if entry is not None and (entry.output() is None or entry.input() is None):
+                del entries[key]
+
+        entries[key] = CachedPair(
+            weakref.ref(output, forget), weakref.ref(input, forget), out_address, in_address, out_nbytes, in_nbytes,
+            output.shape, input.shape,
+            MPI.IN_PLACE if send is None else [MPI.buffer.fromaddress(in_address, in_nbytes), send.mpi_type],
+            [MPI.buffer.fromaddress(out_address, out_nbytes), recv.mpi_type], output.dtype.is_floating_point)
 
     def __len__(self) -> int:
         return len(self.entries)

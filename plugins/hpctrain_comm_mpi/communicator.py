@@ -4,18 +4,31 @@ Every operation maps to one MPI call on the group's own communicator
 (``subcomm``): blocking calls use the blocking MPI collective (Open MPI's
 tuned algorithms; its non-blocking ones go through a different, generally
 slower component), ``async_op=True`` uses the non-blocking one (Iallreduce,
-Iallgather, Ireduce_scatter_block, Ialltoallv, Ibcast, Isend/Irecv) and
-returns an ``MpiWork``. Buffers are numpy views of the tensors (zero-copy)
+Iallgather, Ireduce_scatter_block, Ialltoall or Ialltoallv, Ibcast,
+Isend/Irecv) and returns an ``MpiWork``. Buffers are numpy views of the tensors (zero-copy)
 or staging copies (``buffers``); the Work keeps them alive until ``wait()``,
 then scales (AVG) and copies staged results back.
 
 - AVG is SUM then a division by the group size in the accumulation dtype.
-- all_to_all sends dim-0 rows: one contiguous MPI datatype per row, so
-  Alltoallv counts and displacements are row counts (no 32-bit overflow of
-  element counts, and uneven splits are just different counts).
+- all_to_all without splits (``None`` for both) is MPI_Alltoall on the
+  plain transport type, the call an MPI program makes (Alltoallv is
+  slower). Callers pass ``None`` on every rank or on none: a rank in
+  MPI_Alltoall and one in MPI_Alltoallv never meet, they hang
+  (``comm.mpi.check_shapes=true`` reports such a mix). With splits, even
+  equal ones (one rank's equal splits say nothing of the others'), it is
+  Alltoallv of dim-0 rows: one contiguous MPI datatype per row, so counts
+  and displacements are row counts (no 32-bit overflow of element counts,
+  and uneven splits are just different counts).
 - An input that overlaps the output is copied first (MPI forbids aliasing),
   except the all_gather whose input is exactly this rank's slot of the
   output, which uses MPI_IN_PLACE.
+- Repeated calls skip the preparation: a tensor passed to all_reduce
+  before, or a pair passed to all_gather, reduce_scatter or all_to_all
+  (without splits) twice, goes straight to MPI with the buffers remembered
+  from before (``buffers.ViewCache``, ``buffers.PairCache``, which say why
+  it matters and when an entry is used). Only calls that need no staging
+  copy and, for reductions, SUM or AVG take that path; with
+  ``check_shapes`` every call goes the full way.
 - Non-blocking operations progress when MPI is entered (Open MPI has no
   progress thread by default): ``is_completed()`` tests, which also pushes
   them on; ``wait()`` blocks.
@@ -42,12 +55,14 @@ from hpctrain.errors import CommError
 from hpctrain.mesh import Group
 from hpctrain_comm_mpi import agree
 from hpctrain_comm_mpi.agree import as_comm_error, mpi_errors
-from hpctrain_comm_mpi.buffers import ViewCache, WireBuffer
+from hpctrain_comm_mpi.buffers import PairCache, ViewCache, WireBuffer
 from hpctrain_comm_mpi.dtypes import REDUCIBLE, element_size, transport_dtype
 from hpctrain_comm_mpi.subcomm import mpi_comm_for
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MAX: MPI.MAX}
+_SUM, _AVG = ReduceOp.SUM, ReduceOp.AVG  # for hot paths: ``ReduceOp.SUM`` goes through Enum's lookup each time
 _DONE = CompletedWork()  # stateless: one instance serves every blocking call
+_INT_MAX = 2**31 - 1  # MPI counts are C ints
 
 
 def _nothing() -> None:
@@ -123,8 +138,16 @@ class MpiCommunicator:
         self.check_shapes = check_shapes
         self.cuda_aware = cuda_aware
         self._tag_ub = world.Get_attr(MPI.TAG_UB)
-        self._views = ViewCache(capacity=0 if check_shapes else 256)
+        # with check_shapes every call goes the full way (the caches stay empty)
+        capacity = 0 if check_shapes else 256
+        self._views = ViewCache(capacity)
         self._view_entries = self._views.entries
+        self._gathers = PairCache(capacity)
+        self._gather_entries = self._gathers.entries
+        self._scatters = PairCache(capacity)
+        self._scatter_entries = self._scatters.entries
+        self._exchanges = PairCache(capacity, by_shape=True)
+        self._exchange_entries = self._exchanges.entries
 
     def __repr__(self) -> str:
         return f"MpiCommunicator(group={self.group.name}, rank={self.rank}, size={self.size})"
@@ -160,10 +183,10 @@ class MpiCommunicator:
         # Enum's hash is Python code): with cold CPU caches every Python call
         # on the way costs microseconds.
         hit = self._view_entries.get(id(tensor))  # empty with check_shapes: every call goes the full way
-        if (hit is not None and (op is ReduceOp.SUM or (op is ReduceOp.AVG and hit.floating))
+        if (hit is not None and (op is _SUM or (op is _AVG and hit.floating))
                 and hit.tensor() is tensor and hit.address == tensor.data_ptr()
                 and hit.numel == tensor.numel() and tensor.is_contiguous()):
-            average = op is ReduceOp.AVG
+            average = op is _AVG
             try:
                 if async_op:
                     request = self.comm.Iallreduce(MPI.IN_PLACE, hit.spec, MPI.SUM)
@@ -191,6 +214,24 @@ class MpiCommunicator:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False):
+        # a remembered pair goes straight to MPI, as in all_gather
+        hit = self._scatter_entries.get((id(output), id(input)))
+        if (hit is not None and (op is _SUM or (op is _AVG and hit.floating))
+                and hit.out_address == output.data_ptr() and hit.in_address == input.data_ptr()
+                and hit.out_nbytes == output.nbytes and hit.in_nbytes == input.nbytes
+                and output.is_contiguous() and input.is_contiguous()):
+            average = op is _AVG
+            try:
+                if async_op:
+                    request = self.comm.Ireduce_scatter_block(hit.send, hit.recv, MPI.SUM)
+                    finish = (lambda: output.detach().div_(self.size)) if average else _nothing
+                    return MpiWork("reduce_scatter", self.group.name, [request], [output, input], finish)
+                self.comm.Reduce_scatter_block(hit.send, hit.recv, MPI.SUM)
+            except MPI.Exception as error:
+                raise as_comm_error("reduce_scatter", self.group.name, error) from error
+            if average:
+                output.detach().div_(self.size)
+            return _DONE
         op = ReduceOp(op)
         check_reduce_scatter(output, input, self.size)
         check_reduce_dtype("reduce_scatter", input.dtype, op, REDUCIBLE)
@@ -202,6 +243,7 @@ class MpiCommunicator:
         if not dst.staged and _overlaps(output, input):
             # MPI may not write where it still reads: receive into a copy
             dst = WireBuffer(output, reduce=True, read=False, write=True, cuda_aware=self.cuda_aware, copy=True)
+        self._scatters.remember(output, input, dst, src)
         send, recv, mpi_op = src.spec(), dst.spec(), _MPI_OPS[op]
         divide = self.size if op == ReduceOp.AVG else None
         return self._run("reduce_scatter", async_op,
@@ -211,12 +253,27 @@ class MpiCommunicator:
 
     # -- data movement -----------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        # A remembered pair goes straight to MPI, written inline as in
+        # all_reduce (``PairCache.get`` has the same checks).
+        hit = self._gather_entries.get((id(output), id(input)))
+        if (hit is not None and hit.out_address == output.data_ptr() and hit.in_address == input.data_ptr()
+                and hit.out_nbytes == output.nbytes and hit.in_nbytes == input.nbytes
+                and output.is_contiguous() and input.is_contiguous()):
+            try:
+                if async_op:
+                    request = self.comm.Iallgather(hit.send, hit.recv)
+                    return MpiWork("all_gather", self.group.name, [request], [output, input], _nothing)
+                self.comm.Allgather(hit.send, hit.recv)
+            except MPI.Exception as error:
+                raise as_comm_error("all_gather", self.group.name, error) from error
+            return _DONE
         check_all_gather(output, input, self.size)
         if self.check_shapes:
             agree.check_same(self.comm, "all_gather", self.group.name, dtype=str(input.dtype), numel=input.numel())
         dst = self._buffer(output, write=True)
         buffers = [dst]
         slot = self.rank * input.numel() * input.element_size()
+        src: Optional[WireBuffer] = None
         if (not dst.staged and input.is_contiguous() and input.numel()
                 and input.data_ptr() == output.data_ptr() + slot):
             send = MPI.IN_PLACE  # input already sits in this rank's slot of the output
@@ -225,6 +282,7 @@ class MpiCommunicator:
                              copy=not dst.staged and _overlaps(input, output))
             buffers.append(src)
             send = src.spec()
+        self._gathers.remember(output, input, dst, src)
         recv = dst.spec()
         return self._run("all_gather", async_op,
                          lambda: self.comm.Allgather(send, recv),
@@ -233,6 +291,22 @@ class MpiCommunicator:
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]] = None,
                    input_splits: Optional[Sequence[int]] = None, async_op: bool = False):
+        equal = output_splits is None and input_splits is None
+        if equal:
+            # a remembered pair goes straight to MPI, as in all_gather (shapes
+            # compared, not sizes: the rows must still divide evenly)
+            hit = self._exchange_entries.get((id(output), id(input)))
+            if (hit is not None and hit.out_address == output.data_ptr() and hit.in_address == input.data_ptr()
+                    and hit.out_shape == output.shape and hit.in_shape == input.shape
+                    and output.is_contiguous() and input.is_contiguous()):
+                try:
+                    if async_op:
+                        request = self.comm.Ialltoall(hit.send, hit.recv)
+                        return MpiWork("all_to_all", self.group.name, [request], [output, input], _nothing)
+                    self.comm.Alltoall(hit.send, hit.recv)
+                except MPI.Exception as error:
+                    raise as_comm_error("all_to_all", self.group.name, error) from error
+                return _DONE
         check_all_to_all(output, input, output_splits, input_splits, self.size)
         row = _row_numel(input)
         if _row_numel(output) != row:
@@ -244,12 +318,21 @@ class MpiCommunicator:
             [(output.shape[0] if output.dim() else 1) // self.size] * self.size
         if self.check_shapes:
             agree.check_all_to_all(self.comm, "all_to_all", self.group.name, str(input.dtype), row,
-                                   send_rows, recv_rows)
+                                   send_rows, recv_rows, equal)
         dst = self._buffer(output, write=True)
         src = WireBuffer(input, reduce=False, read=True, write=False, cuda_aware=self.cuda_aware,
                          copy=not dst.staged and _overlaps(input, output))
-        # one MPI element = one dim-0 row, in transport elements
         per_element = element_size(input.dtype) // element_size(transport_dtype(input.dtype))
+        if equal and max(send_rows[0], recv_rows[0]) * row * per_element <= _INT_MAX:
+            # None on every rank (see the module docstring), so every rank
+            # calls MPI_Alltoall, which is faster than Alltoallv
+            self._exchanges.remember(output, input, dst, src)
+            send, recv = src.spec(), dst.spec()
+            return self._run("all_to_all", async_op,
+                             lambda: self.comm.Alltoall(send, recv),
+                             lambda: self.comm.Ialltoall(send, recv),
+                             [src, dst], dst.finish)
+        # one MPI element = one dim-0 row, in transport elements
         row_type = dst.mpi_type.Create_contiguous(row * per_element).Commit()
         send = [src.array, (send_rows, _displacements(send_rows)), row_type]
         recv = [dst.array, (recv_rows, _displacements(recv_rows)), row_type]

@@ -8,9 +8,12 @@ Sub-groups are created for every group of an axis at once
 cached by their rank partition, so building several meshes in one process
 (tests) does not leak process groups.
 
-gloo lacks some operations; they are composed from ones it has, with the
-same result: AVG is SUM then divide; reduce_scatter is an all-reduce then
-the local chunk; all_gather_into_tensor falls back to a list all_gather.
+gloo lacks some operations in some torch versions; they are composed from
+ones it has, with the same result: AVG is SUM then divide; where gloo has
+no ``reduce_scatter_tensor`` (older torch) reduce_scatter is an all-reduce
+then the local chunk, and where it has no ``all_gather_into_tensor`` the
+list all_gather. Whether it has them is found by the first call (the same
+failure on every rank, before anything is sent) and remembered.
 On gloo, float16/bfloat16 reductions run on a float32 copy and are rounded
 once (gloo itself adds in 16 bits), matching the mpi and hier backends;
 nccl reduces 16-bit floats natively.
@@ -35,6 +38,11 @@ from hpctrain.errors import CommError
 from hpctrain.mesh import Group
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.AVG: dist.ReduceOp.SUM}
+_FLAT_OPS = {"all_gather": True, "reduce_scatter": True}
+# newer torch renamed the flat-tensor collectives (the old names warn); the same operations
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""Whether gloo takes the flat-tensor forms (set False when a first call finds it does not)."""
 _GROUP_CACHE: Dict[Tuple[str, Tuple[Tuple[int, ...], ...]], List[dist.ProcessGroup]] = {}
 
 
@@ -108,9 +116,19 @@ class TorchCommunicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         check_all_gather(output, input, self.size)
-        if self.backend == "nccl":
-            return _finish(dist.all_gather_into_tensor(output.view(-1), input.contiguous().view(-1),
-                                                       group=self.pg, async_op=True), async_op)
+        if self.backend == "nccl" or _FLAT_OPS["all_gather"]:
+            flat = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype,
+                                                                     device=output.device)
+            try:
+                work = _ALL_GATHER_FLAT(flat.view(-1), input.contiguous().view(-1), group=self.pg,
+                                                   async_op=True)
+            except (RuntimeError, NotImplementedError):
+                if self.backend == "nccl":
+                    raise
+                _FLAT_OPS["all_gather"] = False
+            else:
+                then = None if flat is output else (lambda: output.copy_(flat))
+                return _finish(work, async_op, then)
         staging = [torch.empty_like(input.reshape(-1)) for _ in range(self.size)]
         work = dist.all_gather(staging, input.contiguous().view(-1), group=self.pg, async_op=True)
 
@@ -127,14 +145,36 @@ class TorchCommunicator:
         check_reduce_scatter(output, input, self.size)
         op = ReduceOp(op)
         if self.backend == "nccl":
-            work = dist.reduce_scatter_tensor(output.view(-1), input.contiguous().view(-1), op=_TORCH_OPS[op],
+            work = _REDUCE_SCATTER_FLAT(output.view(-1), input.contiguous().view(-1), op=_TORCH_OPS[op],
                                               group=self.pg, async_op=True)
             then = (lambda: output.div_(self.size)) if op == ReduceOp.AVG else None
             return _finish(work, async_op, then)
-        # a contiguous copy (any input layout), in float32 for 16-bit floats as in all_reduce
-        full = torch.empty(input.shape, dtype=accumulation_dtype(input.dtype), device=input.device)
-        full.copy_(input.detach())
-        full = full.view(-1)
+        # contiguous, in float32 for 16-bit floats as in all_reduce (a copy only when needed)
+        acc = accumulation_dtype(input.dtype)
+        if input.is_contiguous() and input.dtype == acc:
+            full = input.detach().view(-1)
+        else:
+            full = torch.empty(input.shape, dtype=acc, device=input.device)
+            full.copy_(input.detach())
+            full = full.view(-1)
+        if _FLAT_OPS["reduce_scatter"]:
+            mine = output.view(-1) if output.is_contiguous() and output.dtype == acc else \
+                torch.empty(output.numel(), dtype=acc, device=output.device)
+            try:
+                work = _REDUCE_SCATTER_FLAT(mine, full, op=_TORCH_OPS[op], group=self.pg, async_op=True)
+            except (RuntimeError, NotImplementedError):
+                _FLAT_OPS["reduce_scatter"] = False
+            else:
+                def land():
+                    if op == ReduceOp.AVG:
+                        mine.div_(self.size)
+                    if mine.data_ptr() != output.data_ptr():
+                        with torch.no_grad():
+                            output.copy_(mine.view(output.shape))
+
+                return _finish(work, async_op, land)
+        if full.data_ptr() == input.data_ptr():  # the all-reduce below works in place: never on the caller's input
+            full = full.clone()
         work = dist.all_reduce(full, op=_TORCH_OPS[op], group=self.pg, async_op=True)
 
         def take():

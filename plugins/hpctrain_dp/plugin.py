@@ -1,14 +1,15 @@
-"""Data-parallel plugin: bucketed gradient averaging overlapped with backward.
+"""Data-parallel plugin: replicated parameters, gradients averaged over the
+data axes by the core's gradient-sync engine (``hpctrain.grad_sync``).
 
-Parameters stay replicated over ``dp`` (their ShardSpec says so already, and
-the layout-independent init makes replicas identical without a broadcast).
-``hpctrain_parallelize`` returns the model unchanged (no wrapper, so
-parameter names and checkpoints are the same as in one process) and records
-the dp group and options on it. The reducer (``reducer.GradReducer``) is
-attached lazily, at the first ``hpctrain_before_backward``: parallelize runs
-on the meta-device model and materialisation replaces every parameter
-object, so hooks registered earlier would sit on dead meta tensors. It is
-re-attached if the parameter set ever changes.
+The core asks this plugin to parallelise axis ``dp`` whenever the data
+axes (``cp x ep x dp``) hold more than one rank. ``hpctrain_parallelize``
+leaves the model unchanged (no wrapper, so parameter names and checkpoints
+are the same as in one process; the layout-independent init makes replicas
+identical without a broadcast) and records the options on it;
+``hpctrain_after_materialize`` attaches the engine to the real parameters:
+each is averaged over the data axes it is not split on, in buckets
+launched during backward. The engine is driven per micro-batch from
+``hpctrain_before_backward`` and finished in ``hpctrain_after_backward``.
 
 Options: ``comm.bucket_mb`` (core) sets the bucket size;
 ``comm.dp.compress`` (none | bf16 | fp16) and ``comm.dp.overlap`` come from
@@ -16,44 +17,32 @@ this plugin's config section (``config.DataParallelConfig``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain import hookimpl
-from hpctrain.mesh import Group
+from hpctrain import grad_sync, hookimpl
 
-from hpctrain_dp.buckets import cap_bytes_from_mb
+from hpctrain.grad_sync.buckets import cap_bytes_from_mb
+
 from hpctrain_dp.config import WIRE_DTYPES, DataParallelConfig, wire_dtype
-from hpctrain_dp.reducer import GradReducer
 
 STATE_ATTR = "_hpctrain_dp"
 
 
+@dataclass
 class DataParallel:
-    """What ``hpctrain_parallelize`` leaves on the model: the group, the
-    options, and (once the parameters exist) the reducer."""
+    """What ``hpctrain_parallelize`` leaves on the model."""
 
-    def __init__(self, group: Group, bucket_mb: float, compress: str = "none", overlap: bool = True):
-        self.group = group
-        self.cap_bytes = cap_bytes_from_mb(bucket_mb)
-        self.wire_dtype = wire_dtype(compress)
-        self.overlap = overlap
-        self.reducer: Optional[GradReducer] = None
-
-    def reducer_for(self, model: torch.nn.Module) -> GradReducer:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if self.reducer is None or not self.reducer.matches(params):
-            if self.reducer is not None:
-                self.reducer.detach()
-            self.reducer = GradReducer(self.group.communicator(), self.cap_bytes, self.wire_dtype, self.overlap)
-            self.reducer.attach(params)
-        return self.reducer
+    bucket_mb: float
+    compress: str = "none"
+    overlap: bool = True
 
 
 def state_of(model: torch.nn.Module) -> Optional[DataParallel]:
-    """The data-parallel state of a model this plugin parallelised (else None)."""
+    """The options of a model this plugin parallelised (else None)."""
     return getattr(model, STATE_ATTR, None)
 
 
@@ -82,25 +71,35 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 def hpctrain_parallelize(model: torch.nn.Module, axis: str, mesh, cfg: Any) -> Optional[torch.nn.Module]:
     if axis != "dp":
         return None
-    state = DataParallel(
-        group=mesh.group("dp"),
+    setattr(model, STATE_ATTR, DataParallel(
         bucket_mb=float(cfg.comm.bucket_mb),
         compress=OmegaConf.select(cfg, "comm.dp.compress", default="none"),
         overlap=bool(OmegaConf.select(cfg, "comm.dp.overlap", default=True)),
-    )
-    setattr(model, STATE_ATTR, state)
+    ))
     return model
 
 
 @hookimpl
-def hpctrain_before_backward(model: torch.nn.Module, microbatch: int, num_microbatches: int) -> None:
+def hpctrain_after_materialize(model: torch.nn.Module, mesh, cfg: Any) -> None:
     state = state_of(model)
-    if state is not None and state.group.size > 1:
-        state.reducer_for(model).begin_microbatch(microbatch, num_microbatches)
+    if state is None:
+        return
+    engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh), cap_bytes_from_mb(state.bucket_mb),
+                                wire_dtype(state.compress), state.overlap)
+    grad_sync.attach_to(model, engine.attach([p for p in model.parameters() if p.requires_grad]))
+
+
+@hookimpl
+def hpctrain_before_backward(model: torch.nn.Module, microbatch: int, num_microbatches: int) -> None:
+    if state_of(model) is not None:
+        engine = grad_sync.of(model)
+        if engine is not None:
+            engine.begin_microbatch(microbatch, num_microbatches)
 
 
 @hookimpl
 def hpctrain_after_backward(model: torch.nn.Module, mesh) -> None:
-    state = state_of(model)
-    if state is not None and state.group.size > 1:
-        state.reducer_for(model).finish()
+    if state_of(model) is not None:
+        engine = grad_sync.of(model)
+        if engine is not None:
+            engine.finish()

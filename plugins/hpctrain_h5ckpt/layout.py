@@ -19,11 +19,12 @@ declaration (one allgather) into a ``Plan``:
   pure function of the gathered declarations, so every rank agrees on it
   without further messages.
 
-Nothing here knows about axes: a box comes from ``ShardSpec.local_slices``
-(TP/CP/EP splits of any dims), a pipeline stage simply does not declare the
-tensors it does not hold, and a flat ZeRO shard of a row-major tensor is a
-list of boxes (``flat_range_boxes``). So later parallel axes need no format
-change: the file always stores the logical tensor.
+Nothing here knows about axes: a rank's boxes are the pieces of its
+ShardSpecs (``ShardSpec.pieces``: TP/CP/EP splits of any dims, fused
+blocks, replicated pieces, padding left out, flat ZeRO ranges as lists of
+boxes), and a pipeline stage simply does not declare the tensors it does
+not hold. So later parallel axes need no format change: the file always
+stores the logical tensor.
 """
 from __future__ import annotations
 
@@ -34,82 +35,16 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from hpctrain.boxes import (Box, box_from_slices, box_inside, box_shape, box_volume, boxes_overlap,  # noqa: F401
+                            flat_range_boxes, full_box)
+
 FORMAT_NAME = "hpctrain-h5ckpt"
 FORMAT_VERSION = 1
 """Bumped when a reader of the previous version could misread a new file."""
 
-Box = Tuple[Tuple[int, int], ...]
-"""A hyperslab: ``(start, stop)`` per dimension; ``()`` is the whole of a scalar."""
-
 # Above this many distinct boxes per dataset the pairwise overlap check is
 # skipped (it is quadratic); the volume check still runs.
 _MAX_PAIRWISE = 512
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    return tuple((0, int(n)) for n in shape)
-
-
-def box_from_slices(slices: Sequence[slice], shape: Sequence[int]) -> Box:
-    """``ShardSpec.local_slices`` -> Box (steps must be 1)."""
-    out = []
-    for sl, n in zip(slices, shape):
-        start, stop, step = sl.indices(int(n))
-        if step != 1:
-            raise ValueError(f"hyperslab {sl} has step {step}; only contiguous slices are stored")
-        out.append((start, stop))
-    return tuple(out)
-
-
-def box_shape(box: Box) -> Tuple[int, ...]:
-    return tuple(b - a for a, b in box)
-
-
-def box_volume(box: Box) -> int:
-    return math.prod(box_shape(box))
-
-
-def boxes_overlap(a: Box, b: Box) -> bool:
-    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
-
-
-def box_inside(box: Box, shape: Sequence[int]) -> bool:
-    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
-
-
-def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> List[Box]:
-    """The elements ``[start, stop)`` of the row-major flattening of ``shape``
-    as at most ``2 * ndim - 1`` boxes, in flat order. A flat ZeRO shard is
-    stored this way, so a ZeRO optimizer needs no format change."""
-    shape = tuple(int(n) for n in shape)
-    total = math.prod(shape)
-    if not 0 <= start <= stop <= total:
-        raise ValueError(f"flat range [{start}, {stop}) outside a tensor of {total} elements")
-    if start == stop:
-        return []
-    if not shape:
-        return [()]
-    if len(shape) == 1:
-        return [((start, stop),)]
-    inner = math.prod(shape[1:])
-    r0, off0 = divmod(start, inner)
-    r1, off1 = divmod(stop, inner)
-    if r0 == r1:  # inside one row
-        return [((r0, r0 + 1),) + b for b in flat_range_boxes(shape[1:], off0, off1)]
-    out: List[Box] = []
-    if off0:  # partial first row
-        out += [((r0, r0 + 1),) + b for b in flat_range_boxes(shape[1:], off0, inner)]
-        r0 += 1
-    if r1 > r0:  # whole rows
-        out.append(((r0, r1),) + full_box(shape[1:]))
-    if off1:  # partial last row
-        out += [((r1, r1 + 1),) + b for b in flat_range_boxes(shape[1:], 0, off1)]
-    return out
-    if r1 > r0:  # whole rows
-        out.append(((r0, r1),) + full_box(shape[1:]))
-    if off1 and r1 >= r0:  # partial last row
-        out += [((r1, r1 + 1),) + b for b in flat_range_boxes(shape[1:], 0, off1)]
-    return out
 
 
 @dataclass(frozen=True)
@@ -244,6 +179,17 @@ def gather_plan(comm: Any, decls: Sequence[DatasetDecl], boxes: Mapping[str, Seq
     return build_plan(gathered, require_cover=require_cover)
 
 
-def splits_json(splits: Sequence[Any]) -> str:
-    """ShardSpec.splits as JSON for the dataset's ``splits`` attribute."""
-    return json.dumps([{"dim": s.dim, "axes": list(s.axes)} for s in splits])
+def splits_json(spec: Any) -> str:
+    """How the saving layout held a tensor (the dataset's ``splits``
+    attribute, JSON, for people and tools): each dim split's axes and blocks,
+    and the flat split. Loading never needs it: a load reads by its own specs."""
+    out: List[Dict[str, Any]] = []
+    for s in spec.splits:
+        entry: Dict[str, Any] = {"dim": s.dim, "axes": list(s.axes)}
+        if len(s.blocks) > 1 or any((b.pieces, b.unit, b.padded) != (None, 1, None) for b in s.blocks):
+            entry["blocks"] = [{"length": b.length, "pieces": b.pieces, "unit": b.unit, "padded": b.padded}
+                               for b in s.blocks]
+        out.append(entry)
+    if spec.flat is not None:
+        out.append({"flat": list(spec.flat.axes), "offset": spec.flat.offset, "total": spec.flat.total})
+    return json.dumps(out)

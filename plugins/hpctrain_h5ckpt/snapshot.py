@@ -42,11 +42,11 @@ import numpy as np
 import torch
 
 from hpctrain.log import get_logger
-from hpctrain.shard import get_spec
+from hpctrain.shard import SPEC_ATTR, Piece, ShardSpec, get_spec, replicated_spec
 from hpctrain.train.optim import lr_at
 
 from hpctrain_h5ckpt.errors import CheckpointError
-from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, box_from_slices, box_shape, splits_json
+from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, splits_json
 
 log = get_logger(__name__)
 
@@ -90,19 +90,48 @@ def _decl(path: str, shape: Tuple[int, ...], dtype: torch.dtype, **attrs: str) -
     return DatasetDecl(path, tuple(int(n) for n in shape), TORCH_TO_NUMPY[dtype], tuple(sorted(attrs.items())))
 
 
-def param_boxes(trainer: Any) -> List[Tuple[str, torch.nn.Parameter, Box]]:
-    """(logical name, parameter, this rank's box) for every parameter, each once."""
-    mesh, out, seen = trainer.mesh, [], set()
+@dataclass
+class Held:
+    """One tensor of the trainer as the checkpoint sees it."""
+
+    path: str
+    """Dataset path (``/model/<name>``, ``/buffers/<name>``, ``/optim/<key>/<name>``)."""
+    tensor: torch.Tensor
+    """This rank's local tensor."""
+    spec: ShardSpec
+    """What of the logical tensor it holds (``ShardSpec.pieces``)."""
+
+    def pieces(self, mesh: Any) -> List[Piece]:
+        shape = self.spec.local_shape(mesh.coords, mesh.sizes)
+        if tuple(shape) != tuple(self.tensor.shape):
+            raise CheckpointError(f"{self.path}: ShardSpec gives a local shape {tuple(shape)} but the tensor "
+                                  f"is {tuple(self.tensor.shape)}")
+        return self.spec.pieces(mesh.coords, mesh.sizes)
+
+
+def held_params(trainer: Any) -> List[Tuple[torch.nn.Parameter, Held]]:
+    """Every parameter once (tied ones once), as ``/model/<logical name>``."""
+    out, seen = [], set()
     for _, p in trainer.model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        spec = get_spec(p)
-        box = box_from_slices(spec.local_slices(mesh.coords, mesh.sizes), spec.global_shape)
-        if box_shape(box) != tuple(p.shape):
-            raise CheckpointError(f"{spec.logical_name}: ShardSpec gives a local shape {box_shape(box)} "
-                                  f"but the parameter is {tuple(p.shape)}")
-        out.append((spec.logical_name, p, box))
+        if id(p) not in seen:
+            seen.add(id(p))
+            spec = get_spec(p)
+            out.append((p, Held(f"/model/{spec.logical_name}", p, spec)))
+    return out
+
+
+def held_buffers(model: torch.nn.Module) -> List[Held]:
+    """Every persistent buffer once, as ``/buffers/<logical name>``: its
+    ShardSpec when it has one, else replicated and named by its path."""
+    out, seen = [], set()
+    for mod_name, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            spec = getattr(buf, SPEC_ATTR, None) or replicated_spec(f"{mod_name}.{name}" if mod_name else name,
+                                                                    tuple(buf.shape), "zeros")
+            out.append(Held(f"/buffers/{spec.logical_name}", buf, spec))
     return out
 
 
@@ -112,6 +141,22 @@ def optimizer_state(trainer: Any) -> Any:
         raise CheckpointError(f"optimizer {type(trainer.optimizer).__name__} has no per-parameter .state; "
                               "its plugin must expose one keyed by parameter to be checkpointed")
     return state
+
+
+def state_spec(trainer: Any, param: torch.nn.Parameter, key: str, shape: Tuple[int, ...]) -> ShardSpec:
+    """The ShardSpec of optimizer state ``key`` of ``param`` (local ``shape``):
+    the optimizer's ``state_spec(param, key)`` when it gives one (sharded
+    state: ZeRO), else the parameter's own when the shapes agree."""
+    given = getattr(trainer.optimizer, "state_spec", None)
+    spec = given(param, key) if callable(given) else None
+    if spec is not None:
+        return spec
+    pspec = get_spec(param)
+    if tuple(shape) != tuple(param.shape):
+        raise CheckpointError(f"optimizer state {key!r} of {pspec.logical_name} has shape {tuple(shape)}, neither "
+                              f"the parameter's {tuple(param.shape)} nor a scalar; its optimizer must say how it is "
+                              "laid out with state_spec(param, key) (hpctrain.checkpoint)")
+    return pspec
 
 
 def versions() -> Dict[str, str]:
@@ -139,17 +184,13 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
     mesh, cfg, view = trainer.mesh, trainer.cfg, StateView()
     text, versions_json = static or static_text(cfg)
     state = optimizer_state(trainer)
-    for name, p, box in param_boxes(trainer):
-        spec = get_spec(p)
-        splits = splits_json(spec.splits)
-        view.add(_decl(f"/model/{name}", spec.global_shape, p.dtype, splits=splits), box, p)
+    for p, held in held_params(trainer):
+        name = held.spec.logical_name
+        _add_tensor(view, held, mesh)
         for key, value in sorted(state.get(p, {}).items()):
             path = f"/optim/{key}/{name}"
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if tuple(value.shape) != tuple(p.shape):
-                    raise CheckpointError(f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither "
-                                          f"the parameter's {tuple(p.shape)} nor a scalar; its plugin must map it")
-                view.add(_decl(path, spec.global_shape, value.dtype, splits=splits), box, value)
+                _add_tensor(view, Held(path, value, state_spec(trainer, p, key, tuple(value.shape))), mesh)
             elif isinstance(value, torch.Tensor):
                 view.add(_decl(path, (), value.dtype), (), value)
             elif isinstance(value, (bool, int, float)):
@@ -158,6 +199,8 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
             else:
                 raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
                                       "only tensors and numbers are stored (no pickle)")
+    for held in held_buffers(trainer.model):
+        _add_tensor(view, held, mesh)
     rng = {"torch_cpu": torch.get_rng_state()}
     if trainer.device.type == "cuda":
         rng["torch_cuda"] = torch.cuda.get_rng_state(trainer.device)
@@ -180,6 +223,19 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
         "versions": versions_json, "created_unix": time.time(),
     }
     return view
+
+
+def _add_tensor(view: StateView, held: Held, mesh: Any) -> None:
+    """Declare ``held``'s logical dataset and add each piece this rank holds
+    (a view of the live tensor; padding is never part of a piece)."""
+    decl = _decl(held.path, held.spec.global_shape, held.tensor.dtype, splits=splits_json(held.spec))
+    pieces = held.pieces(mesh)
+    if not pieces:  # holds nothing of it (an empty flat range): still declares it, like every holder
+        view.decls.append(decl)
+        view.boxes.setdefault(held.path, [])
+        view.data.setdefault(held.path, [])
+    for piece in pieces:
+        view.add(decl, piece.box, piece.take(held.tensor))
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -20,6 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from parity import data_parallel
+
 WIRE = {"none": (None, 0.0), "bf16": (torch.bfloat16, 2.0**-8), "fp16": (torch.float16, 2.0**-11)}
 SIZES = (1000, 37, 5000, 3)  # several buckets at 0.01 MiB, none a multiple of most group sizes
 
@@ -76,7 +78,7 @@ def test_compressed_average_is_within_two_roundings(compress, backend, world, ma
     mesh = build_mesh(cfg, with_device("cpu"), pm)
     spy = Recorder(mesh.group("dp").communicator())
     mesh.group("dp").comm = spy
-    model = pm.hook.hpctrain_parallelize(model=Linearish(), axis="dp", mesh=mesh, cfg=cfg)
+    model = data_parallel(Linearish(), mesh, cfg, pm)
     mine = _rank_grads(rank)
     pm.hook.hpctrain_before_backward(model=model, microbatch=0, num_microbatches=1)
     model(mine).backward()

@@ -116,10 +116,10 @@ def test_dp_trains_like_one_process(case, reference, world, make_config, pm):
         assert m["loss"] == pytest.approx(ref_loss, rel=loss_rtol), f"step {m['step']} loss"
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=norm_rtol), f"step {m['step']} grad_norm"
 
-    from hpctrain_dp.plugin import state_of
+    from hpctrain import grad_sync
 
-    trace = state_of(trainer.model).reducer.trace
-    n_buckets = len(state_of(trainer.model).reducer.buckets)
+    trace = grad_sync.of(trainer.model).trace
+    n_buckets = len(grad_sync.of(trainer.model).buckets)
     assert [x.bucket for x in trace.launches] == list(range(n_buckets))  # once each, in order
     if case in ("tiny_buckets_accumulation", "mpi_backend"):
         assert trace.num_microbatches > 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, List, Tuple
 
 import pytest
+import torch
 
 from hpctrain import hookimpl
 from hpctrain.comm.protocol import ReduceOp
@@ -62,7 +63,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     from hpctrain.bootstrap import with_device
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
-    from hpctrain_dp.plugin import state_of
+    from hpctrain import grad_sync
 
     n = world.Get_size()
     cfg = make_config("trainer.micro_batch_size=1", f"trainer.global_batch_size={3 * n}", "trainer.seq_len=32",
@@ -70,9 +71,9 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     rt = with_device("cpu")
     configure_torch(cfg, rt)
     mesh = build_mesh(cfg, rt, pm)
-    trainer = Trainer(cfg, mesh, pm, rt.device)
     spy = SpyComm(mesh.group("dp").communicator())
-    mesh.group("dp").comm = spy  # the reducer takes the communicator when it first attaches
+    mesh.group("dp").comm = spy  # the engine takes its communicators when it attaches, in Trainer()
+    trainer = Trainer(cfg, mesh, pm, rt.device)
     pm.register(PhaseRecorder(spy))
 
     last_grad: List[int] = []
@@ -83,10 +84,10 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
         spy.calls.clear()
         last_grad.clear()
         trainer.train_step()
-        reducer = state_of(trainer.model).reducer
+        reducer = grad_sync.of(trainer.model)
         n_buckets = len(reducer.buckets)
         assert n_buckets >= 4
-        grads = [c for c in spy.calls if c[2] > 1]  # the 1-element one is the trainer's loss average
+        grads = [c for c in spy.calls if c[3] == torch.float32]  # the float64 one is the trainer's loss and norm
         assert not [c for c in spy.calls if c[1] in (0, 1)], "communication during a no-sync micro-batch"
         assert len(grads) == n_buckets and all(c[0] == "all_reduce" for c in grads)
         in_last_backward = [c for c in grads if c[1] == 2]

@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+from parity import data_parallel
+
 
 class Branchy(nn.Module):
     def __init__(self):
@@ -44,7 +46,7 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
     from hpctrain.bootstrap import with_device
     from hpctrain.plugins import capabilities
     from hpctrain.run import build_mesh
-    from hpctrain_dp.plugin import state_of
+    from hpctrain import grad_sync
 
     n, rank = world.Get_size(), world.Get_rank()
     if n & (n - 1):
@@ -54,7 +56,7 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
     cfg = make_config("comm.bucket_mb=0", f"comm.dp.overlap={str(overlap).lower()}", "trainer.device=cpu",
                       f"comm.backend={backend}")
     mesh = build_mesh(cfg, with_device("cpu"), pm)
-    model = pm.hook.hpctrain_parallelize(model=Branchy(), axis="dp", mesh=mesh, cfg=cfg)
+    model = data_parallel(Branchy(), mesh, cfg, pm)
     micro = 2
     for _ in range(2):
         model.zero_grad(set_to_none=True)
@@ -72,7 +74,7 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
         assert torch.equal(model.b.grad, expected(5, _uses_b))  # rank 2, 3, ... never used it
         assert model.never.grad is None
 
-    reducer = state_of(model).reducer
+    reducer = grad_sync.of(model)
     order = [bucket.params[0] for bucket in reducer.buckets]
     assert order == [model.d, model.never, model.b, model.a]  # reverse registration, one per bucket
     launches = reducer.trace.launches

@@ -75,3 +75,19 @@ def test_bf16_autocast_trains(world, make_config):
     # still agree closely; 2e-2 relative covers bf16's 8-bit mantissa.
     assert [m["loss"] for m in hist] == pytest.approx([m["loss"] for m in ref], rel=2e-2)
     assert all(p.dtype == torch.float32 for p in prepare_run(cfg).model.parameters())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("backend", ["torch", "mpi", "hier"])
+def test_comm_bytes_of_plain_dp_is_a_ring_all_reduce_of_the_gradients(world, make_config, backend):
+    """nccl-tests bus bytes: an all-reduce of S bytes moves 2(n-1)/n x S per rank.
+    The gradients are all the dp group moves, apart from one flag per parameter
+    in each bucket and the step's 3-element float64 loss-and-norm all-reduce."""
+    n = world.Get_size()
+    cfg = make_config("trainer.steps=2", f"trainer.global_batch_size={2 * n}", "trainer.micro_batch_size=2",
+                      f"comm.backend={backend}", "comm.bucket_mb=0.05")
+    trainer = prepare_run(cfg)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainer.params)
+    for m in trainer.fit():
+        assert m["comm_bytes.dp"] == pytest.approx(2 * (n - 1) / n * grad_bytes, rel=0.01)
+        assert [k for k in m if k.startswith("comm_bytes.")] == ["comm_bytes.dp"]

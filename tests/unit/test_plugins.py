@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.plugins import capabilities, create_manager, describe, require
+from hpctrain.plugins import axis_plugins, capabilities, create_manager, describe, require
 from hpctrain.errors import PluginError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,9 +24,14 @@ def test_builtins_load_through_entry_points():
 
 
 def test_blocking_by_environment(monkeypatch):
+    # Two built-ins serve the dp axis (dp, and zero for stages 1-3): blocking
+    # one leaves the axis to the other; blocking both removes it.
     monkeypatch.setenv("HPCTRAIN_DISABLE_PLUGINS", "dp")
     pm = create_manager()
     assert "dp" not in {p.name for p in describe(pm)}
+    assert axis_plugins(pm).get("dp") == ["zero"]
+    monkeypatch.setenv("HPCTRAIN_DISABLE_PLUGINS", "dp,zero")
+    pm = create_manager()
     assert "dp" not in capabilities(pm).get("parallel", [])
 
 

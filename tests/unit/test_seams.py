@@ -87,3 +87,64 @@ def test_plugin_parts_and_hooks_are_used(pm, make_config):
     assert rec.events[0] == ("start", "SGD")
     assert [e for e in rec.events if e[0] == "backward"] == [("backward", 0, 2), ("backward", 1, 2)] * 2
     assert [e for e in rec.events if e[0] in ("step", "end")] == [("step", 1), ("step", 2), ("end", 2)]
+
+
+class SeamRecorder:
+    """Records what the newer seams hand a plugin."""
+
+    def __init__(self):
+        self.seen = {}
+
+    @hookimpl
+    def hpctrain_make_module(self, kind, name, cfg, layer_index, mesh):
+        self.seen.setdefault("module_mesh", []).append(mesh)
+
+    @hookimpl
+    def hpctrain_after_materialize(self, model, mesh, cfg):
+        self.seen["materialized"] = all(p.device.type != "meta" for p in model.parameters())
+        self.seen["mesh"] = mesh
+
+    @hookimpl
+    def hpctrain_make_optimizer(self, params, model, mesh, cfg):
+        self.seen["optimizer_model"] = model
+        return None  # the core's AdamW
+
+    @hookimpl
+    def hpctrain_step_metrics(self, trainer, step, metrics):
+        assert "loss" in metrics and "grad_norm" in metrics
+        return {"seams.step_twice": 2.0 * step}
+
+
+def test_newer_seams_get_the_mesh_the_model_and_add_metrics(pm, make_config, tmp_path):
+    import json
+
+    from hpctrain.run import reference_trainer
+
+    rec = SeamRecorder()
+    pm.register(rec)
+    trainer = reference_trainer(make_config("trainer.steps=2", "trainer.global_batch_size=4",
+                                            "trainer.micro_batch_size=2"), pm, run_dir=str(tmp_path))
+    assert rec.seen["module_mesh"] == [trainer.mesh] * 4  # attention + ffn, 2 layers
+    assert rec.seen["materialized"] and rec.seen["mesh"] is trainer.mesh
+    assert rec.seen["optimizer_model"] is trainer.model
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["seams.step_twice"] for r in rows] == [2.0, 4.0]
+
+
+def test_a_step_metric_may_not_replace_a_core_metric(pm, make_config):
+    import pytest
+
+    from hpctrain.errors import PluginError
+    from hpctrain.run import reference_trainer
+
+    class Clobber:
+        @hookimpl
+        def hpctrain_step_metrics(self, trainer, step, metrics):
+            return {"loss": 0.0}
+
+    pm.register(Clobber())
+    trainer = reference_trainer(make_config("trainer.steps=1", "trainer.global_batch_size=2",
+                                            "trainer.micro_batch_size=2"), pm)
+    with pytest.raises(PluginError, match="'loss', which is already a metric"):
+        trainer.train_step()

@@ -79,14 +79,11 @@ def on_rank0(comm: Any, fn: Callable[[], Any]) -> Any:
 
 
 def config(*overrides: str, pm=None):
-    from omegaconf import OmegaConf
-
-    from hpctrain.config import compose
-    from hpctrain.config.store import to_config
+    from hpctrain.config import compose_resolved
     from hpctrain.plugins import get_manager
 
     pm = pm or get_manager()
-    return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    return compose_resolved(overrides, pm)
 
 
 def run_here(overrides: Sequence[str], run_dir: Optional[str] = None) -> List[Dict[str, Any]]:

@@ -33,14 +33,11 @@ if MPI.COMM_WORLD.Get_size() % 2 == 0 and RANKS_PER_NODE_ENV not in os.environ:
 def compose_config(*overrides: str):
     """A typed run config, composed like the CLI does (``make_config`` is
     per-test; composing once per session keeps hundreds of tiny tests fast)."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.config import compose
-    from hpctrain.config.store import to_config
+    from hpctrain.config import compose_resolved
     from hpctrain.plugins import get_manager
 
     pm = get_manager()
-    return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    return compose_resolved(overrides, pm)
 
 
 def world_group(name: str = "world"):

@@ -139,3 +139,100 @@ def test_materialize_keeps_parameter_identity(make_config):
     assert [id(p) for p in model.parameters()] == before
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert model.output.weight is model.tok_embeddings.weight
+
+
+def _materialized(cfg, seed=0):
+    model = build_model(cfg)
+    return materialize(model, torch.device("cpu"), seed, cfg.model.init_std, cfg.model.n_layers)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_chained_compute_the_whole_model(make_config, tied):
+    """keep_stage leaves each stage only its parts; running them one after
+    another (hidden states in, hidden states out) equals the whole model,
+    loss and gradients of every parameter included."""
+    cfg = make_config("model.n_layers=4", f"model.tie_embeddings={str(tied).lower()}")
+    whole = _materialized(cfg)
+    split = [(range(0, 1), True, False), (range(1, 3), False, False), (range(3, 4), False, True)]
+    stages = [_materialized(cfg).keep_stage(layers, first, last) for layers, first, last in split]
+    assert stages[0].has_embedding and not stages[0].has_head and list(stages[1].layers.keys()) == ["1", "2"]
+    assert stages[1].tok_embeddings is None and stages[1].output is None and stages[2].has_head
+    names = {n for s in stages for n, _ in s.named_parameters()}
+    assert names <= {n for n, _ in whole.named_parameters()} | {"output.weight"}  # one-process names
+    if tied:  # the last stage keeps the tied weight as output.weight, named tok_embeddings.weight
+        assert get_spec(stages[2].output.weight).logical_name == "tok_embeddings.weight"
+
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(tokens, -1, 1)
+    want = whole(tokens, targets)
+    want.backward()
+    x = tokens
+    for stage in stages[:-1]:
+        x = stage(x)
+        assert x.shape == (2, 16, cfg.model.d_model)
+    got = stages[-1](x, targets)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    grads = {}
+    for s in stages:
+        for p in s.parameters():
+            name = get_spec(p).logical_name
+            grads[name] = grads[name] + p.grad if name in grads else p.grad  # tied: summed over the two stages
+    for p in whole.parameters():
+        torch.testing.assert_close(grads[get_spec(p).logical_name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_aux_loss_channel_adds_to_the_objective_not_to_the_logged_loss(make_config, pm):
+    """A part adds a loss with add_aux_loss; the schedule's backward includes
+    it (scaled like the main loss), the logged loss does not."""
+    from hpctrain import hookimpl
+    from hpctrain.data.cursor import MicroBatch
+    from hpctrain.model.aux import add_aux_loss, collect_aux_losses
+    from hpctrain.model.transformer import SwiGLU
+    from hpctrain.train.schedule import GradAccumulation
+
+    class PenalisedFFN(SwiGLU):
+        def forward(self, x):
+            add_aux_loss("l2", 0.5 * self.w1.weight.pow(2).sum())
+            return super().forward(x)
+
+    class Parts:
+        @hookimpl
+        def hpctrain_capabilities(self):
+            return {"model.ffn": ["penalised"]}
+
+        @hookimpl
+        def hpctrain_make_module(self, kind, name, cfg, layer_index):
+            return PenalisedFFN(ModelShape.from_config(cfg.model)) if (kind, name) == ("ffn", "penalised") else None
+
+    pm.register(Parts())
+    cfg = make_config("model.ffn=penalised")
+    from hpctrain.model.build import build_model as build
+
+    model = materialize(build(cfg, pm), torch.device("cpu"), 0, cfg.model.init_std, cfg.model.n_layers)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    mbs = [MicroBatch(tokens, torch.roll(tokens, -1, 1)), MicroBatch(tokens.flip(1), tokens)]
+
+    class Hooks:
+        def hpctrain_before_backward(self, **kw):
+            pass
+
+    result = GradAccumulation().run(model, mbs, Hooks())
+    grad = model.layers[0].ffn.w1.weight.grad.clone()
+    with torch.no_grad():
+        lm = [float(model(mb.inputs, mb.targets)) for mb in mbs]
+    assert float(result.loss_sum) == pytest.approx(sum(v * 16 for v in lm), rel=1e-6) and result.tokens == 32
+    # the same gradient by hand: mean over micro-batches of (lm + aux)
+    model.zero_grad()
+    for mb in mbs:
+        with collect_aux_losses() as aux:
+            loss = model(mb.inputs, mb.targets)
+        assert [n for n, _ in aux.terms] == ["l2", "l2"]  # one per layer
+        ((loss + aux.total()) / 2).backward()
+    torch.testing.assert_close(model.layers[0].ffn.w1.weight.grad, grad)
+    # the aux term really is in there: without it the gradient differs by w1 exactly
+    model.zero_grad()
+    for mb in mbs:
+        (model(mb.inputs, mb.targets) / 2).backward()  # outside a collector add_aux_loss does nothing
+    torch.testing.assert_close(grad - model.layers[0].ffn.w1.weight.grad, model.layers[0].ffn.w1.weight.detach(),
+                               rtol=1e-5, atol=1e-6)

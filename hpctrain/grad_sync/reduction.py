@@ -1,4 +1,5 @@
-"""How one bucket is averaged over the group: plain, or compressed on the wire.
+"""How one bucket is averaged over its group: plain, compressed on the
+wire, or reduce-scattered (each rank keeps its shard: ZeRO).
 
 Each reduction is split into ``start`` (issued from a backward hook, or
 after backward for buckets that were not ready), ``advance`` and ``finish``
@@ -28,6 +29,12 @@ only start once the first is complete, so it runs after backward; only the
 first half overlaps with backward. fp16 overflows above 65504 (the step's
 gradient norm then becomes inf); bf16 has fp32's range and is the safer pick.
 Every rank receives the same gathered bytes, so replicas stay bit-identical.
+
+``ScatterAverage``: one ``reduce_scatter(AVG)`` of the bucket (padded to a
+multiple of the group size) into this rank's shard, plus an all-reduce of
+the bucket's few "used on this rank" flags (they must reach every rank, not
+one shard's owner). The full buffer keeps this rank's own, unreduced
+gradients.
 """
 from __future__ import annotations
 
@@ -101,3 +108,39 @@ class CompressedAverage:
             self._work.wait()
             self._work, self._stage = None, 0
             self.buffer.copy_(self.send[: self.buffer.numel()])
+
+
+class ScatterAverage:
+    """Average ``grads`` (numel a multiple of the group size) into this rank's
+    part of the flat bucket, and ``flags`` (small) onto every rank.
+
+    ``shard`` (made here when not given) receives the average; with
+    ``accumulate`` (a later micro-batch of the same step, ZeRO-2/3) the
+    average lands in a scratch tensor and is added to ``shard`` in ``finish``.
+    """
+
+    def __init__(self, comm: Communicator, grads: torch.Tensor, flags: torch.Tensor,
+                 shard: Optional[torch.Tensor] = None, accumulate: bool = False):
+        self.comm, self.grads, self.flags = comm, grads, flags
+        size = grads.numel() // comm.size
+        self.shard = shard if shard is not None else torch.empty(size, dtype=grads.dtype, device=grads.device)
+        self.accumulate = accumulate
+        self._out = torch.empty_like(self.shard) if accumulate else self.shard
+        self._works: list = []
+
+    def start(self, blocking: bool = False) -> None:
+        self._works = [self.comm.reduce_scatter(self._out, self.grads, ReduceOp.AVG, async_op=not blocking),
+                       self.comm.all_reduce(self.flags, ReduceOp.AVG, async_op=not blocking)]
+
+    def progress(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def advance(self) -> None:
+        return None
+
+    def finish(self) -> None:
+        for w in self._works:
+            w.wait()
+        if self._works and self.accumulate:
+            self.shard.add_(self._out)
+        self._works = []

@@ -1,9 +1,9 @@
-"""Bucket planning of the data-parallel plugin (pure logic, one process)."""
+"""Bucket planning of the gradient-sync engine (pure logic, one process)."""
 from __future__ import annotations
 
 import torch
 
-from hpctrain_dp.buckets import cap_bytes_from_mb, plan_buckets
+from hpctrain.grad_sync.buckets import cap_bytes_from_mb, plan_buckets
 
 
 def _params(*numels, dtype=torch.float32):

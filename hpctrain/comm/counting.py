@@ -1,0 +1,140 @@
+"""Bytes on the wire: every group's communicator is wrapped in a
+``CountingCommunicator`` (``Mesh.attach_backends`` does it), so each
+backend, a third party's included, is counted the same way.
+
+Counts follow the nccl-tests *bus bytes* convention: what one rank sends on
+a ring algorithm, so the figure is comparable across group sizes and with
+the planner's alpha-beta model. With ``S`` the op's size in bytes and ``n``
+the group size:
+
+- ``all_reduce``: ``S`` = the tensor; ``2 (n-1)/n x S``;
+- ``all_gather``: ``S`` = the gathered output; ``(n-1)/n x S``;
+- ``reduce_scatter``: ``S`` = the input; ``(n-1)/n x S``;
+- ``all_to_all``: what this rank sends to the others (``(n-1)/n x S`` for
+  equal splits of an ``S``-byte input);
+- ``broadcast``: ``S``;
+- ``send`` and the sends of ``batch_isend_irecv``: the bytes sent (a
+  point-to-point byte is counted once, by its sender).
+
+Counting happens when an operation is issued (asynchronous ones included);
+a call that raises before anything moves is not counted.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
+
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+
+
+class CommCounter:
+    """Bus bytes and calls of one communicator, in total and per op."""
+
+    __slots__ = ("bytes", "calls", "per_op")
+
+    def __init__(self) -> None:
+        self.bytes = 0.0
+        self.calls = 0
+        self.per_op = [0.0] * len(OPS)
+        """Bytes by op, in the order of ``OPS``."""
+
+    def add(self, op: int, nbytes: float) -> None:
+        self.bytes += nbytes
+        self.calls += 1
+        self.per_op[op] += nbytes
+
+    @property
+    def by_op(self) -> Dict[str, float]:
+        return {name: b for name, b in zip(OPS, self.per_op) if b}
+
+
+_AR, _AG, _RS, _A2A, _BC, _SEND = range(len(OPS))
+
+
+class CountingCommunicator:
+    """A Communicator that counts bus bytes, then delegates to ``inner``.
+
+    Attributes it does not define (``group``, backend-specific ones) are the
+    inner communicator's; ``inner`` is the wrapped object itself. The hot
+    paths are written flat (bound methods kept, ``nbytes`` read once): the
+    wrapper sits in front of every collective of training.
+    """
+
+    def __init__(self, inner: Communicator):
+        self.inner = inner
+        self.backend = inner.backend
+        self.rank = inner.rank
+        self.size = inner.size
+        self.counter = CommCounter()
+        n = inner.size
+        self._ring = (n - 1) / n if n else 0.0
+        self._ring2 = 2 * self._ring
+        self._all_reduce = inner.all_reduce
+        self._all_gather = inner.all_gather
+        self._reduce_scatter = inner.reduce_scatter
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"Counting({self.inner!r})"
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work:
+        work = self._all_reduce(tensor, op, async_op)
+        self.counter.add(_AR, self._ring2 * tensor.nbytes)
+        return work
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        work = self._all_gather(output, input, async_op)
+        self.counter.add(_AG, self._ring * output.nbytes)
+        return work
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                       async_op: bool = False) -> Work:
+        work = self._reduce_scatter(output, input, op, async_op)
+        self.counter.add(_RS, self._ring * input.nbytes)
+        return work
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]] = None,
+                   input_splits: Optional[Sequence[int]] = None, async_op: bool = False) -> Work:
+        work = self.inner.all_to_all(output, input, output_splits, input_splits, async_op)
+        total = input.nbytes
+        if input_splits is None:
+            sent = self._ring * total
+        else:
+            rows = input.shape[0] if input.dim() else 1
+            own = input_splits[self.rank] * (total // rows) if rows else 0
+            sent = total - own
+        self.counter.add(_A2A, sent)
+        return work
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work:
+        work = self.inner.broadcast(tensor, src, async_op)
+        self.counter.add(_BC, tensor.nbytes)
+        return work
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.inner.send(tensor, dst, tag)
+        self.counter.add(_SEND, tensor.nbytes)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.inner.recv(tensor, src, tag)
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[Work]:
+        works = self.inner.batch_isend_irecv(ops)
+        sent = sum(op.tensor.nbytes for op in ops if op.kind == "send")
+        if sent:
+            self.counter.add(_SEND, sent)
+        return works
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
+def unwrap(comm: Any) -> Any:
+    """The backend's own communicator under a counting wrapper (or ``comm``)."""
+    return comm.inner if isinstance(comm, CountingCommunicator) else comm

@@ -1,0 +1,223 @@
+"""Differentiable collectives: autograd knows how each region change goes
+backward, so parallel layers are written as plain forward code.
+
+One private ``autograd.Function`` per region change and a one-line public
+wrapper whose docstring states forward and backward (the idiom of
+Megatron's ``mappings.py``). Every function takes a mesh ``Group`` and runs
+through its Communicator, so it works on every backend (torch/gloo, nccl,
+mpi, hier) and its bytes are counted. A group of one rank is the identity
+both ways (no communication).
+
+Shapes. ``dim`` is the tensor dim the region change splits or joins; pieces
+are in group-rank order and equal in size (``scatter_*`` and
+``reduce_scatter_*`` need the dim divisible by the group size).
+``all_to_all`` moves dim-0 rows with per-rank counts (uneven splits).
+Reductions are sums (a mean is the caller's division: the gradient of a
+mean over ranks is not a collective's business).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from hpctrain.comm.protocol import P2POp, ReduceOp
+from hpctrain.errors import CommError
+from hpctrain.mesh import Group
+
+
+# -- the collectives on one dim, out of place ---------------------------------
+def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with ``dim`` first, contiguous (a view when ``dim`` is already 0)."""
+    return x.movedim(dim, 0).contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    group.communicator().all_reduce(out, ReduceOp.SUM)
+    return out
+
+
+def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    src = _front(x, dim)
+    out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().all_gather(out, src)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    src = _front(x, dim)
+    if src.shape[0] % group.size:
+        raise CommError(f"reduce-scatter over group {group.name}: dim {dim} of size {src.shape[0]} is not divisible "
+                        f"by the group size {group.size}")
+    out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().reduce_scatter(out, src, ReduceOp.SUM)
+    return out.movedim(0, dim)
+
+
+def _own_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    n = x.shape[dim]
+    if n % group.size:
+        raise CommError(f"scatter over group {group.name}: dim {dim} of size {n} is not divisible by the group "
+                        f"size {group.size}")
+    step = n // group.size
+    return x.narrow(dim, group.rank * step, step).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[int]],
+                input_splits: Optional[Sequence[int]]) -> torch.Tensor:
+    src = x.contiguous()
+    rows = sum(output_splits) if output_splits is not None else src.shape[0]
+    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().all_to_all(out, src, output_splits, input_splits)
+    return out
+
+
+def _shift(x: torch.Tensor, group: Group, shift: int) -> torch.Tensor:
+    n, r = group.size, group.rank
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    works = group.communicator().batch_isend_irecv([P2POp("send", src, (r + shift) % n),
+                                                    P2POp("recv", out, (r - shift) % n)])
+    for w in works:
+        w.wait()
+    return out
+
+
+# -- autograd functions ---------------------------------------------------------
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _along_dim(name: str, forward, backward) -> type:
+    """An autograd Function over (x, group, dim): ``forward`` going forward,
+    ``backward`` on the gradient (both ``f(tensor, group, dim)``)."""
+
+    def fwd(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return forward(x, group, dim)
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group, ctx.dim), None, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+_ScatterToRegion = _along_dim("_ScatterToRegion", _own_chunk, _all_gather)
+_GatherFromRegion = _along_dim("_GatherFromRegion", _all_gather, _own_chunk)
+_GatherFromSequenceRegion = _along_dim("_GatherFromSequenceRegion", _all_gather, _reduce_scatter)
+_ReduceScatterToSequenceRegion = _along_dim("_ReduceScatterToSequenceRegion", _reduce_scatter, _all_gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, shift):
+        ctx.group, ctx.shift = group, shift
+        return _shift(x, group, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _shift(grad, ctx.group, -ctx.shift), None, None
+
+
+# -- the public wrappers -----------------------------------------------------------
+def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Enter a region where every rank computes with the same ``x``: fwd identity, bwd all-reduce (sum)."""
+    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Leave a region of partial sums: fwd all-reduce (sum), bwd identity."""
+    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of ``dim``: fwd split (own chunk), bwd all-gather along ``dim``."""
+    return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
+
+
+def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
+    """Join the ranks' chunks of ``dim``: fwd all-gather along ``dim``, bwd split (own chunk)."""
+    return x if group.size == 1 else _GatherFromRegion.apply(x, group, dim)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Enter sequence parallelism: fwd split the sequence ``dim`` (own chunk), bwd all-gather along it."""
+    return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """Before a column-parallel layer: fwd all-gather the sequence ``dim``, bwd reduce-scatter (sum) along it."""
+    return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
+    """After a row-parallel layer: fwd reduce-scatter (sum) along the sequence ``dim``, bwd all-gather along it."""
+    return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group, dim)
+
+
+def all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[int]] = None,
+               input_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Exchange dim-0 rows (``input_splits[j]`` rows to rank j, ``output_splits[j]`` from it): fwd all-to-all,
+    bwd all-to-all with the splits swapped. ``input_splits`` None: equal parts of ``x``; ``output_splits``
+    None: equal parts too, so it needs ``input_splits`` None on every rank (else use ``exchange_counts``)."""
+    if group.size == 1:
+        return x
+    if input_splits is not None and output_splits is None:
+        raise CommError(f"all_to_all over group {group.name}: input_splits without output_splits; "
+                        "find what each rank receives with exchange_counts(input_splits, group)")
+    out = list(output_splits) if output_splits is not None else None
+    inp = list(input_splits) if input_splits is not None else None
+    if out is not None and inp is None:  # the backward needs this rank's own counts explicitly
+        if x.shape[0] % group.size:
+            raise CommError(f"all_to_all over group {group.name}: dim 0 of size {x.shape[0]} is not divisible by "
+                            f"the group size {group.size}; pass input_splits")
+        inp = [x.shape[0] // group.size] * group.size
+    return _AllToAll.apply(x, group, out, inp)
+
+
+def ring_shift(x: torch.Tensor, group: Group, shift: int = 1) -> torch.Tensor:
+    """Pass ``x`` around the ring: fwd send to rank r+shift and receive from r-shift, bwd the reverse."""
+    return x if group.size == 1 or shift % group.size == 0 else _RingShift.apply(x, group, shift)
+
+
+def exchange_counts(counts: Sequence[int], group: Group, device: Optional[torch.device] = None) -> List[int]:
+    """What every rank will send this one, from what this one sends each
+    (``counts[j]`` to rank j): the ``output_splits`` of an uneven
+    ``all_to_all``, found with one small all-to-all of the counts."""
+    if len(counts) != group.size:
+        raise CommError(f"exchange_counts: {len(counts)} counts for group {group.name} of size {group.size}")
+    if group.size == 1:
+        return list(counts)
+    send = torch.tensor(list(counts), dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    group.communicator().all_to_all(recv, send)
+    return [int(c) for c in recv.tolist()]

@@ -1,0 +1,82 @@
+"""The auxiliary-loss channel: losses a model part adds to the training
+objective besides the language-model loss (an MoE router's load-balancing
+and z-losses).
+
+A part calls ``add_aux_loss(name, value)`` in its forward. Whoever runs the
+forward for training (a step schedule) collects them::
+
+    with collect_aux_losses() as aux:
+        loss = model(inputs, targets)
+    ((loss + aux.total()) / num_microbatches).backward()
+
+so an auxiliary loss is scaled like the main loss and reaches backward on
+the rank (pipeline stage) that computed it. The logged ``loss`` stays the
+language-model loss, comparable across models and layouts; a plugin reports
+its auxiliary values through ``hpctrain_step_metrics``. Outside a
+``collect_aux_losses`` block (inference, activation recomputation in
+backward) ``add_aux_loss`` does nothing.
+
+The collector is found through a context variable: dynamic scope, like
+``torch.autocast``, so a part needs no reference to the model that runs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+_ACTIVE: contextvars.ContextVar[Optional["AuxLosses"]] = contextvars.ContextVar("hpctrain_aux_losses", default=None)
+
+
+class AuxLosses:
+    """The auxiliary losses added during one forward."""
+
+    def __init__(self) -> None:
+        self.terms: List[Tuple[str, torch.Tensor]] = []
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        if value.dim() != 0:
+            raise ValueError(f"auxiliary loss {name!r} must be a scalar, got shape {tuple(value.shape)}")
+        self.terms.append((name, value))
+
+    def total(self) -> Optional[torch.Tensor]:
+        """Their sum (differentiable), or None when there are none."""
+        if not self.terms:
+            return None
+        out = self.terms[0][1]
+        for _, v in self.terms[1:]:
+            out = out + v
+        return out
+
+    def by_name(self) -> Dict[str, float]:
+        """Detached values summed per name (over layers)."""
+        out: Dict[str, float] = {}
+        for name, v in self.terms:
+            out[name] = out.get(name, 0.0) + float(v.detach())
+        return out
+
+
+def add_aux_loss(name: str, value: torch.Tensor) -> None:
+    """Add ``value`` (a scalar tensor) to the objective of the forward being collected."""
+    active = _ACTIVE.get()
+    if active is not None:
+        active.add(name, value)
+
+
+@contextlib.contextmanager
+def collect_aux_losses() -> Iterator[AuxLosses]:
+    """Collect the auxiliary losses of the forwards run inside."""
+    aux = AuxLosses()
+    token = _ACTIVE.set(aux)
+    try:
+        yield aux
+    finally:
+        _ACTIVE.reset(token)
+
+
+def with_aux(loss: torch.Tensor, aux: AuxLosses) -> torch.Tensor:
+    """``loss`` plus the collected auxiliary losses (``loss`` itself when none)."""
+    extra = aux.total()
+    return loss if extra is None else loss + extra

@@ -1,0 +1,124 @@
+"""What ZeRO holds per rank: the expected bytes (the ZeRO paper's formulas
+on this layout, padding included) and what the tensors actually hold.
+
+With P the padded size of the flat groups (each a multiple of its group
+size n), C = P / n the owned chunks, U the elements of parameters with
+nothing to shard, p and r the bytes of an element in ``param_dtype`` and
+``reduce_dtype``, and AdamW's two moments in fp32:
+
+| stage | parameters | gradients | optimizer state |
+|---|---|---|---|
+| 1 | P p | P r + C r | 8 C (+ 4 C fp32 master when p < 4) |
+| 2 | P p | C r | 8 C (+ 4 C) |
+| 3 | 4 C (fp32 master = the parameters) | C r | 8 C |
+
+plus 4 U, 4 U and 8 U for the unsharded parameters. With ``offload=nvme``
+the 8 C of moments are in files and only one flat group's (8 x its chunk)
+is resident at a time, during the optimizer step (counted in flight). Stage 1 keeps the whole
+gradient between steps (accumulated over micro-batches, reduce-scattered
+after the last) and the reduce-scatter's output C r; stages 2 and 3 keep
+only the output. On top of that, *in flight*: stages 2 and 3 hold the
+gradient buffers of buckets being reduced (bounded by the two largest flat
+groups, r bytes each), and stage 3 the gathered units (the two largest:
+the one in use and the one prefetched; all of them without
+``reshard_after_forward``). Activations are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ZeroMemory:
+    params: int
+    """Bytes of parameters held between steps."""
+    grads: int
+    """Bytes of gradients held through a step."""
+    optimizer: int
+    """Bytes of optimizer state (moments, fp32 masters kept apart)."""
+    in_flight: int
+    """At most this many bytes more, transiently (gradient buckets, gathered units)."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.total + self.in_flight
+
+    def describe(self) -> str:
+        mb = lambda b: f"{b / 2**20:.2f} MiB"
+        return (f"parameters {mb(self.params)}, gradients {mb(self.grads)}, optimizer state {mb(self.optimizer)}, "
+                f"up to {mb(self.in_flight)} in flight; expected peak {mb(self.peak)} ({self.peak:,} bytes)")
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _two_largest(values: Iterable[int]) -> int:
+    return sum(sorted(values)[-2:])
+
+
+def expected(setup: Any) -> ZeroMemory:
+    """The formulas of the module docstring for ``setup`` (a ZeroSetup)."""
+    from hpctrain_zero.config import dtype_of
+
+    z = setup.cfg
+    flats = setup.flats
+    first = next((p for fg in flats for p in fg.params), None)
+    own = first.dtype if first is not None and setup.stage != 3 else torch.float32
+    p_size = _size(dtype_of(z.param_dtype) or own)
+    r_size = _size(dtype_of(z.reduce_dtype))
+    P = sum(fg.total for fg in flats)
+    C = sum(fg.chunk for fg in flats)
+    U = sum(p.numel() for p in setup.unsharded)
+    master = 4 * C if setup.stage in (1, 2) and p_size < 4 else 0
+    buckets = _two_largest(fg.total * r_size for fg in flats) if setup.stage >= 2 else 0
+    if setup.stage == 1:
+        params, grads = P * p_size, P * r_size + C * r_size
+    elif setup.stage == 2:
+        params, grads = P * p_size, C * r_size
+    else:
+        params, grads = 4 * C, C * r_size
+    optimizer = 8 * C + master
+    if z.offload == "nvme":  # moments paged in one flat group at a time
+        optimizer = master
+        buckets += 8 * max((fg.chunk for fg in flats), default=0)
+    gathered = 0
+    if setup.stage == 3:
+        units = [sum(fg.total for fg in setup.unit_flats[u.name]) * p_size for u in setup.units]
+        gathered = _two_largest(units) if z.reshard_after_forward else sum(units)
+    return ZeroMemory(params + 4 * U, grads + 4 * U, optimizer + 8 * U, buckets + gathered)
+
+
+def measured(setup: Any, model: torch.nn.Module, optimizer: Any) -> ZeroMemory:
+    """What the tensors hold after a step (``in_flight``: the peaks seen so far)."""
+    storages = {}
+    for p in model.parameters():
+        s = p.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    files = [seg.mapped for seg in optimizer.segments if seg.mapped is not None]
+    state = [t for s in optimizer.shard_states() for t in s.values()
+             if isinstance(t, torch.Tensor) and t.dim() and not any(inside(t, m.exp_avg) or inside(t, m.exp_avg_sq)
+                                                                    for m in files)]
+    masters = sum(m.numel() * m.element_size() for m, full in zip(setup.masters, setup.full)
+                  if full is not None and not inside(m, full))  # fp32 masters kept apart from 16-bit parameters
+    engine = setup.engine
+    shards = sum(b.shard.numel() * b.shard.element_size() for b in engine.buckets)
+    kept = engine.buffer_bytes  # stage 1 keeps its gradient buffers between steps
+    unsharded_grads = sum(p.grad.numel() * p.grad.element_size() for p in setup.unsharded if p.grad is not None)
+    gathered = setup.gatherer.peak_bytes if setup.gatherer is not None else 0
+    return ZeroMemory(sum(storages.values()), kept + shards + unsharded_grads,
+                      sum(t.numel() * t.element_size() for t in state) + masters,
+                      engine.peak_buffer_bytes - kept + gathered)
+
+
+def inside(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``t`` lies in ``base``'s memory (a view of it)."""
+    lo = base.data_ptr()
+    return lo <= t.data_ptr() < lo + base.numel() * base.element_size()

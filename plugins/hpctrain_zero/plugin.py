@@ -1,0 +1,350 @@
+"""ZeRO plugin: the data axes' implementation when ``parallel.zero.stage`` > 0
+(it claims axis ``dp`` then; ``parallel.impl.dp=zero`` also chooses it).
+
+Units (``units``: the embedding, each block, the head) are cut into flat
+groups (``flat``: a unit's parameters averaged over one data group, laid out
+end to end and padded to a multiple of that group's size); rank r of the
+group owns the r-th chunk of each. The core gradient-sync engine reduce-
+scatters the flat groups (they are its buckets) and the ``ZeroOptimizer``
+runs AdamW on the owned chunks only:
+
+- stage 1: parameters and gradients stay whole; gradients accumulate over
+  the step's micro-batches in a full buffer and are reduce-scattered once,
+  after the last; after the optimizer step each group all-gathers the
+  updated parameters (in place: the parameters are views of the flat
+  buffer);
+- stage 2: every micro-batch's gradients are reduce-scattered as backward
+  produces them and added into the owned chunk; no full gradient is kept;
+- stage 3: parameters are kept as their owned chunks too (``gather``): each
+  unit is all-gathered just before its forward, the next unit's gather
+  prefetched, freed after forward (``reshard_after_forward``), gathered
+  again for backward and freed once its gradients are out.
+
+Parameters whose data group has a single rank (nothing to shard) stay as
+they are and are updated whole. ``param_dtype`` makes gathered / computed
+parameters 16-bit with an fp32 master chunk; ``reduce_dtype`` is the
+reduce-scatter's dtype. Memory per rank is logged at start (``memory``).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from hpctrain import grad_sync, hookimpl
+from hpctrain.comm.protocol import ReduceOp
+from hpctrain.grad_sync.buckets import cap_bytes_from_mb
+from hpctrain.errors import PluginError
+from hpctrain.log import log_rank0
+from hpctrain.shard import ShardSpec, get_spec, set_spec
+
+from hpctrain_zero import memory, offload, optimizer
+from hpctrain_zero.config import DTYPES, OFFLOADS, SHARD_GROUPS, ZeroConfig, dtype_of
+from hpctrain_zero.flat import FlatGroup
+from hpctrain_zero.gather import UnitFlats, UnitGatherer
+from hpctrain_zero.units import Unit, model_units
+
+STATE_ATTR = "_hpctrain_zero"
+
+
+@dataclass
+class ZeroSetup:
+    """What the plugin keeps on the model it parallelised."""
+
+    cfg: ZeroConfig
+    mesh: Any
+    units: List[Unit]
+    flats: List[FlatGroup]
+    """Forward order."""
+    unit_flats: Dict[str, List[FlatGroup]]
+    shapes: Dict[str, List[torch.Size]]
+    """Full (pre-flat) shape of each parameter, per flat group."""
+    unsharded: List[nn.Parameter]
+    full: List[Optional[torch.Tensor]] = field(default_factory=list)
+    """Stages 1-2: each flat group's whole parameter buffer (the parameters are views of it)."""
+    masters: List[torch.Tensor] = field(default_factory=list)
+    """Each flat group's owned chunk, the master copy the optimizer updates."""
+    shards: Dict[int, Tuple[nn.Parameter, ShardSpec]] = field(default_factory=dict)
+    engine: Optional[grad_sync.GradSync] = None
+    gatherer: Optional[UnitGatherer] = None
+    memory: Optional[memory.ZeroMemory] = None
+    """Expected bytes per rank (logged at start)."""
+    device: Optional[torch.device] = None
+    """Where the model computes."""
+    host: bool = False
+    """Masters and optimizer state in host memory (offload=cpu on a GPU)."""
+
+    @property
+    def stage(self) -> int:
+        return self.cfg.stage
+
+
+def zero_config(cfg: Any) -> ZeroConfig:
+    node = OmegaConf.select(cfg, "parallel.zero", default=None)
+    if node is None:
+        return ZeroConfig()
+    return ZeroConfig(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node
+
+
+def setup_of(model: nn.Module) -> Optional[ZeroSetup]:
+    return getattr(model, STATE_ATTR, None)
+
+
+# -- hooks -----------------------------------------------------------------------
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"parallel": ["dp"]}
+
+
+@hookimpl
+def hpctrain_config_sections() -> Dict[str, type]:
+    return {"parallel.zero": ZeroConfig}
+
+
+@hookimpl
+def hpctrain_claim_axis(axis: str, cfg: Any) -> Optional[bool]:
+    if axis != "dp":
+        return None
+    return zero_config(cfg).stage > 0
+
+
+@hookimpl
+def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    z = zero_config(cfg)
+    problems = []
+    if z.stage not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero.stage={z.stage} is not one of 0, 1, 2, 3")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(z, key) not in DTYPES:
+            problems.append(f"parallel.zero.{key}={getattr(z, key)!r} is not one of {', '.join(DTYPES)}")
+    if z.reduce_dtype == "none":
+        problems.append("parallel.zero.reduce_dtype=none: name the reduction dtype (fp32, bf16 or fp16)")
+    if z.shard_group not in SHARD_GROUPS:
+        problems.append(f"parallel.zero.shard_group={z.shard_group!r} is not one of {', '.join(SHARD_GROUPS)}")
+    if z.offload not in OFFLOADS:
+        problems.append(f"parallel.zero.offload={z.offload!r} is not one of {', '.join(OFFLOADS)}")
+    return problems or None
+
+
+@hookimpl
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+    if axis != "dp":
+        return None
+    z = zero_config(cfg)
+    units = model_units(model)
+    flats: List[FlatGroup] = []
+    unit_flats: Dict[str, List[FlatGroup]] = {}
+    unsharded: List[nn.Parameter] = []
+    for unit in units:
+        by_group: Dict[str, Tuple[Any, List[nn.Parameter]]] = {}
+        for p in unit.params:
+            group = mesh.group(mesh.reduction_axes(get_spec(p).split_axes))
+            if group.size == 1:
+                unsharded.append(p)
+                continue
+            by_group.setdefault(group.name, (group, []))[1].append(p)
+        unit_flats[unit.name] = [FlatGroup(f"{unit.name}@{name}", ps, *_shard_groups(mesh, group, z))
+                                 for name, (group, ps) in by_group.items()]
+        flats += unit_flats[unit.name]
+    shapes = {fg.name: [p.shape for p in fg.params] for fg in flats}
+    if z.stage == 3:
+        _shard_parameters(model, flats, units)
+    setattr(model, STATE_ATTR, ZeroSetup(z, mesh, units, flats, unit_flats, shapes, unsharded))
+    return model
+
+
+def _shard_groups(mesh: Any, group: Any, z: ZeroConfig) -> Tuple[Any, Tuple[int, ...], Optional[Any]]:
+    """(group the chunks are cut over, numels (default), replicas across nodes)
+    for parameters averaged over ``group``."""
+    if z.shard_group != "node":
+        return group, (), None
+    local, across = mesh.node_local(group.axes), mesh.across_nodes(group.axes)
+    size = local.size
+    start = group.ranks.index(local.ranks[0])
+    if group.size % size or local.ranks != group.ranks[start:start + size] or start % size:
+        raise PluginError(
+            f"parallel.zero.shard_group=node needs every node to hold the same number of consecutive ranks of "
+            f"group {group.name} (this node holds ranks {list(local.ranks)} of {list(group.ranks)}); launch the "
+            "same number of ranks per node, keep tp/cp/ep inside nodes, or use parallel.zero.shard_group=world")
+    return local, (), across
+
+
+def _shard_parameters(model: nn.Module, flats: List[FlatGroup], units: List[Unit]) -> None:
+    """Stage 3, on the meta model: each parameter becomes the flat shard this
+    rank holds (its spec a flat split), so materialisation draws only that."""
+    new: Dict[int, nn.Parameter] = {}
+    for fg in flats:
+        for i, p in enumerate(fg.params):
+            a, b = fg.held(i)
+            q = nn.Parameter(torch.empty(b - a, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            set_spec(q, fg.flat_spec(i))
+            new[id(p)] = q
+            fg.params[i] = q
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in new:
+                module._parameters[name] = new[id(p)]
+    for unit in units:
+        unit.params = [new.get(id(p), p) for p in unit.params]
+
+
+@hookimpl
+def hpctrain_after_materialize(model: nn.Module, mesh: Any, cfg: Any) -> None:
+    setup = setup_of(model)
+    if setup is None:
+        return
+    z = setup.cfg
+    if z.stage == 0:  # chosen explicitly at stage 0: plain data parallelism through the same engine
+        engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh), cap_bytes_from_mb(cfg.comm.bucket_mb))
+        setup.engine = grad_sync.attach_to(model, engine.attach([p for p in model.parameters() if p.requires_grad]))
+        return
+    param_dtype = dtype_of(z.param_dtype)
+    setup.device = next(iter(model.parameters())).device
+    host = setup.host = z.offload == "cpu" and setup.device.type == "cuda"  # masters, moments in pinned host memory
+    for fg in setup.flats:
+        if z.stage == 3:
+            setup.masters.append(_master_chunk_stage3(fg, host))
+            setup.full.append(None)
+        else:
+            full, master = _flat_buffers(fg, param_dtype, host)
+            setup.full.append(full)
+            setup.masters.append(master)
+        for i, p in enumerate(fg.params):
+            a, b = fg.held(i)
+            if b > a:
+                shard = p if z.stage == 3 else nn.Parameter(setup.masters[-1][fg.shard_slice(i)])
+                if z.stage != 3:
+                    set_spec(shard, fg.flat_spec(i))
+                setup.shards[id(p)] = (shard, fg.flat_spec(i))
+    for p in setup.unsharded:
+        setup.shards[id(p)] = (p, get_spec(p))
+    numels = {id(p): n for fg in setup.flats for p, n in zip(fg.params, fg.numels)}
+    groups = {id(p): fg.group.communicator() for fg in setup.flats for p in fg.params}
+    engine = grad_sync.GradSync(lambda p: groups.get(id(p)), 0, reduce_scatter=True, keep_grads=False,
+                                every_microbatch=z.stage >= 2, dtype=dtype_of(z.reduce_dtype),
+                                release_buffers=z.stage >= 2, max_in_flight=1, device=setup.device)
+    params = [p for fg in setup.flats for p in fg.params]
+    engine.attach(params, buckets=[fg.params for fg in reversed(setup.flats)], numel_of=lambda p: numels[id(p)])
+    setup.engine = grad_sync.attach_to(model, engine)
+    if z.stage == 3:
+        units = [UnitFlats(u, setup.unit_flats[u.name], [setup.masters[setup.flats.index(fg)]
+                                                         for fg in setup.unit_flats[u.name]],
+                           [setup.shapes[fg.name] for fg in setup.unit_flats[u.name]])
+                 for u in setup.units if setup.unit_flats[u.name]]
+        setup.gatherer = UnitGatherer(units, param_dtype or torch.float32, z.reshard_after_forward, setup.device)
+        setup.gatherer.install()
+    setup.memory = memory.expected(setup)
+    padding = sum(fg.total - fg.numel for fg in setup.flats)
+    log_rank0("ZeRO stage %d per rank: %s; %d flat groups over %s (%d padding elements), %d parameters unsharded",
+              z.stage, setup.memory.describe(), len(setup.flats),
+              ", ".join(sorted({fg.group.name for fg in setup.flats})) or "-", padding, len(setup.unsharded))
+
+
+def _flat_buffers(fg: FlatGroup, param_dtype: Optional[torch.dtype], host: bool = False
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stages 1-2: the whole flat parameter buffer (the parameters become
+    views of it) and the owned chunk the optimizer updates: a view of the
+    buffer, or an fp32 copy when the parameters compute in ``param_dtype``
+    or the optimizer runs on the host (``host``: offload=cpu on a GPU)."""
+    first = fg.params[0]
+    flat32 = torch.zeros(fg.total, dtype=first.dtype, device=first.device)
+    for p, off, n in zip(fg.params, fg.offsets, fg.numels):
+        flat32[off:off + n].copy_(p.detach().reshape(-1))
+    if (param_dtype is None or param_dtype == first.dtype) and not host:
+        full, master = flat32, flat32[fg.lo:fg.hi]
+    else:
+        full = flat32.to(param_dtype) if param_dtype is not None else flat32
+        master = flat32[fg.lo:fg.hi].to("cpu").pin_memory() if host else flat32[fg.lo:fg.hi].clone()
+    for p, off, n in zip(fg.params, fg.offsets, fg.numels):
+        p.data = full[off:off + n].view(p.shape)
+    return full, master
+
+
+def _master_chunk_stage3(fg: FlatGroup, host: bool = False) -> torch.Tensor:
+    """Stage 3: the owned chunk (fp32) holds every parameter's shard; the
+    parameters become views of it (padding stays zero). ``host``: in pinned
+    host memory (offload=cpu on a GPU; gathers copy it up)."""
+    first = fg.params[0]
+    chunk = torch.zeros(fg.chunk, dtype=torch.float32, device="cpu" if host else first.device,
+                        pin_memory=host)
+    for i, p in enumerate(fg.params):
+        view = chunk[fg.shard_slice(i)]
+        view.copy_(p.detach().reshape(-1))
+        p.data = view
+    return chunk
+
+
+@hookimpl
+def hpctrain_make_optimizer(params: List[nn.Parameter], model: nn.Module, mesh: Any, cfg: Any) -> Optional[Any]:
+    setup = setup_of(model)
+    if setup is None or setup.stage == 0:
+        return None
+    apart = any(full is not None and not memory.inside(master, full) for master, full in zip(setup.masters, setup.full))
+    segments = None
+    if setup.cfg.offload == "nvme":
+        directory = setup.cfg.offload_dir or os.path.join(cfg.run_dir or tempfile.gettempdir(), "zero_offload")
+        mapped = offload.mapped_states(directory, mesh.world_rank, [(fg.name, fg.chunk) for fg in setup.flats])
+        segments = [optimizer.Segment(list(fg.params), mapped[fg.name],
+                                      {id(p): fg.shard_slice(i) for i, p in enumerate(fg.params)})
+                    for fg in setup.flats]
+        segments.append(optimizer.Segment(list(setup.unsharded)))
+        log_rank0("ZeRO offload=nvme: optimizer moments memory-mapped in %s (%d files per rank)", directory,
+                  len(mapped))
+    elif setup.cfg.offload == "cpu":
+        log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the host"
+                  if setup.host else "the run is on the CPU already; nothing moves")
+    return optimizer.ZeroOptimizer(list(params), setup.shards, cfg.optim, lambda: _after_step(setup),
+                                   masters_apart=apart, segments=segments)
+
+
+
+@torch.no_grad()
+def _after_step(setup: ZeroSetup) -> None:
+    """Stages 1-2: every rank's updated chunks, all-gathered into the whole parameters."""
+    if setup.stage == 3:
+        return
+    for fg, full, master in zip(setup.flats, setup.full, setup.masters):
+        mine = full[fg.lo:fg.hi]
+        if mine.data_ptr() != master.data_ptr():
+            mine.copy_(master)
+        fg.group.communicator().all_gather(full, mine)
+
+
+@hookimpl
+def hpctrain_before_backward(model: nn.Module, microbatch: int, num_microbatches: int) -> None:
+    setup = setup_of(model)
+    if setup is not None and setup.engine is not None:
+        setup.engine.begin_microbatch(microbatch, num_microbatches)
+
+
+@hookimpl
+def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
+    setup = setup_of(model)
+    if setup is None or setup.engine is None:
+        return
+    setup.engine.finish()
+    if setup.stage == 0:
+        return
+    for bucket, fg in zip(setup.engine.buckets, reversed(setup.flats)):
+        if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
+            across = fg.replicas.communicator()
+            across.all_reduce(bucket.shard, ReduceOp.AVG)
+            used = torch.tensor([float(u) for u in bucket.used_anywhere])
+            across.all_reduce(used, ReduceOp.MAX)
+            bucket.used_anywhere = [u > 0 for u in used.tolist()]
+        for i, p in enumerate(fg.params):
+            held = setup.shards.get(id(p))
+            if held is None:
+                continue
+            shard = held[0]
+            grad = bucket.shard[fg.shard_slice(i)]
+            if grad.dtype != shard.dtype or grad.device != shard.device:  # fp32 master, or on the host (offload=cpu)
+                grad = grad.to(device=shard.device, dtype=shard.dtype)
+            shard.grad = grad if bucket.used_anywhere[i] else None
+    if setup.gatherer is not None:
+        setup.gatherer.release_all()

@@ -1,0 +1,51 @@
+"""Units: the parameter groups ZeRO shards and gathers as one flat buffer.
+
+In forward order: the token embedding, each transformer block, then the
+head (final norm and output projection). Parameters that belong to none of
+them (a plugin's extra module) form a last unit, ``rest``. A parameter shared
+by two units (tied embeddings) belongs to the first that holds it; the
+units that use it record that one as a dependency.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+from torch import nn
+
+
+@dataclass
+class Unit:
+    name: str
+    modules: List[nn.Module]
+    """Modules whose forward needs the unit's parameters (hooks go on them)."""
+    params: List[nn.Parameter] = field(default_factory=list)
+    depends: List[str] = field(default_factory=list)
+    """Earlier units holding parameters this one also uses (tied weights)."""
+
+
+def model_units(model: nn.Module) -> List[Unit]:
+    """The units of ``model`` (a ``Transformer``, possibly one pipeline stage's part)."""
+    found: List[Unit] = []
+    if getattr(model, "tok_embeddings", None) is not None:
+        found.append(Unit("embed", [model.tok_embeddings]))
+    layers = getattr(model, "layers", None)
+    for key, block in (layers.items() if layers is not None else ()):
+        found.append(Unit(f"layers.{key}", [block]))
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
+    if head:
+        found.append(Unit("head", head))
+    owner = {}
+    for unit in found:
+        for module in unit.modules:
+            for p in module.parameters():
+                if id(p) in owner:
+                    if owner[id(p)] != unit.name and owner[id(p)] not in unit.depends:
+                        unit.depends.append(owner[id(p)])
+                    continue
+                owner[id(p)] = unit.name
+                unit.params.append(p)
+    rest = [p for p in model.parameters() if id(p) not in owner]
+    if rest:
+        found.append(Unit("rest", [model], rest))
+    return [u for u in found if u.params]

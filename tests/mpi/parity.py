@@ -1,0 +1,140 @@
+"""Parity with one process, for every parallel feature's multi-rank tests.
+
+``record(trainer, steps)`` trains ``steps`` steps and returns, per step, the
+logged loss and gradient norm and the gradient of every parameter as a
+*logical* tensor: after the gradient sync and before clipping, each rank's
+pieces (``ShardSpec.pieces``, padding left out) are gathered to every rank
+and assembled; pieces that several ranks hold must agree. The same call on
+``hpctrain.run.reference_trainer(cfg)`` (one process inside this rank) gives
+the reference; ``assert_parity`` compares the two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from mpi4py import MPI
+
+from hpctrain import hookimpl
+
+Box = Tuple[Tuple[int, int], ...]
+
+
+def data_parallel(model, mesh, cfg, pm):
+    """``model`` (real tensors, any nn.Module) set up for data parallelism as
+    the trainer sets up its model: ShardSpecs, the dp plugin's
+    ``hpctrain_parallelize`` and ``hpctrain_after_materialize`` (which
+    attaches the gradient-sync engine, ``hpctrain.grad_sync.of(model)``)."""
+    from hpctrain.model.build import assign_specs
+    from hpctrain.plugins import axis_plugin, parallelize_caller
+
+    assign_specs(model)
+    model = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
+    pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
+    return model
+
+
+@dataclass
+class StepRecord:
+    loss: float
+    grad_norm: float
+    grads: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """Logical gradient by logical name (parameters without a gradient are absent)."""
+
+
+class _GradTap:
+    """Collects this rank's gradient pieces once the gradient sync is done
+    (``trylast``: after every plugin's ``hpctrain_after_backward``), from
+    whoever owns the gradients (the parameters, or a ZeRO optimizer's shards)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.pieces: List[Tuple[str, Tuple[int, ...], Box, torch.Tensor]] = []
+
+    @hookimpl(trylast=True)
+    def hpctrain_after_backward(self, model, mesh):
+        from hpctrain.train.grad_norm import gradient_pairs
+
+        self.pieces = []
+        for grad, spec in gradient_pairs(self.trainer.params, self.trainer.optimizer):
+            for piece in spec.pieces(mesh.coords, mesh.sizes):
+                self.pieces.append((spec.logical_name, spec.global_shape, piece.box,
+                                    piece.take(grad).detach().to("cpu", torch.float32).clone()))
+
+
+def assemble(pieces, comm=None, check_replicas: bool = True) -> Dict[str, torch.Tensor]:
+    """Logical tensors from every rank's (name, shape, box, values); with
+    ``comm`` (an mpi4py communicator) the pieces of all its ranks."""
+    everyone = comm.allgather(pieces) if comm is not None else [pieces]
+    out: Dict[str, torch.Tensor] = {}
+    filled: Dict[str, torch.Tensor] = {}
+    for rank, found in enumerate(everyone):
+        for name, shape, box, values in found:
+            if name not in out:
+                out[name] = torch.zeros(shape)
+                filled[name] = torch.zeros(shape, dtype=torch.bool)
+            where = tuple(slice(a, b) for a, b in box)
+            if check_replicas and bool(filled[name][where].any()):
+                held = out[name][where][filled[name][where]]
+                new = values[filled[name][where]]
+                assert torch.equal(held, new), f"{name} {box}: rank {rank}'s replica differs from another rank's"
+            out[name][where] = values
+            filled[name][where] = True
+    for name, mask in filled.items():
+        assert bool(mask.all()), f"{name}: the ranks' pieces do not cover the logical tensor"
+    return out
+
+
+def record(trainer, steps: int, comm=None) -> List[StepRecord]:
+    """Train ``steps`` steps; the loss, norm and logical gradients of each.
+    ``comm`` (default the MPI world) gathers the pieces; a reference trainer
+    (one process in this rank) passes ``MPI.COMM_SELF``."""
+    comm = comm or MPI.COMM_WORLD
+    tap = _GradTap(trainer)
+    trainer.pm.register(tap)
+    try:
+        out = []
+        for _ in range(steps):
+            m = trainer.train_step()
+            out.append(StepRecord(m["loss"], m["grad_norm"], assemble(tap.pieces, comm)))
+        return out
+    finally:
+        trainer.pm.unregister(tap)
+
+
+def reference(cfg, steps: int, pm=None) -> List[StepRecord]:
+    """``record`` of the one-process run of ``cfg`` (inside this rank)."""
+    from hpctrain.run import reference_trainer
+
+    return record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF)
+
+
+ADAM_DRIFT = 1e-4
+"""Gradient tolerance after the first optimizer step, times the reference
+gradient's largest element. The first AdamW step moves every weight by
+lr * g / (|g| + eps): for an element whose gradient is near eps (1e-8) a
+reassociation difference of 1e-10 in g changes its update by ~1e-2 of lr, so
+the weights of two layouts that agree to fp32 rounding at step 1 differ
+slightly afterwards, and their next gradients by up to ~1.5e-5 of the
+largest element (measured with the tensor-parallel example; data
+parallelism stays below 1e-6). A real error (a missing reduction, a wrong
+shard, a token seen twice) is off by 1e-3 or more."""
+
+
+def assert_parity(got: List[StepRecord], want: List[StepRecord], loss_rtol: float, grad_rtol: float,
+                  grad_atol_scale: float, later_atol_scale: float = ADAM_DRIFT) -> None:
+    """Same per-step losses (relative ``loss_rtol``) and, for every
+    parameter, the same gradient: elementwise within ``grad_rtol`` relative
+    plus ``grad_atol_scale`` times the reference gradient's largest element
+    at step 1 (same weights on both sides), ``later_atol_scale`` times it
+    afterwards (see ``ADAM_DRIFT``)."""
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        scale = grad_atol_scale if step == 1 else max(grad_atol_scale, later_atol_scale)
+        assert abs(g.loss - w.loss) <= loss_rtol * abs(w.loss), f"step {step}: loss {g.loss!r} != {w.loss!r}"
+        assert set(g.grads) == set(w.grads), f"step {step}: gradients of {sorted(set(g.grads) ^ set(w.grads))} differ in presence"
+        for name, ref in w.grads.items():
+            torch.testing.assert_close(g.grads[name], ref, rtol=grad_rtol,
+                                       atol=scale * float(ref.abs().max()),
+                                       msg=lambda m, name=name, step=step: f"step {step}, gradient of {name}: {m}")
