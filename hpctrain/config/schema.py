@@ -42,6 +42,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
+    vocab_pad_to: Optional[int] = None
+    """Under tensor parallelism the embedding and output rows are padded to a multiple of this (padding rows are zero, never in the loss or a checkpoint); None: tp x 64 for vocabularies of 4096 tokens or more, tp below that."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * n_layers)."""
     attention: str = "sdpa"
@@ -82,6 +84,8 @@ class ParallelConfig:
     """Context-parallel size."""
     ep: int = 1
     """Expert-parallel size."""
+    sequence_parallel: bool = True
+    """With tp > 1: norms and the residual stream hold 1/tp of the sequence (all-gather before column-parallel layers, reduce-scatter after row-parallel ones); false: all-reduce after row-parallel layers."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first (tp first keeps TP groups inside a node)."""
     impl: AxisImplConfig = field(default_factory=AxisImplConfig)

@@ -21,7 +21,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size: int,
-                 order: str = DEFAULT_ORDER) -> List[str]:
+                 order: str = DEFAULT_ORDER, sequence_parallel: bool = True) -> List[str]:
     """The pure layout, batch and model-shape checks (no plugins, no filesystem).
 
     Shared by training (``validate``) and the planner, which calls it for
@@ -58,12 +58,52 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
         )
     if trainer.seq_len > model.max_seq_len:
         problems.append(f"trainer.seq_len={trainer.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+    problems += _tensor_parallel_checks(sizes["tp"], sizes["cp"], trainer.seq_len, model, sequence_parallel)
     cp = sizes["cp"]
     if cp > 1 and trainer.seq_len % (2 * cp):
         problems.append(
             f"trainer.seq_len={trainer.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (each cp rank holds "
             f"two of {2 * cp} equal chunks); use trainer.seq_len="
             + " or ".join(str(n) for n in valid_seq_lens(trainer.seq_len, cp)))
+    return problems
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _tensor_parallel_checks(tp: int, cp: int, seq_len: int, model: Any, sequence_parallel: bool) -> List[str]:
+    """Shapes Megatron-style tensor parallelism can cut: whole query heads per
+    rank, key/value heads split or replicated in equal groups, the SwiGLU
+    width, and (sequence parallelism) equal sequence shards."""
+    from hpctrain.model.shapes import ModelShape
+
+    if tp == 1:
+        return []
+    try:
+        shape = ModelShape.from_config(model)
+    except ConfigError:
+        return []  # reported by the caller
+    problems = []
+    if shape.n_heads % tp:
+        problems.append(f"parallel.tp={tp} does not divide model.n_heads={shape.n_heads} (each rank holds whole "
+                        f"query heads); use parallel.tp in {{{_divisors(shape.n_heads)}}}")
+    kv = shape.n_kv_heads
+    if kv % tp and tp % kv:
+        problems.append(f"parallel.tp={tp} and model.n_kv_heads={kv}: one must divide the other (key/value heads "
+                        f"are split over tp, or each is replicated on tp / n_kv_heads ranks); use parallel.tp in "
+                        f"{{{_divisors(kv)}}} or a multiple of {kv}")
+    if shape.ffn_hidden % tp:
+        problems.append(f"parallel.tp={tp} does not divide the SwiGLU width {shape.ffn_hidden} (model.ffn_hidden); "
+                        f"set model.ffn_hidden to a multiple of {tp}")
+    pad_to = getattr(model, "vocab_pad_to", None)
+    if pad_to is not None and (pad_to < 1 or pad_to % tp):
+        problems.append(f"model.vocab_pad_to={pad_to} must be a positive multiple of parallel.tp={tp} (the padded "
+                        f"vocabulary is cut into tp equal row ranges); use {tp * 64} or null")
+    if sequence_parallel and (seq_len % cp or (seq_len // cp) % tp):
+        problems.append(f"trainer.seq_len={seq_len}: sequence parallelism cuts each rank's {seq_len // cp or seq_len} "
+                        f"tokens into parallel.tp={tp} equal shards; use a multiple of {tp * max(cp, 1) * (2 if cp > 1 else 1)} "
+                        "or parallel.sequence_parallel=false")
     return problems
 
 
@@ -77,7 +117,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         sizes = resolve_sizes({a: p[a] for a in AXES}, world_size, p.order)
     except ConfigError as e:
         return [str(e)]  # everything below depends on the layout
-    problems = check_layout(sizes, t, cfg.model, world_size, p.order)
+    problems = check_layout(sizes, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
     if t.steps < 0:
         problems.append(f"trainer.steps={t.steps} must be >= 0")
     if t.log_every < 1:

@@ -15,6 +15,28 @@ def default_ffn_hidden(d_model: int, multiple_of: int) -> int:
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+GPU_SIZED_VOCAB = 4096
+"""From this many tokens up, the default vocabulary padding under tensor
+parallelism is a multiple of tp x 64 (rows tensor cores like); smaller
+(byte-level) vocabularies are padded to a multiple of tp only."""
+
+
+def vocab_multiple(vocab_size: int, tp: int, pad_to: Optional[int] = None) -> int:
+    """What the vocabulary is padded to a multiple of under ``tp``-way tensor
+    parallelism (``model.vocab_pad_to``; None: the default rule above)."""
+    if pad_to is not None:
+        return pad_to
+    return tp * 64 if vocab_size >= GPU_SIZED_VOCAB else tp
+
+
+def padded_vocab(vocab_size: int, tp: int, pad_to: Optional[int] = None) -> int:
+    """Rows of the vocab-parallel embedding and output projection over ``tp`` ranks."""
+    if tp <= 1:
+        return vocab_size
+    m = vocab_multiple(vocab_size, tp, pad_to)
+    return -(-vocab_size // m) * m
+
+
 @dataclass(frozen=True)
 class ModelShape:
     vocab_size: int

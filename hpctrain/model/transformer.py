@@ -28,10 +28,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
+    def scale(self) -> torch.Tensor:
+        """The weight as forward uses it (sequence parallelism routes it through a collective)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return (y * self.scale().float()).type_as(x)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):

@@ -21,12 +21,12 @@ and of PaLM's MFU, so our MFU compares with theirs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Optional
 
 from hpctrain.errors import ConfigError
-from hpctrain.model.shapes import ModelShape
+from hpctrain.model.shapes import ModelShape, padded_vocab
 
 FAMILIES = ("llama", "gpt")
 
@@ -50,13 +50,17 @@ class Arch:
     top_k: int = 1
     """Experts each token is routed to."""
     name: str = "model"
+    vocab_pad_to: Optional[int] = None
+    """``model.vocab_pad_to`` (None: the default padding rule)."""
 
     # -- construction ----------------------------------------------------
     @classmethod
     def from_model_config(cls, m: Any, num_experts: int = 1, top_k: int = 1) -> "Arch":
         """OUR model from a ModelConfig, through ModelShape (the one source of truth)."""
         shape = ModelShape.from_config(m)
-        return cls.from_shape(shape, name=str(getattr(m, "name", "model")), num_experts=num_experts, top_k=top_k)
+        arch = cls.from_shape(shape, name=str(getattr(m, "name", "model")), num_experts=num_experts, top_k=top_k)
+        pad_to = getattr(m, "vocab_pad_to", None)
+        return arch if pad_to is None else replace(arch, vocab_pad_to=int(pad_to))
 
     @classmethod
     def from_shape(cls, shape: ModelShape, name: str = "model", num_experts: int = 1, top_k: int = 1) -> "Arch":
@@ -171,8 +175,8 @@ class Arch:
         return attention + experts + self.router_params + self.norm_params
 
     def padded_vocab(self, tp: int) -> int:
-        """Vocabulary padded to a multiple of tp for the vocab-parallel embedding."""
-        return -(-self.vocab_size // tp) * tp
+        """Vocabulary rows per the vocab-parallel embedding's rule (``model.shapes.padded_vocab``)."""
+        return padded_vocab(self.vocab_size, tp, self.vocab_pad_to)
 
     def param_tensors_per_layer(self, ep: int = 1) -> int:
         """Parameter tensors per block (torch's AdamW keeps one step counter each)."""

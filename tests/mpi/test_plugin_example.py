@@ -44,7 +44,7 @@ def test_the_documented_tp_plugin_trains_like_one_process(world, pm):
 
     want = reference(compose_resolved(BASE), STEPS)
     pm.register(example_plugin(), name="tp_ffn")
-    cfg = compose_resolved(BASE + ("parallel.tp=2",), pm)
+    cfg = compose_resolved(BASE + ("parallel.tp=2", "parallel.impl.tp=tp_ffn"), pm)  # the built-in tp serves tp too
     rt = with_device("cpu")
     assert validate(cfg, rt.world_size, pm) == []
     configure_torch(cfg, rt)

@@ -1,0 +1,1 @@
+"""Megatron-style tensor parallelism with sequence parallelism (``parallel.tp``)."""

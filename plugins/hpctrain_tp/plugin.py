@@ -1,0 +1,107 @@
+"""Tensor-parallel plugin: Megatron's column/row-parallel split of every
+block over ``parallel.tp`` ranks, with sequence parallelism
+(``parallel.sequence_parallel``, on by default) and a vocab-parallel
+embedding, output projection and loss.
+
+``hpctrain_parallelize(axis="tp")`` runs first of the axes, on the meta
+model: it narrows each weight to this rank's piece (``layers``, ``vocab``),
+records the split in its ShardSpec and swaps in the parallel modules; the
+parameter names stay the one-process names. The layout checks (tp divides
+the query heads, the key/value heads and the SwiGLU width; the sequence
+divides into tp shards under sequence parallelism) are the core's
+``check_layout``, which the planner shares.
+
+Data parallelism composes unchanged: tp is not a data axis, so every
+gradient is averaged over the data axes as before (and ZeRO shards the tp
+pieces further). A tp group should stay inside a node; one that spans nodes
+works but is logged as a warning once.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+
+from hpctrain import hookimpl
+from hpctrain.log import get_logger, log_rank0
+from hpctrain.model.shapes import padded_vocab
+from hpctrain.shard import get_spec
+
+from hpctrain_tp.layers import (ParallelAttention, ParallelSwiGLU, SequenceParallelRMSNorm, column_parallel,
+                                narrow, row_parallel)
+from hpctrain_tp.regions import Regions
+from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
+
+log = get_logger(__name__)
+
+
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"parallel": ["tp"]}
+
+
+@hookimpl
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+    if axis != "tp":
+        return None
+    group = mesh.group("tp")
+    tp = group.size
+    if tp == 1:
+        return model
+    if mesh.node_local("tp").size != tp and mesh.world_rank == 0:
+        log.warning("the tp group spans nodes (%d of its %d ranks share a node): tensor parallelism's blocking "
+                    "collectives will cross the network; launch more ranks per node or put tp first in "
+                    "parallel.order", mesh.node_local("tp").size, tp)
+    sequence_parallel = bool(cfg.parallel.sequence_parallel)
+    regions = Regions(group, sequence_parallel)
+    shape = model.shape
+    head_dim = shape.head_dim
+    kv_pieces = None if shape.n_kv_heads >= tp else shape.n_kv_heads
+    kv_replicas = mesh.replicas("tp", kv_pieces) if kv_pieces is not None else None
+
+    def parallel_norm(norm: nn.Module) -> nn.Module:
+        return SequenceParallelRMSNorm(norm, group) if sequence_parallel else norm
+
+    for block in model.layers:
+        attn = block.attn
+        column_parallel(attn.wq, mesh, unit=head_dim)
+        column_parallel(attn.wk, mesh, unit=head_dim, pieces=kv_pieces)
+        column_parallel(attn.wv, mesh, unit=head_dim, pieces=kv_pieces)
+        row_parallel(attn.wo, mesh, unit=head_dim)
+        block.attn = ParallelAttention(attn, regions, kv_replicas)
+        ffn = block.ffn
+        column_parallel(ffn.w1, mesh)
+        column_parallel(ffn.w3, mesh)
+        row_parallel(ffn.w2, mesh)
+        block.ffn = ParallelSwiGLU(ffn, regions)
+        block.attn_norm = parallel_norm(block.attn_norm)
+        block.ffn_norm = parallel_norm(block.ffn_norm)
+
+    _vocab_parallel(model, mesh, regions, padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to))
+    if model.norm is not None:
+        model.norm = parallel_norm(model.norm)
+    log_rank0("tensor parallelism: tp=%d, sequence parallelism %s, vocabulary %d padded to %d, %s", tp,
+              "on" if sequence_parallel else "off", shape.vocab_size,
+              padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to),
+              f"key/value heads replicated on {tp // kv_pieces} ranks each" if kv_pieces else "key/value heads split")
+    return model
+
+
+def _vocab_parallel(model: nn.Module, mesh: Any, regions: Regions, padded: int) -> None:
+    """Cut the embedding and output rows (one tensor when tied) into padded ranges."""
+    rows = padded // regions.group.size
+    start = mesh.coords["tp"] * rows
+    split = {}
+
+    def cut(module: nn.Module) -> nn.Parameter:
+        old = module.weight
+        if id(old) not in split:
+            spec = get_spec(old).split(0, "tp", padded=padded)
+            split[id(old)] = narrow(module, "weight", spec, mesh)
+        return split[id(old)]
+
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(cut(model.tok_embeddings), start, regions)
+    if model.output is not None:
+        model.output = VocabParallelHead(cut(model.output), regions)
+        model.loss_fn = VocabParallelCrossEntropy(regions.group, start, model.shape.vocab_size)

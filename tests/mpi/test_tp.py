@@ -1,0 +1,124 @@
+"""Tensor parallelism trains the model of one process: the same per-step
+losses and the same gradient of every parameter (assembled from the tp
+pieces, padding left out), with and without sequence parallelism, with
+key/value heads split or replicated, a vocabulary tp does not divide, tied
+embeddings, and with data parallelism and ZeRO around it.
+
+Tolerances (fp32), as for the tensor-parallel example: tp only splits
+matrix products into partial sums added by a collective, so losses agree to
+1e-6 relative and gradients to 1e-5 relative plus 1e-6 of the largest
+element at step 1 and ``parity.ADAM_DRIFT`` afterwards. A global batch of 8
+with micro-batches of 1 gives each rank 1 to 8 micro-batches.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity import assert_parity, record, reference
+
+STEPS = 3
+BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
+        "trainer.progress=off", "trainer.log_every=100")
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
+EIGHT_HEADS = ("model.n_heads=8", "model.n_kv_heads=2")  # tiny's d_model 64: head_dim 8
+
+_references = {}
+
+
+def one_process(*model_overrides):
+    """The one-process run of the model these overrides describe (computed once per module)."""
+    from hpctrain.config import compose_resolved
+
+    key = tuple(model_overrides)
+    if key not in _references:
+        _references[key] = reference(compose_resolved(BASE + key), STEPS)
+    return _references[key]
+
+
+def _trainer(pm, *overrides):
+    from hpctrain.bootstrap import with_device
+    from hpctrain.config import compose_resolved
+    from hpctrain.config.validate import validate
+    from hpctrain.run import build_mesh, configure_torch
+    from hpctrain.train.trainer import Trainer
+
+    cfg = compose_resolved(BASE + overrides, pm)
+    rt = with_device("cpu")
+    assert validate(cfg, rt.world_size, pm) == []
+    configure_torch(cfg, rt)
+    return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
+
+
+def _check(pm, model, *layout):
+    trainer = _trainer(pm, *model, *layout)
+    assert_parity(record(trainer, STEPS), one_process(*model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    return trainer
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_tp_trains_like_one_process(world, pm, sequence_parallel):
+    """tp = the world (up to 4; 8 with a model of 8 heads), the rest data parallel."""
+    n = world.Get_size()
+    model = EIGHT_HEADS if n == 8 else ()
+    trainer = _check(pm, model, f"parallel.tp={n}", f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    attn = trainer.model.layers[0].attn
+    heads = 8 if n == 8 else 4
+    assert type(attn).__name__ == "ParallelAttention"
+    assert attn.wq.weight.shape == (heads // n * (64 // heads), 64)  # whole query heads
+    kv_heads = 2
+    assert attn.wk.weight.shape[0] == max(1, kv_heads // n) * (64 // heads)  # split, or one replicated head
+    assert (attn.kv_replicas is not None) == (n > kv_heads)
+    norm = type(trainer.model.layers[0].attn_norm).__name__
+    assert norm == ("SequenceParallelRMSNorm" if sequence_parallel else "RMSNorm")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_tp2_with_data_parallelism(world, pm):
+    trainer = _check(pm, (), "parallel.tp=2")
+    assert trainer.mesh.sizes["dp"] == world.Get_size() // 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_kv_head_replicated_on_every_tp_rank(world, pm):
+    trainer = _check(pm, ("model.n_kv_heads=1",), "parallel.tp=2")
+    assert trainer.model.layers[0].attn.kv_replicas.size == 2
+
+
+@pytest.mark.mpi(min_size=4)
+def test_vocabulary_tp_does_not_divide(world, pm):
+    """258 tokens over tp 4: padded to 260 rows; the padding never reaches the
+    loss (its logits are masked) or the gradients (no gradient, not logical)."""
+    trainer = _check(pm, ("model.vocab_size=258",), "parallel.tp=4")
+    emb = trainer.model.tok_embeddings.weight
+    assert emb.shape == (65, 64)
+    if trainer.mesh.coords["tp"] == 3:  # rows 195..259: the last two are padding, still zero
+        assert torch.count_nonzero(emb[-2:]) == 0 and torch.count_nonzero(trainer.model.output.weight[-2:]) == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tied_embeddings(world, pm):
+    trainer = _check(pm, ("model.tie_embeddings=true", "model.vocab_size=257"), "parallel.tp=2")
+    assert trainer.model.output.weight is trainer.model.tok_embeddings.weight
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_with_zero(world, pm, stage):
+    _check(pm, (), "parallel.tp=2", f"parallel.zero.stage={stage}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bf16(world, pm):
+    """bf16 autocast: the partial sums of row-parallel layers are rounded to
+    bf16 before the tp collective adds them, where one process rounds the
+    whole sum once. Losses within 2e-3 relative, each gradient's norm within
+    3e-2 relative of one process's (bf16's 8-bit mantissa; a wrong shard or
+    a missing reduction is off by far more)."""
+    want = one_process("trainer.precision=bf16")
+    got = record(_trainer(pm, "trainer.precision=bf16", "parallel.tp=2"), STEPS)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert g.loss == pytest.approx(w.loss, rel=2e-3), step
+        for name, ref in w.grads.items():
+            assert float((g.grads[name] - ref).norm()) <= 3e-2 * float(ref.norm()), (step, name)
