@@ -148,6 +148,17 @@ class _RingShift(torch.autograd.Function):
         return _shift(grad, ctx.group, -ctx.shift), None, None
 
 
+# -- plain collectives for plugins' own autograd Functions ---------------------------
+def all_gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """The ranks' ``x`` joined along ``dim`` (not differentiable; contiguous)."""
+    return x.contiguous() if group.size == 1 else _all_gather(x, group, dim).contiguous()
+
+
+def reduce_scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``dim`` of the ranks' summed ``x`` (not differentiable)."""
+    return x if group.size == 1 else _reduce_scatter(x, group, dim)
+
+
 # -- the public wrappers -----------------------------------------------------------
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes with the same ``x``: fwd identity, bwd all-reduce (sum)."""

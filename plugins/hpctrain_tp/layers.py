@@ -64,11 +64,11 @@ class ParallelAttention(nn.Module):
         return copy_to_region(linear.weight, self.kv_replicas) if self.kv_replicas is not None else linear.weight
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = self.regions.enter(x)
-        b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rope(F.linear(x, self._kv_weight(self.wk)).view(b, t, -1, self.head_dim), cos, sin)
-        v = F.linear(x, self._kv_weight(self.wv)).view(b, t, -1, self.head_dim)
+        q, k, v = self.regions.columns(x, [self.wq.weight, self._kv_weight(self.wk), self._kv_weight(self.wv)])
+        b, t = q.shape[:2]
+        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
+        v = v.view(b, t, -1, self.head_dim)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.regions.exit(self.wo(out.transpose(1, 2).reshape(b, t, -1)))
 
@@ -82,8 +82,8 @@ class ParallelSwiGLU(nn.Module):
         self.regions = regions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.regions.enter(x)
-        return self.regions.exit(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.regions.columns(x, [self.w1.weight, self.w3.weight])
+        return self.regions.exit(self.w2(F.silu(gate) * up))
 
 
 class SequenceParallelRMSNorm(RMSNorm):

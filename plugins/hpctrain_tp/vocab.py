@@ -51,7 +51,7 @@ class VocabParallelHead(nn.Module):
         self.regions = regions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.regions.enter(x), self.weight)
+        return self.regions.columns(x, [self.weight])[0]
 
 
 class VocabParallelCrossEntropy(nn.Module):

@@ -122,3 +122,74 @@ def test_bf16(world, pm):
         assert g.loss == pytest.approx(w.loss, rel=2e-3), step
         for name, ref in w.grads.items():
             assert float((g.grads[name] - ref).norm()) <= 3e-2 * float(ref.norm()), (step, name)
+
+
+def _comm_theory(n, layers, h, tokens, microbatches, sequence_parallel):
+    """Bus bytes (nccl-tests convention) the tp group moves in one step,
+    written out collective by collective; f = (n-1)/n, A = one micro-batch's
+    activations (tokens x h x 4 bytes), so an all-reduce of A is 2fA and an
+    all-gather or reduce-scatter fA.
+
+    Without sequence parallelism each sub-layer all-reduces its output
+    forward and its input gradient backward (4fA). With it, forward
+    all-gathers the input and reduce-scatters the output, backward gathers
+    the input again (only the shard was kept), reduce-scatters the input
+    gradient and all-gathers the output gradient (5fA); the norms'
+    weight gradients are all-reduced too."""
+    f = (n - 1) / n
+    A = tokens * h * 4
+    per_layer = 2 * (5 if sequence_parallel else 4) * f * A
+    norms = 0.0
+    if sequence_parallel:
+        norms = (2 * layers + 1) * 2 * f * 4 * h  # attn_norm, ffn_norm per block, the final norm
+    head = 3 * f * A if sequence_parallel else 2 * f * A  # its input: gathered, gathered again + reduce-scattered
+    ends = 2 * f * A + head  # embedding: output summed forward, gradient handed back (all-reduce, or RS + AG)
+    loss = 3 * 2 * f * 4 * tokens  # max, sum of exponentials, target logit: one fp32 per token each
+    step_totals = 2 * f * 3 * 8  # the step's loss-and-norm fp64 all-reduce (tp is the whole world here)
+    return microbatches * (layers * per_layer + norms + ends + loss) + step_totals
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_comm_bytes_tp_equals_theory(world, pm, sequence_parallel):
+    n = world.Get_size()
+    heads = ("model.n_heads=8", "model.n_kv_heads=8") if n == 8 else ("model.n_kv_heads=4",)
+    trainer = _trainer(pm, *heads, f"parallel.tp={n}", f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
+    m = trainer.train_step()
+    want = _comm_theory(n, 2, 64, 32, 8, sequence_parallel)
+    assert m["comm_bytes.tp"] == pytest.approx(want, rel=1e-12)
+    assert [k for k in m if k.startswith("comm_bytes.")] == ["comm_bytes.tp"]
+
+
+def _planner_probe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "unit" / "planner" / "planner_probe.py"
+    spec = importlib.util.spec_from_file_location("planner_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sequence_parallel_activations_match_the_planner(world, pm):
+    """Bytes saved for backward per block on each rank (saved-tensor hooks)
+    within 10% of the planner's Korthikanti-style formula for tp = n with
+    sequence parallelism (the issue's bound)."""
+    from hpctrain.planner import activations as act
+    from hpctrain.planner.arch import Arch
+
+    n = world.Get_size()
+    heads = EIGHT_HEADS if n == 8 else ()
+    trainer = _trainer(pm, *heads, f"parallel.tp={n}")
+    mb, s = 2, 32
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (mb, s), generator=g)
+    saved = _planner_probe().measure_saved(trainer.model, tokens, tokens)
+    want = act.layer_bytes(Arch.from_model_config(trainer.cfg.model), "fp32", mb, s, tp=n, sp=True)
+    for i in range(2):
+        assert abs(saved[f"layer{i}"] - want) <= 0.10 * saved[f"layer{i}"], (i, saved[f"layer{i}"], want)
+    # and sequence parallelism is what makes it small: without it the block keeps more
+    full = act.layer_bytes(Arch.from_model_config(trainer.cfg.model), "fp32", mb, s, tp=n, sp=False)
+    assert saved["layer1"] < full
