@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import hpctrain.bench as _pkg
 
-_NOT_BENCHMARKS = {"cli", "__main__", "common"}
+_NOT_BENCHMARKS = {"cli", "__main__", "common", "torch_peer"}
 
 
 def available() -> List[str]:

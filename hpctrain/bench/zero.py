@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 
 DEFAULT_OVERRIDES = (  # as hpctrain-bench dp: 3.3M parameters, a step well under a second per core
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -63,35 +64,16 @@ RSS_MODEL = ("model.d_model=1024", "model.n_layers=4", "model.n_heads=8", "model
 """51M parameters: 16 bytes each of model state (818 MB) per rank at stage 0."""
 
 
-def make_config(overrides: List[str], pm, world_size: int):
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.errors import ConfigError
-
-    last = {o.split("=", 1)[0]: o for o in overrides}  # a later value of a key wins (Hydra refuses duplicates)
-    cfg = compose_resolved(list(last.values()), pm)
-    problems = validate(cfg, world_size, pm)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return cfg
-
-
-class Fsdp2Loop:
+class Fsdp2Loop(PeerLoop):
     """One training step of the model under FSDP2 (see the module docstring)."""
 
     def __init__(self, cfg: Any, rt: Any, pm: Any, param_dtype: Optional[torch.dtype]):
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        from hpctrain.data import DataCursor, SampleOrder, open_source
-        from hpctrain.model.build import build_model, init_box
+        from hpctrain.model.build import build_model
         from hpctrain.shard import get_spec
-        from hpctrain.train.optim import build_adamw
 
-        self.cfg, self.dist = cfg, dist
         model = build_model(cfg, pm)  # meta device
         specs = {name: get_spec(p) for name, p in model.named_parameters()}
         mesh = init_device_mesh("cpu", (rt.world_size,))
@@ -99,43 +81,8 @@ class Fsdp2Loop:
         for block in model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                local = p.to_local() if isinstance(p, DTensor) else p
-                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements) \
-                    if isinstance(p, DTensor) else (p.shape, (0,) * p.dim())
-                if local.numel():
-                    box = tuple((o, o + n) for o, n in zip(offset, shape))
-                    local.copy_(init_box(specs[name], box, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers))
-        self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_adamw(self.params, cfg.optim)
-        t = cfg.trainer
-        self.cursor = DataCursor(SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed), t.global_batch_size,
-                                 t.micro_batch_size, rt.world_rank, rt.world_size)
-        self.step_count = 0
-        self.last_loss: Optional[float] = None
-
-    def step(self) -> None:
-        from hpctrain.train.optim import lr_at, set_lr
-
-        cfg = self.cfg
-        micro = self.cursor.next_step()
-        set_lr(self.optimizer, lr_at(self.step_count, cfg.optim, cfg.trainer.steps))
-        self.optimizer.zero_grad(set_to_none=True)
-        n, total = len(micro), None
-        for mb in micro:
-            loss = self.model(mb.inputs, mb.targets)
-            (loss / n).backward()
-            total = loss.detach() if total is None else total + loss.detach()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
-        self.optimizer.step()
-        loss = total / n
-        self.dist.all_reduce(loss)
-        self.step_count += 1
-        self.last_loss = float(loss) / self.dist.get_world_size()
+        fill_from_init(model, specs, cfg)
+        super().__init__(cfg, model, rt.world_rank, rt.world_size)
 
 
 def _zero_trainer(cfg: Any, rt: Any, pm: Any, stage: int, backend: str, param_dtype: str):
@@ -266,20 +213,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import init_torch_distributed, with_device
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import configure_torch
-
     args = _parser().parse_args(argv)
-    rt = with_device("cpu")
-    if rt.world_size < 2:
-        print("hpctrain-bench zero needs at least 2 ranks: mpiexec -n 2 hpctrain-bench zero", file=sys.stderr)
+    started = start("zero", lambda n: [*DEFAULT_OVERRIDES, f"trainer.steps={args.warmup + args.steps}",
+                                       f"trainer.micro_batch_size={max(1, 8 // n)}", *args.overrides])
+    if started is None:
         return 2
-    pm = get_manager()
-    steps = [f"trainer.steps={args.warmup + args.steps}", f"trainer.micro_batch_size={max(1, 8 // rt.world_size)}"]
-    overrides = list(DEFAULT_OVERRIDES) + steps + args.overrides
-    cfg = make_config(overrides, pm, rt.world_size)
-    configure_torch(cfg, rt)
-    init_torch_distributed("gloo", cfg.comm.timeout_s)
+    cfg, rt, pm = started
     run(args, cfg, rt, pm, args.overrides)
     return 0

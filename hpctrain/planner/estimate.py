@@ -188,7 +188,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
     attn_f = tokens * arch.attention_core_flops_per_token(s) / lay.tp / R
     head_f = tokens * arch.head_forward_flops_per_token() / lay.tp / R
-    n_tp = 4 + (2 if lay.recompute == "full" else 0)  # all-reduce (or AG+RS) per layer: fwd 2, bwd 2, recompute 2
+    # all-reduce equivalents (AG + RS under SP) per layer: fwd 2, bwd 2, +1 bwd re-gather under SP, recompute 2
+    n_tp = 4 + (1 if lay.sp else 0) + (2 if lay.recompute == "full" else 0)
     tp_bytes = tokens * arch.d_model * e
     t_tp = flat_time("all_reduce", tp_bytes, lay.tp, cluster.intra)
     comm["tp"] = m * layers * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)

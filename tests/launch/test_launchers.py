@@ -123,3 +123,20 @@ def test_expert_ranks_are_data_parallel_on_a_dense_model(tmp_path):
         got = _metrics(run_dir)
         assert [m["loss"] for m in got] == pytest.approx(want, rel=1e-6)
         assert all(m[f"comm_bytes.{'ep+dp' if dp > 1 else 'ep'}"] > 0 for m in got)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_tensor_parallel_from_the_command_line(tmp_path):
+    """``mpiexec -n 4 hpctrain-train parallel.tp=2`` (tp 2 x dp 2, sequence
+    parallel) and ``parallel.tp=4 parallel.sequence_parallel=false`` log the
+    same per-step losses as one process (fp32, 1e-6 relative)."""
+    common = ["trainer.steps=3", "trainer.log_every=3", "trainer.progress=off"]
+    one = _run(common + [f"hydra.run.dir={tmp_path / 'one'}"])
+    assert one.returncode == 0, one.stderr
+    want = [m["loss"] for m in _metrics(tmp_path / "one")]
+    for name, layout in (("tp2", ["parallel.tp=2"]), ("tp4", ["parallel.tp=4", "parallel.sequence_parallel=false"])):
+        r = _run(common + layout + [f"hydra.run.dir={tmp_path / name}"], n=4)
+        assert r.returncode == 0, r.stderr
+        got = _metrics(tmp_path / name)
+        assert [m["loss"] for m in got] == pytest.approx(want, rel=1e-6)
+        assert all(m["comm_bytes.tp"] > 0 for m in got)

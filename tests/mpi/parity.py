@@ -103,6 +103,22 @@ def record(trainer, steps: int, comm=None) -> List[StepRecord]:
         trainer.pm.unregister(tap)
 
 
+def world_trainer(pm, *overrides: str):
+    """A Trainer on the whole MPI world for these overrides (CPU), the config
+    validated as a run validates it."""
+    from hpctrain.bootstrap import with_device
+    from hpctrain.config import compose_resolved
+    from hpctrain.config.validate import validate
+    from hpctrain.run import build_mesh, configure_torch
+    from hpctrain.train.trainer import Trainer
+
+    cfg = compose_resolved(overrides, pm)
+    rt = with_device("cpu")
+    assert validate(cfg, rt.world_size, pm) == []
+    configure_torch(cfg, rt)
+    return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
+
+
 def reference(cfg, steps: int, pm=None) -> List[StepRecord]:
     """``record`` of the one-process run of ``cfg`` (inside this rank)."""
     from hpctrain.run import reference_trainer

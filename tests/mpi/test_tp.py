@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity import assert_parity, record, reference
+from parity import assert_parity, record, reference, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -37,17 +37,7 @@ def one_process(*model_overrides):
 
 
 def _trainer(pm, *overrides):
-    from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.run import build_mesh, configure_torch
-    from hpctrain.train.trainer import Trainer
-
-    cfg = compose_resolved(BASE + overrides, pm)
-    rt = with_device("cpu")
-    assert validate(cfg, rt.world_size, pm) == []
-    configure_torch(cfg, rt)
-    return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
+    return world_trainer(pm, *BASE, *overrides)
 
 
 def _check(pm, model, *layout):
@@ -193,3 +183,38 @@ def test_sequence_parallel_activations_match_the_planner(world, pm):
     # and sequence parallelism is what makes it small: without it the block keeps more
     full = act.layer_bytes(Arch.from_model_config(trainer.cfg.model), "fp32", mb, s, tp=n, sp=False)
     assert saved["layer1"] < full
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_tp_group_across_nodes_is_a_warning(world, pm):
+    """tp 4 on emulated nodes of 2 ranks: the group spans two nodes. It
+    still trains (one step here), and rank 0 warns once, naming the fix."""
+    import logging
+
+    from hpctrain.bootstrap import with_device
+    from hpctrain.config import compose_resolved
+    from hpctrain.mesh import AXES, Mesh
+    from hpctrain.run import backend_factory, configure_torch
+    from hpctrain.train.trainer import Trainer
+
+    n = world.Get_size()
+    cfg = compose_resolved(BASE + ("parallel.tp=4",), pm)
+    rt = with_device("cpu")
+    configure_torch(cfg, rt)
+    mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, n, cfg.parallel.order,
+                rank_nodes=[r // 2 for r in range(n)])
+    mesh.attach_backends(backend_factory(cfg, pm, rt.device))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("hpctrain.hpctrain_tp.plugin")
+    logger.addHandler(handler)
+    try:
+        trainer = Trainer(cfg, mesh, pm, rt.device)
+    finally:
+        logger.removeHandler(handler)
+    warned = [m for m in seen if "the tp group spans nodes" in m]
+    assert len(warned) == (1 if rt.world_rank == 0 else 0)
+    if warned:
+        assert "2 of its 4 ranks share a node" in warned[0] and "parallel.order" in warned[0]
+    assert trainer.train_step()["loss"] > 0

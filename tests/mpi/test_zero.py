@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity import assert_parity, record, reference
+from parity import assert_parity, record, reference, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=16", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -30,17 +30,7 @@ def one_process():
 
 
 def _trainer(pm, *overrides):
-    from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.run import build_mesh, configure_torch
-    from hpctrain.train.trainer import Trainer
-
-    cfg = compose_resolved(BASE + overrides, pm)
-    rt = with_device("cpu")
-    assert validate(cfg, rt.world_size, pm) == []
-    configure_torch(cfg, rt)
-    return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
+    return world_trainer(pm, *BASE, *overrides)
 
 
 @pytest.mark.mpi(min_size=2)

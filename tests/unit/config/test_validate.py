@@ -23,8 +23,25 @@ def test_batch_not_divisible(make_config, pm):
 
 
 def test_axis_without_plugin(make_config, pm):
-    (p,) = _problems(make_config, pm, "parallel.tp=2")
-    assert "parallel.tp=2 but no installed plugin parallelises axis 'tp'" in p
+    (p,) = _problems(make_config, pm, "parallel.cp=2")
+    assert "parallel.cp=2 but no installed plugin parallelises axis 'cp'" in p
+
+
+def test_tensor_parallel_shapes(make_config, pm):
+    """tiny: 4 heads, 2 kv heads, SwiGLU width 192, 32-token sequences."""
+    assert _problems(make_config, pm, "parallel.tp=4") == []
+    (p,) = _problems(make_config, pm, "parallel.tp=4", "model.n_heads=2", "model.n_kv_heads=2")
+    assert "parallel.tp=4 does not divide model.n_heads=2" in p and "use parallel.tp in {1, 2}" in p
+    (p,) = _problems(make_config, pm, "parallel.tp=2", "model.n_heads=6", "model.n_kv_heads=3", "model.d_model=96",
+                     "model.ffn_hidden=192")
+    assert "parallel.tp=2 and model.n_kv_heads=3: one must divide the other" in p
+    (p,) = _problems(make_config, pm, "parallel.tp=4", "model.ffn_hidden=190")
+    assert "does not divide the SwiGLU width 190" in p
+    (p,) = _problems(make_config, pm, "parallel.tp=4", "trainer.seq_len=30")
+    assert "trainer.seq_len=30: sequence parallelism" in p and "parallel.sequence_parallel=false" in p
+    assert _problems(make_config, pm, "parallel.tp=4", "trainer.seq_len=30", "parallel.sequence_parallel=false") == []
+    (p,) = _problems(make_config, pm, "parallel.tp=4", "model.vocab_pad_to=6")
+    assert "model.vocab_pad_to=6 must be a positive multiple of parallel.tp=4" in p
 
 
 def test_unknown_backend_lists_choices(make_config, pm):

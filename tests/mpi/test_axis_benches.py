@@ -1,0 +1,47 @@
+"""Smoke runs of ``hpctrain-bench zero`` and ``hpctrain-bench tp`` (tiny
+model, no timing asserted: benchmarks are not timed tests). What is
+checked: every rank finishes, rank 0 prints a row per contender, and the
+peer (FSDP2, torch's tensor-parallel API) and ours end on the same loss
+(same model, init and data; 1e-4 relative covers fp32 reassociation over 2
+steps and the 6 printed digits)."""
+from __future__ import annotations
+
+import pytest
+
+MAX_RANKS = 4  # as test_dp_bench: the plumbing does not change with the rank count
+TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "trainer.seq_len=16"]
+
+
+def _losses(out, labels):
+    return {line.split()[0]: float(line.split()[-1]) for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in labels}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_bench_runs_and_agrees_with_fsdp2(world, capsys):
+    from hpctrain.bench import zero
+
+    if world.Get_size() > MAX_RANKS:
+        pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
+    assert zero.main(["--steps", "2", "--warmup", "0", "--no-rss", "--stages", "0,3", *TINY]) == 0
+    out = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        loss = _losses(out, {"FSDP2", "zero-0[mpi]", "zero-3[mpi]", "zero-3[torch]"})
+        assert set(loss) == {"FSDP2", "zero-0[mpi]", "zero-3[mpi]", "zero-3[torch]"}
+        assert all(v == pytest.approx(loss["FSDP2"], rel=1e-4) for v in loss.values())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tp_bench_runs_and_agrees_with_torch_tp(world, capsys):
+    from hpctrain.bench import tp
+
+    n = world.Get_size()
+    if n > MAX_RANKS:
+        pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
+    heads = [f"model.n_heads={n}", f"model.n_kv_heads={n}", "model.d_model=32"]
+    assert tp.main(["--steps", "2", "--warmup", "0", *TINY, *heads]) == 0
+    out = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        loss = _losses(out, {"torch-TP", "tp[mpi]", "tp[torch]"})
+        assert set(loss) == {"torch-TP", "tp[mpi]", "tp[torch]"}
+        assert all(v == pytest.approx(loss["torch-TP"], rel=1e-4) for v in loss.values())
