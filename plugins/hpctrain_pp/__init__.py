@@ -1,0 +1,1 @@
+"""Pipeline parallelism (``parallel.pp``): schedules as checked action lists and their executor."""
