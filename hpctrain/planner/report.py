@@ -24,7 +24,7 @@ PLUGIN_KEYS = {
     "zero": "parallel.zero.stage",
     "recompute": "model.recompute",
     "schedule": "parallel.pipeline.schedule",
-    "vpp": "parallel.pipeline.virtual_stages",
+    "vpp": "parallel.pipeline.vpp",
 }
 PLANNED_CORE_KEYS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.dp",
                      "trainer.micro_batch_size", "trainer.precision")

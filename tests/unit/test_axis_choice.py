@@ -13,6 +13,15 @@ from hpctrain.mesh import Mesh
 from hpctrain.plugins import axis_plugin, axis_plugins, parallelize_caller
 
 
+@pytest.fixture(autouse=True)
+def without_builtin_tp(pm):
+    """The stubs below stand in for tensor-parallel plugins: take the built-in
+    one out of each test's (fresh) manager so they are the only candidates."""
+    if pm.get_plugin("tp") is not None:
+        pm.unregister(name="tp")
+    return pm
+
+
 class TensorParallelStub:
     """Claims axis tp and records that it was asked; leaves the model as it is."""
 

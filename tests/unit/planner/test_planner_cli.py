@@ -56,7 +56,7 @@ def test_llama3_8b_on_64_h100_ranks_fitting_layouts(llama_json):
         assert best["train_problems"] == []
     # keys of roadmap plugins are reported, not silently emitted as if they ran today
     assert set(best["not_in_schema"]) <= {"parallel.zero.stage", "model.recompute", "parallel.pipeline.schedule",
-                                          "parallel.pipeline.virtual_stages"}
+                                          "parallel.pipeline.vpp"}
 
 
 def test_text_output_has_table_and_command(capsys):
