@@ -171,6 +171,18 @@ class Transformer(nn.Module):
             self.norm = self.output = self.loss_fn = None
         return self
 
+    def part(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
+        """A new Transformer holding *this* model's modules for one pipeline
+        stage (as ``keep_stage`` keeps them), sharing them rather than copying:
+        a rank with several interleaved stages takes several parts of one model."""
+        out = Transformer.__new__(Transformer)
+        nn.Module.__init__(out)
+        out.shape, out.rope_theta = self.shape, self.rope_theta
+        out.tok_embeddings = self.tok_embeddings if first else None
+        out.layers = Layers({str(i): self.layers[i] for i in layer_ids})
+        out.norm, out.output, out.loss_fn = (self.norm, self.output, self.loss_fn) if last else (None, None, None)
+        return out
+
     def forward(
         self,
         inputs: torch.Tensor,

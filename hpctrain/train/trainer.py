@@ -182,7 +182,7 @@ class Trainer:
         is_main = self.mesh.world_rank == 0
         writer = MetricsWriter(run_dir_file(self.run_dir, "metrics.jsonl") if is_main else None)
         log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s",
-                  cfg.model.name, f"{logical_param_count(self.model):,}", self.mesh.describe(),
+                  cfg.model.name, f"{logical_param_count(build_model(cfg, self.pm, self.mesh)):,}", self.mesh.describe(),
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)

@@ -1,0 +1,179 @@
+"""Runs a rank's pipeline program (``schedules.actions``) for one step.
+
+Forward receives block until the activation is there; sends are posted
+without waiting (``batch_isend_irecv``) and completed at the end of the
+step. Activation shapes are fixed for the run (micro-batch, the rank's
+tokens / tp under sequence parallelism, d_model; fp32 residual stream), so
+no message carries a shape. Tags name (micro-batch, stage boundary,
+direction), so messages never match the wrong receive.
+
+Gradients: backwards accumulate into ``.grad`` under the gradient-sync
+engine's ``no_sync`` (a rank's backwards interleave micro-batches and
+chunks, so no single one is "the last"); the data axes are reduced after
+the step's last backward (``hpctrain_after_backward``); then the plugin
+sums tied embedding gradients between the first and last stage
+(``sum_tied_gradients``: after the data-parallel average, so both ends add
+the same two tensors and stay bitwise equal). The last
+stage's loss of each micro-batch is scaled by 1/m as in gradient
+accumulation; auxiliary losses of any stage join that stage's backward.
+
+Zero-bubble ``B`` computes only the input gradient (``inputs=[input]``,
+keeping the graph) and ``W`` the weight gradients from it; the first stage
+has no input gradient, so its ``W`` is the whole backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hpctrain import grad_sync
+from hpctrain.comm.protocol import P2POp, ReduceOp
+from hpctrain.model.aux import collect_aux_losses, with_aux
+from hpctrain.shard import get_spec
+from hpctrain.train.schedule import StepResult
+
+from hpctrain_pp.schedules import Action, actions, splits_weight_pass
+
+
+def chunks_of(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """A rank's model chunks in order (one unless interleaved)."""
+    return list(model.chunks) if hasattr(model, "chunks") else [model]
+
+
+def tied_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """Parameters held by more than one pipeline stage (tied embeddings)."""
+    return [p for p in model.parameters() if len(dict(get_spec(p).held_on).get("pp", ())) > 1]
+
+
+def sum_tied_gradients(model: torch.nn.Module, ends: Any) -> None:
+    """The first stage's gradient of a tied embedding plus the last's (the output projection's)."""
+    for p in tied_params(model):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        ends.communicator().all_reduce(p.grad, ReduceOp.SUM)
+
+
+@dataclass
+class Span:
+    action: str
+    start: float
+    end: float
+
+
+@dataclass
+class Recorder:
+    """Start and end (seconds from the step's start) of every action of the last step."""
+
+    enabled: bool = True
+    spans: List[Span] = field(default_factory=list)
+    t0: float = 0.0
+
+    def begin_step(self) -> None:
+        self.spans, self.t0 = [], time.perf_counter()
+
+    @contextlib.contextmanager
+    def span(self, action: Action):
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter() - self.t0
+        yield
+        self.spans.append(Span(str(action), start, time.perf_counter() - self.t0))
+
+
+class PipelineSchedule:
+    """A ``StepSchedule`` running ``schedule`` over the pp group."""
+
+    def __init__(self, schedule: str, group: Any, vpp: int, hidden: Callable[[torch.Tensor], Tuple[int, ...]],
+                 recorder: Optional[Recorder] = None):
+        self.schedule, self.group, self.v = schedule, group, vpp
+        self.p, self.rank = group.size, group.rank
+        self.last = self.p * vpp - 1
+        self.hidden = hidden
+        """Shape of a stage's output for a micro-batch's token tensor."""
+        self.recorder = recorder or Recorder(False)
+        self._programs: Dict[int, List[Action]] = {}
+
+    def program(self, m: int) -> List[Action]:
+        if m not in self._programs:
+            self._programs[m] = actions(self.schedule, self.p, self.v, m)[self.rank]
+        return self._programs[m]
+
+    def _tag(self, microbatch: int, boundary: int, backward: bool) -> int:
+        """Messages cross stage boundary ``boundary`` (between stages boundary and boundary + 1)."""
+        return ((microbatch * self.last + boundary) << 1) | int(backward)
+
+    def run(self, model: torch.nn.Module, microbatches: Sequence[Any], hooks: Any,
+            autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
+        chunks = chunks_of(model)
+        comm = self.group.communicator()
+        m = len(microbatches)
+        device = next(model.parameters()).device
+        split = splits_weight_pass(self.schedule)
+        inputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        outputs: Dict[Tuple[int, int], List[torch.Tensor]] = {}   # tensors to differentiate
+        out_grads: Dict[Tuple[int, int], List[Optional[torch.Tensor]]] = {}
+        received: Dict[Tuple[int, int], torch.Tensor] = {}
+        sends: List[Any] = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        tokens = 0
+        engine = grad_sync.of(model)
+        self.recorder.begin_step()
+        with engine.no_sync() if engine is not None else contextlib.nullcontext():
+            for a in self.program(m):
+                key = (a.microbatch, a.chunk)
+                stage = a.chunk * self.p + self.rank
+                mb = microbatches[a.microbatch]
+                with self.recorder.span(a):
+                    if a.kind == "RECV_F":
+                        buf = torch.empty(self.hidden(mb.inputs), dtype=torch.float32, device=device)
+                        comm.recv(buf, a.peer, self._tag(a.microbatch, stage - 1, False))
+                        inputs[key] = buf.requires_grad_()
+                    elif a.kind == "F":
+                        x = mb.inputs if stage == 0 else inputs[key]
+                        # a later stage's input may be a sequence shard (tp): name the tokens' positions
+                        positions = mb.positions if mb.positions is not None else \
+                            torch.arange(mb.inputs.shape[1], device=device)
+                        with autocast(), collect_aux_losses() as aux:
+                            out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions)
+                        if stage == self.last:
+                            count = mb.targets.numel()
+                            loss_sum = loss_sum + out.detach().float() * count
+                            tokens += count
+                            outputs[key], out_grads[key] = [with_aux(out, aux) / m], [None]
+                        else:
+                            outputs[key], out_grads[key] = [out], [None]
+                            extra = aux.total()
+                            if extra is not None:  # this stage's auxiliary losses join its backward
+                                outputs[key].append(extra / m)
+                                out_grads[key].append(None)
+                    elif a.kind == "SEND_F":
+                        sent = outputs[key][0].detach()
+                        sends.append((sent, comm.batch_isend_irecv(
+                            [P2POp("send", sent, a.peer, self._tag(a.microbatch, stage, False))])))
+                    elif a.kind == "RECV_B":
+                        buf = torch.empty(outputs[key][0].shape, dtype=outputs[key][0].dtype, device=device)
+                        comm.recv(buf, a.peer, self._tag(a.microbatch, stage, True))
+                        out_grads[key][0] = buf
+                    elif a.kind == "B":
+                        if not split:
+                            torch.autograd.backward(outputs.pop(key), out_grads.pop(key))
+                        elif stage > 0:  # input gradient only; the weight pass needs the graph again
+                            torch.autograd.backward(outputs[key], out_grads[key], inputs=[inputs[key]],
+                                                    retain_graph=True)
+                    elif a.kind == "W":
+                        params = [p for p in chunks[a.chunk].parameters() if p.requires_grad]
+                        torch.autograd.backward(outputs.pop(key), out_grads.pop(key), inputs=params)
+                    elif a.kind == "SEND_B":
+                        grad = inputs.pop(key).grad
+                        sends.append((grad, comm.batch_isend_irecv(
+                            [P2POp("send", grad, a.peer, self._tag(a.microbatch, stage - 1, True))])))
+            for _, works in sends:
+                for w in works:
+                    w.wait()
+        return StepResult(loss_sum, tokens)
+

@@ -1,0 +1,160 @@
+"""Pipeline-parallel plugin: ``parallel.pp`` stages, scheduled by
+``parallel.pipeline.schedule`` (gpipe, 1f1b, interleaved, zb-h1).
+
+``hpctrain_parallelize(axis="pp")`` runs after tp, cp and ep on the meta
+model: rank r keeps the blocks of its virtual stages r, r + p, ... (one
+chunk each, ``Transformer.part``: the first stage also holds the
+embedding, the last the final norm, the output and the loss), and every
+parameter's ShardSpec records that only pp coordinate r holds it (tied
+embeddings: the first and the last). ``hpctrain_step_schedule`` gives the
+trainer the executor (``executor.PipelineSchedule``) for the rank's program
+(``schedules.actions``).
+
+Validation, before any collective: the schedule can run with the step's
+micro-batches (m = global batch / (micro-batch x dp x ep) >= pp; a
+multiple of pp for interleaved), the blocks split as asked, and ZeRO stays
+at stage 0 or 1 (stages 2 and 3 reduce-scatter every micro-batch's
+gradients, which needs each micro-batch's backward to be one pass over the
+whole model; DeepSpeed and Megatron-LM pair pipelines with stage 1 too).
+"""
+from __future__ import annotations
+
+
+from typing import Any, Dict, List, Optional
+
+from omegaconf import OmegaConf
+from torch import nn
+
+from hpctrain import hookimpl
+from hpctrain.log import log_rank0
+from hpctrain.shard import get_spec, set_spec
+
+from hpctrain_pp.config import PipelineConfig
+from hpctrain_pp.executor import PipelineSchedule, Recorder, sum_tied_gradients
+from hpctrain_pp.schedules import check
+from hpctrain_pp.split import stage_layers
+
+
+STATE_ATTR = "_hpctrain_pp"
+
+
+class PipelineChunks(nn.Module):
+    """A rank's model chunks under the interleaved schedule (virtual stages r, r + p, ...)."""
+
+    def __init__(self, chunks: List[nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+
+def pipeline_config(cfg: Any) -> PipelineConfig:
+    node = OmegaConf.select(cfg, "parallel.pipeline")
+    if node is None:
+        return PipelineConfig()
+    return PipelineConfig(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node
+
+
+def microbatches_per_step(cfg: Any, world_size: int) -> Optional[int]:
+    from hpctrain.config.validate import resolve_sizes
+    from hpctrain.errors import ConfigError
+
+    try:
+        sizes = resolve_sizes({a: cfg.parallel[a] for a in ("tp", "cp", "ep", "dp", "pp")}, world_size,
+                              cfg.parallel.order)
+    except ConfigError:
+        return None  # the core reports the layout
+    t = cfg.trainer
+    return t.global_batch_size // (t.micro_batch_size * sizes["dp"] * sizes["ep"])
+
+
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"parallel": ["pp"], "pipeline.schedule": ["gpipe", "1f1b", "interleaved", "zb-h1"]}
+
+
+@hookimpl
+def hpctrain_config_sections() -> Dict[str, type]:
+    return {"parallel.pipeline": PipelineConfig}
+
+
+@hookimpl
+def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    pp = cfg.parallel.pp
+    pc = pipeline_config(cfg)
+    if pp == 1:
+        return None if pc.vpp == 1 else [f"parallel.pipeline.vpp={pc.vpp} needs parallel.pp > 1"]
+    problems = []
+    m = microbatches_per_step(cfg, world_size)
+    if m is not None:
+        why = check(pc.schedule, pp, pc.vpp, m)
+        if why:
+            problems.append(why)
+        elif m < pp:
+            problems.append(f"{m} micro-batches per step cannot keep {pp} pipeline stages busy (each would idle "
+                            f"more than it works); raise trainer.global_batch_size or lower "
+                            f"trainer.micro_batch_size so that global batch / (micro-batch x dp x ep) >= {pp}")
+    try:
+        stage_layers(pc.layers, cfg.model.n_layers, pp * pc.vpp)
+    except ValueError as e:
+        problems.append(str(e))
+    stage = OmegaConf.select(cfg, "parallel.zero.stage", default=0)
+    if stage and cfg.model.tie_embeddings:
+        problems.append(f"parallel.zero.stage={stage} with parallel.pp={pp} and model.tie_embeddings=true: the "
+                        "tied embedding's gradient is summed between the first and last stage after the data-"
+                        "parallel reduction, which ZeRO leaves sharded; use parallel.zero.stage=0 or untie it")
+    if stage and stage >= 2:
+        problems.append(f"parallel.zero.stage={stage} with parallel.pp={pp}: ZeRO-2/3 reduce-scatter each "
+                        "micro-batch's gradients, which a pipeline's interleaved backwards cannot do; use "
+                        "parallel.zero.stage=1 (as DeepSpeed and Megatron-LM do with pipelines)")
+    return problems or None
+
+
+@hookimpl
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+    if axis != "pp":
+        return None
+    pc = pipeline_config(cfg)
+    p, v, r = mesh.size("pp"), pc.vpp, mesh.coords["pp"]
+    stages = p * v
+    layers = stage_layers(pc.layers, model.shape.n_layers, stages)
+    tied = model.shape.tie_embeddings
+    chunks = []
+    for c in range(v):
+        s = c * p + r
+        chunks.append(model.part(layers[s], first=s == 0, last=s == stages - 1))
+    seen = set()
+    for chunk in chunks:
+        for prm in chunk.parameters():
+            if id(prm) in seen:
+                continue
+            seen.add(id(prm))
+            spec = get_spec(prm)
+            holders = (0, p - 1) if tied and spec.logical_name == "tok_embeddings.weight" else (r,)
+            set_spec(prm, spec.on("pp", holders))
+    log_rank0("pipeline: pp=%d, schedule %s%s, blocks per stage %s", p, pc.schedule,
+              f" (vpp {v})" if v > 1 else "", [len(x) for x in layers])
+    return chunks[0] if v == 1 else PipelineChunks(chunks)
+
+
+@hookimpl
+def hpctrain_step_schedule(cfg: Any, mesh: Any) -> Optional[PipelineSchedule]:
+    if mesh.size("pp") == 1:
+        return None
+    pc = pipeline_config(cfg)
+    tp = mesh.size("tp")
+    per_token = tp if (tp > 1 and cfg.parallel.sequence_parallel) else 1
+    d_model = cfg.model.d_model
+
+    def hidden(tokens):  # (micro-batch, this rank's tokens) -> the residual stream between stages
+        return (tokens.shape[0], tokens.shape[1] // per_token, d_model)
+
+    if cfg.model.tie_embeddings:
+        mesh.pp_ends()  # made before the mesh is sealed; used after each backward
+    return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, Recorder(pc.timeline))
+
+
+@hookimpl(trylast=True)
+def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
+    """After the data axes' reduction (trylast: the dp or ZeRO plugin has
+    finished), sum tied embedding gradients between the first and last stage."""
+    if mesh.size("pp") > 1:
+        sum_tied_gradients(model, mesh.pp_ends())

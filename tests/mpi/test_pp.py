@@ -1,0 +1,103 @@
+"""Pipeline parallelism trains the model of one process: every schedule at
+pp 2 and 4 gives the same per-step losses and the same gradient of every
+parameter (each assembled from the stage that holds it), and so do
+interleaving, an uneven split, tied embeddings, and pp with dp, tp and
+ZeRO-1 around it.
+
+Tolerances (fp32), as for data parallelism: a pipeline changes only where
+each micro-batch's backward runs and how gradients are summed over
+micro-batches and data ranks, so losses agree to 1e-6 relative and
+gradients to 1e-5 relative plus 1e-6 of the largest element at step 1 and
+``parity.ADAM_DRIFT`` afterwards. A global batch of 8 with micro-batches of
+1 gives each pipeline 2 to 8 micro-batches.
+"""
+from __future__ import annotations
+
+import pytest
+
+from parity import assert_parity, record, reference, world_trainer
+
+STEPS = 3
+BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
+        "trainer.progress=off", "trainer.log_every=100")
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
+FOUR = ("model.n_layers=4",)
+EIGHT = ("model.n_layers=8",)
+
+_references = {}
+
+
+def one_process(*model_overrides):
+    from hpctrain.config import compose_resolved
+
+    key = tuple(model_overrides)
+    if key not in _references:
+        _references[key] = reference(compose_resolved(BASE + key), STEPS)
+    return _references[key]
+
+
+def _check(pm, model, *layout):
+    trainer = world_trainer(pm, *BASE, *model, *layout)
+    assert_parity(record(trainer, STEPS), one_process(*model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    return trainer
+
+
+def _pp_sizes(n):
+    # pp 4 runs at 4 ranks; at 8 only pp 2 (x dp 4): building a tp2 x pp2 x dp2
+    # trainer after a pp4 x dp2 one in the same 8-rank job hangs (both
+    # backends; open, see the closing note), and 8 oversubscribed ranks are slow
+    return [2] if n == 8 else [pp for pp in (2, 4) if pp <= n]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_schedule_trains_like_one_process(world, pm, schedule):
+    for pp in _pp_sizes(world.Get_size()):
+        trainer = _check(pm, FOUR, f"parallel.pp={pp}", f"parallel.pipeline.schedule={schedule}")
+        names = {n for n, _ in trainer.model.named_parameters()}
+        r = trainer.mesh.coords["pp"]
+        assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {str(i) for i in range(4)[r * 4 // pp:(r + 1) * 4 // pp]}
+        assert ("tok_embeddings.weight" in names) == (r == 0) and ("output.weight" in names) == (r == pp - 1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interleaved(world, pm):
+    """vpp 2: pp 2 on 4 blocks (a block per virtual stage); pp 4 on 8 (at 4 ranks)."""
+    for pp in _pp_sizes(world.Get_size()):
+        model = FOUR if pp == 2 else EIGHT
+        trainer = _check(pm, model, f"parallel.pp={pp}", "parallel.pipeline.schedule=interleaved",
+                         "parallel.pipeline.vpp=2")
+        assert len(trainer.model.chunks) == 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_uneven_split(world, pm):
+    trainer = _check(pm, FOUR, "parallel.pp=2", "parallel.pipeline.layers=[1,3]")
+    held = sorted(int(n.split(".")[1]) for n, _ in trainer.model.named_parameters() if n.startswith("layers."))
+    assert sorted(set(held)) == ([0] if trainer.mesh.coords["pp"] == 0 else [1, 2, 3])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_tied_embeddings(world, pm, schedule):
+    """The first stage's embedding and the last stage's output projection are
+    one logical tensor: each end holds a copy, their gradients are summed."""
+    vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
+    _check(pm, FOUR + ("model.tie_embeddings=true",), "parallel.pp=2", f"parallel.pipeline.schedule={schedule}",
+           *vpp)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pp2_with_data_parallelism(world, pm):
+    trainer = _check(pm, FOUR, "parallel.pp=2")
+    assert trainer.mesh.sizes["dp"] == world.Get_size() // 2
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pp2_with_tensor_parallelism(world, pm):
+    _check(pm, FOUR, "parallel.pp=2", "parallel.tp=2")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pp2_with_zero1(world, pm):
+    _check(pm, FOUR, "parallel.pp=2", "parallel.zero.stage=1")
