@@ -103,6 +103,20 @@ def record(trainer, steps: int, comm=None) -> List[StepRecord]:
         trainer.pm.unregister(tap)
 
 
+_REFERENCES: Dict[Tuple[Tuple[str, ...], int], List["StepRecord"]] = {}
+
+
+def shared_reference(overrides: Tuple[str, ...], steps: int) -> List["StepRecord"]:
+    """``reference`` of the config these overrides compose, computed once per
+    MPI job (several test modules compare layouts with the same model)."""
+    from hpctrain.config import compose_resolved
+
+    key = (tuple(overrides), steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(compose_resolved(overrides), steps)
+    return _REFERENCES[key]
+
+
 def world_trainer(pm, *overrides: str):
     """A Trainer on the whole MPI world for these overrides (CPU), the config
     validated as a run validates it."""

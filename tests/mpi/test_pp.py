@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import assert_parity, record, reference, world_trainer
+from parity import assert_parity, record, shared_reference, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -24,16 +24,9 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 FOUR = ("model.n_layers=4",)
 EIGHT = ("model.n_layers=8",)
 
-_references = {}
-
-
 def one_process(*model_overrides):
-    from hpctrain.config import compose_resolved
-
-    key = tuple(model_overrides)
-    if key not in _references:
-        _references[key] = reference(compose_resolved(BASE + key), STEPS)
-    return _references[key]
+    """The one-process run of this model (computed once per job)."""
+    return shared_reference(BASE + tuple(model_overrides), STEPS)
 
 
 def _check(pm, model, *layout):

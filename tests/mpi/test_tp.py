@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity import assert_parity, record, reference, world_trainer
+from parity import assert_parity, record, shared_reference, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -23,17 +23,9 @@ BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.se
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 EIGHT_HEADS = ("model.n_heads=8", "model.n_kv_heads=2")  # tiny's d_model 64: head_dim 8
 
-_references = {}
-
-
 def one_process(*model_overrides):
-    """The one-process run of the model these overrides describe (computed once per module)."""
-    from hpctrain.config import compose_resolved
-
-    key = tuple(model_overrides)
-    if key not in _references:
-        _references[key] = reference(compose_resolved(BASE + key), STEPS)
-    return _references[key]
+    """The one-process run of this model (computed once per job)."""
+    return shared_reference(BASE + tuple(model_overrides), STEPS)
 
 
 def _trainer(pm, *overrides):
