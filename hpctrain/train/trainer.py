@@ -102,6 +102,7 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         cfg, mesh, pm = self.cfg, self.mesh, self.pm
         model = build_model(cfg, pm, mesh)
+        self.logical_params = logical_param_count(model)  # the whole model, before a pipeline keeps a stage
         for axis in PARALLELIZE_ORDER:
             # dp stands for every data axis: ep and cp ranks average gradients too
             size = mesh.data_size if axis == "dp" else mesh.size(axis)
@@ -182,7 +183,7 @@ class Trainer:
         is_main = self.mesh.world_rank == 0
         writer = MetricsWriter(run_dir_file(self.run_dir, "metrics.jsonl") if is_main else None)
         log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s",
-                  cfg.model.name, f"{logical_param_count(build_model(cfg, self.pm, self.mesh)):,}", self.mesh.describe(),
+                  cfg.model.name, f"{self.logical_params:,}", self.mesh.describe(),
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
