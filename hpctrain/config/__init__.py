@@ -12,3 +12,14 @@ from hpctrain.config.schema import (  # noqa: F401
 )
 from hpctrain.config.store import CONF_DIR, build_schema, compose, compose_resolved, register_configs, to_config  # noqa: F401
 from hpctrain.config.validate import validate  # noqa: F401
+
+
+def plugin_section(cfg, key: str, cls):
+    """A plugin's typed config section ``key`` (e.g. ``parallel.zero``) as an
+    instance of its dataclass ``cls``; the defaults when the config lacks it."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(cfg, key, default=None)
+    if node is None:
+        return cls()
+    return cls(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node

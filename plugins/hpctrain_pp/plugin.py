@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 from torch import nn
 
+from hpctrain.config import plugin_section
 from hpctrain import hookimpl
 from hpctrain.log import log_rank0
 from hpctrain.shard import get_spec, set_spec
@@ -47,10 +48,7 @@ class PipelineChunks(nn.Module):
 
 
 def pipeline_config(cfg: Any) -> PipelineConfig:
-    node = OmegaConf.select(cfg, "parallel.pipeline")
-    if node is None:
-        return PipelineConfig()
-    return PipelineConfig(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node
+    return plugin_section(cfg, "parallel.pipeline", PipelineConfig)
 
 
 def microbatches_per_step(cfg: Any, world_size: int) -> Optional[int]:

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
+from hpctrain.config import plugin_section
 from hpctrain import grad_sync, hookimpl
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.grad_sync.buckets import cap_bytes_from_mb
@@ -85,10 +85,7 @@ class ZeroSetup:
 
 
 def zero_config(cfg: Any) -> ZeroConfig:
-    node = OmegaConf.select(cfg, "parallel.zero", default=None)
-    if node is None:
-        return ZeroConfig()
-    return ZeroConfig(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node
+    return plugin_section(cfg, "parallel.zero", ZeroConfig)
 
 
 def setup_of(model: nn.Module) -> Optional[ZeroSetup]:

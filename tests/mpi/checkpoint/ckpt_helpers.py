@@ -123,3 +123,18 @@ def assert_same_datasets(a: str, b: str, prefixes: Sequence[str] = ("/model/", "
     assert sorted(da) == sorted(db)
     different = [k for k in da if not np.array_equal(da[k], db[k])]
     assert not different, f"{a} and {b} differ in {different[:5]}"
+
+
+def losses(trainer: Any, steps: int) -> List[float]:
+    """Train ``steps`` steps; their logged losses."""
+    return [trainer.train_step()["loss"] for _ in range(steps)]
+
+
+def alone_checkpointer() -> Any:
+    """The HDF5 checkpointer of a one-process trainer inside this MPI job."""
+    from mpi4py import MPI
+
+    from hpctrain_h5ckpt import options
+    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
+
+    return H5Checkpointer(MPI.COMM_SELF, options.resolve(options.H5Config()), None, 0, False)

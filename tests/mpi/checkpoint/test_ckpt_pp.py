@@ -9,28 +9,23 @@ import h5py
 import pytest
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, build_trainer, config
+from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
 from hpctrain.run import reference_trainer
-from hpctrain_h5ckpt import options
-from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 MODEL = ("trainer.steps=4", "model.n_layers=4")
 
 
-def _losses(trainer, steps):
-    return [trainer.train_step()["loss"] for _ in range(steps)]
-
 
 @pytest.fixture(scope="module")
 def straight():
-    return _losses(reference_trainer(config(*BASE, *MODEL)), 4)
+    return losses(reference_trainer(config(*BASE, *MODEL)), 4)
 
 
 @pytest.fixture(scope="module")
 def saved_at_pp2(module_dir, straight):
     trainer = build_trainer(*MODEL, "parallel.pp=2", f"checkpoint.dir={module_dir}", "checkpoint.every=100")
-    assert _losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
     path = trainer.save_checkpoint(f"{module_dir}/pp2.h5")
     MPI.COMM_WORLD.Barrier()
     return path
@@ -46,13 +41,13 @@ def test_file_holds_every_stage(saved_at_pp2):
 
 def test_pp2_resumes_in_one_process(saved_at_pp2, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    H5Checkpointer(MPI.COMM_SELF, options.resolve(options.H5Config()), None, 0, False).load(alone, saved_at_pp2)
+    alone_checkpointer().load(alone, saved_at_pp2)
     assert alone.step == 2
-    assert _losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 
 
 @pytest.mark.mpi(min_size=4)
 def test_pp2_resumes_at_pp4(saved_at_pp2, straight):
     trainer = build_trainer(*MODEL, "parallel.pp=4", f"checkpoint.resume={saved_at_pp2}")
     assert trainer.step == 2
-    assert _losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)

@@ -9,30 +9,25 @@ import h5py
 import pytest
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, build_trainer, config
+from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
 from hpctrain.run import reference_trainer
-from hpctrain_h5ckpt import options
-from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 MODEL = ("trainer.steps=4", "model.vocab_size=257", "model.tie_embeddings=false")
 
 
-def _losses(trainer, steps):
-    return [trainer.train_step()["loss"] for _ in range(steps)]
-
 
 @pytest.fixture(scope="module")
 def straight():
     """The uninterrupted one-process losses of 4 steps."""
-    return _losses(reference_trainer(config(*BASE, *MODEL)), 4)
+    return losses(reference_trainer(config(*BASE, *MODEL)), 4)
 
 
 @pytest.fixture(scope="module")
 def saved_at_tp2(module_dir, straight):
     trainer = build_trainer(*MODEL, "parallel.tp=2", f"checkpoint.dir={module_dir}", "checkpoint.every=100")
     assert trainer.model.tok_embeddings.weight.shape == (129, 64)  # 258 padded rows / 2
-    assert _losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
     path = trainer.save_checkpoint(f"{module_dir}/tp2.h5")
     MPI.COMM_WORLD.Barrier()
     return path
@@ -47,13 +42,13 @@ def test_file_holds_the_unpadded_vocabulary(saved_at_tp2):
 
 def test_tp2_resumes_in_one_process(saved_at_tp2, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    H5Checkpointer(MPI.COMM_SELF, options.resolve(options.H5Config()), None, 0, False).load(alone, saved_at_tp2)
+    alone_checkpointer().load(alone, saved_at_tp2)
     assert alone.step == 2
-    assert _losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 
 
 @pytest.mark.mpi(min_size=4)
 def test_tp2_resumes_at_tp4(saved_at_tp2, straight):
     trainer = build_trainer(*MODEL, "parallel.tp=4", f"checkpoint.resume={saved_at_tp2}")
     assert trainer.step == 2 and trainer.model.tok_embeddings.weight.shape == (65, 64)
-    assert _losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)

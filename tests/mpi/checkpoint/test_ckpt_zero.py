@@ -10,18 +10,13 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, config, idle_wait
+from ckpt_helpers import BASE, alone_checkpointer, config, idle_wait, losses
 from hpctrain.plugins import get_manager
 from hpctrain.run import reference_trainer
-from hpctrain_h5ckpt import options
-from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STEPS = ("trainer.steps=4",)
 
-
-def _alone_checkpointer():
-    return H5Checkpointer(MPI.COMM_SELF, options.resolve(options.H5Config()), None, 0, False)
 
 
 def _world_trainer(*overrides):
@@ -30,36 +25,33 @@ def _world_trainer(*overrides):
     return build_trainer(*STEPS, *overrides)
 
 
-def _losses(trainer, steps):
-    return [trainer.train_step()["loss"] for _ in range(steps)]
-
 
 @pytest.fixture(scope="module")
 def straight():
     """The uninterrupted one-process losses of 4 steps."""
-    return _losses(reference_trainer(config(*BASE, *STEPS)), 4)
+    return losses(reference_trainer(config(*BASE, *STEPS)), 4)
 
 
 def test_zero3_on_the_world_resumes_in_one_process(shared_tmp, straight):
     trainer = _world_trainer("parallel.zero.stage=3", f"checkpoint.dir={shared_tmp}", "checkpoint.every=100")
-    assert _losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
     path = trainer.save_checkpoint(f"{shared_tmp}/zero3.h5")
     MPI.COMM_WORLD.Barrier()
     alone = reference_trainer(config(*BASE, *STEPS))
-    _alone_checkpointer().load(alone, path)
+    alone_checkpointer().load(alone, path)
     assert alone.step == 2 and alone.cursor.consumed_samples == 16
-    assert _losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 
 
 def test_one_process_resumes_as_zero2_on_the_world(shared_tmp, straight):
     path = f"{shared_tmp}/alone.h5"
     if MPI.COMM_WORLD.Get_rank() == 0:
         alone = reference_trainer(config(*BASE, *STEPS))
-        _losses(alone, 2)
-        _alone_checkpointer().save(alone, path)
+        losses(alone, 2)
+        alone_checkpointer().save(alone, path)
     idle_wait(MPI.COMM_WORLD)
     trainer = _world_trainer("parallel.zero.stage=2", f"checkpoint.resume={path}")
     assert trainer.step == 2
     state = trainer.optimizer.shard_states()
     assert state and all(int(s["step"]) == 2 for s in state)  # Adam's step came back with the moments
-    assert _losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)
+    assert losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)
