@@ -17,15 +17,15 @@ the same two tensors and stay bitwise equal). The last
 stage's loss of each micro-batch is scaled by 1/m as in gradient
 accumulation; auxiliary losses of any stage join that stage's backward.
 
-Zero-bubble ``B`` computes only the input gradient (``inputs=[input]``,
-keeping the graph) and ``W`` the weight gradients from it; the first stage
-has no input gradient, so its ``W`` is the whole backward.
+Zero-bubble ``B`` computes only the input gradient and ``W`` the weight
+gradients from the gradients B kept (``weight_pass``: one backward's work in
+all); the first stage has no input gradient, so its ``W`` is the whole
+backward. W writes ``.grad`` by hand and marks each gradient ready with the
+engine.
 """
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,11 +37,17 @@ from hpctrain.shard import get_spec
 from hpctrain.train.schedule import StepResult
 
 from hpctrain_pp.schedules import Action, actions, splits_weight_pass
+from hpctrain_pp.timeline import Recorder
+from hpctrain_pp.weight_pass import WeightPass, backward_input
 
 
 def chunks_of(model: torch.nn.Module) -> List[torch.nn.Module]:
     """A rank's model chunks in order (one unless interleaved)."""
     return list(model.chunks) if hasattr(model, "chunks") else [model]
+
+
+def trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def tied_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -55,34 +61,6 @@ def sum_tied_gradients(model: torch.nn.Module, ends: Any) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         ends.communicator().all_reduce(p.grad, ReduceOp.SUM)
-
-
-@dataclass
-class Span:
-    action: str
-    start: float
-    end: float
-
-
-@dataclass
-class Recorder:
-    """Start and end (seconds from the step's start) of every action of the last step."""
-
-    enabled: bool = True
-    spans: List[Span] = field(default_factory=list)
-    t0: float = 0.0
-
-    def begin_step(self) -> None:
-        self.spans, self.t0 = [], time.perf_counter()
-
-    @contextlib.contextmanager
-    def span(self, action: Action):
-        if not self.enabled:
-            yield
-            return
-        start = time.perf_counter() - self.t0
-        yield
-        self.spans.append(Span(str(action), start, time.perf_counter() - self.t0))
 
 
 class PipelineSchedule:
@@ -117,7 +95,7 @@ class PipelineSchedule:
         inputs: Dict[Tuple[int, int], torch.Tensor] = {}
         outputs: Dict[Tuple[int, int], List[torch.Tensor]] = {}   # tensors to differentiate
         out_grads: Dict[Tuple[int, int], List[Optional[torch.Tensor]]] = {}
-        received: Dict[Tuple[int, int], torch.Tensor] = {}
+        weight_passes: Dict[Tuple[int, int], Optional[WeightPass]] = {}
         sends: List[Any] = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
@@ -128,50 +106,57 @@ class PipelineSchedule:
                 key = (a.microbatch, a.chunk)
                 stage = a.chunk * self.p + self.rank
                 mb = microbatches[a.microbatch]
-                with self.recorder.span(a):
-                    if a.kind == "RECV_F":
-                        buf = torch.empty(self.hidden(mb.inputs), dtype=torch.float32, device=device)
-                        comm.recv(buf, a.peer, self._tag(a.microbatch, stage - 1, False))
-                        inputs[key] = buf.requires_grad_()
-                    elif a.kind == "F":
-                        x = mb.inputs if stage == 0 else inputs[key]
-                        # a later stage's input may be a sequence shard (tp): name the tokens' positions
-                        positions = mb.positions if mb.positions is not None else \
-                            torch.arange(mb.inputs.shape[1], device=device)
-                        with autocast(), collect_aux_losses() as aux:
-                            out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions)
-                        if stage == self.last:
-                            count = mb.targets.numel()
-                            loss_sum = loss_sum + out.detach().float() * count
-                            tokens += count
-                            outputs[key], out_grads[key] = [with_aux(out, aux) / m], [None]
-                        else:
-                            outputs[key], out_grads[key] = [out], [None]
-                            extra = aux.total()
-                            if extra is not None:  # this stage's auxiliary losses join its backward
-                                outputs[key].append(extra / m)
-                                out_grads[key].append(None)
-                    elif a.kind == "SEND_F":
-                        sent = outputs[key][0].detach()
-                        sends.append((sent, comm.batch_isend_irecv(
-                            [P2POp("send", sent, a.peer, self._tag(a.microbatch, stage, False))])))
-                    elif a.kind == "RECV_B":
-                        buf = torch.empty(outputs[key][0].shape, dtype=outputs[key][0].dtype, device=device)
-                        comm.recv(buf, a.peer, self._tag(a.microbatch, stage, True))
-                        out_grads[key][0] = buf
-                    elif a.kind == "B":
-                        if not split:
-                            torch.autograd.backward(outputs.pop(key), out_grads.pop(key))
-                        elif stage > 0:  # input gradient only; the weight pass needs the graph again
-                            torch.autograd.backward(outputs[key], out_grads[key], inputs=[inputs[key]],
-                                                    retain_graph=True)
-                    elif a.kind == "W":
-                        params = [p for p in chunks[a.chunk].parameters() if p.requires_grad]
-                        torch.autograd.backward(outputs.pop(key), out_grads.pop(key), inputs=params)
-                    elif a.kind == "SEND_B":
-                        grad = inputs.pop(key).grad
-                        sends.append((grad, comm.batch_isend_irecv(
-                            [P2POp("send", grad, a.peer, self._tag(a.microbatch, stage - 1, True))])))
+                started = self.recorder.now()
+                if a.kind == "RECV_F":
+                    buf = torch.empty(self.hidden(mb.inputs), dtype=torch.float32, device=device)
+                    comm.recv(buf, a.peer, self._tag(a.microbatch, stage - 1, False))
+                    inputs[key] = buf.requires_grad_()
+                elif a.kind == "F":
+                    x = mb.inputs if stage == 0 else inputs[key]
+                    # a later stage's input may be a sequence shard (tp): name the tokens' positions
+                    positions = mb.positions if mb.positions is not None else \
+                        torch.arange(mb.inputs.shape[1], device=device)
+                    with autocast(), collect_aux_losses() as aux:
+                        out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions)
+                    if stage == self.last:
+                        count = mb.targets.numel()
+                        loss_sum = loss_sum + out.detach().float() * count
+                        tokens += count
+                        outputs[key], out_grads[key] = [with_aux(out, aux) / m], [None]
+                    else:
+                        outputs[key], out_grads[key] = [out], [None]
+                        extra = aux.total()
+                        if extra is not None:  # this stage's auxiliary losses join its backward
+                            outputs[key].append(extra / m)
+                            out_grads[key].append(None)
+                elif a.kind == "SEND_F":
+                    sent = outputs[key][0].detach()
+                    sends.append((sent, comm.batch_isend_irecv(
+                        [P2POp("send", sent, a.peer, self._tag(a.microbatch, stage, False))])))
+                elif a.kind == "RECV_B":
+                    buf = torch.empty(outputs[key][0].shape, dtype=outputs[key][0].dtype, device=device)
+                    comm.recv(buf, a.peer, self._tag(a.microbatch, stage, True))
+                    out_grads[key][0] = buf
+                elif a.kind == "B":
+                    if not split:
+                        torch.autograd.backward(outputs.pop(key), out_grads.pop(key))
+                    elif stage > 0:  # the first stage has no input gradient: its W is the whole backward
+                        weight_passes[key] = backward_input(outputs[key], out_grads[key], inputs[key],
+                                                            trainable(chunks[a.chunk]))
+                        if weight_passes[key] is not None:
+                            del outputs[key], out_grads[key]
+                elif a.kind == "W":
+                    deferred = weight_passes.pop(key, None)
+                    if deferred is not None:
+                        deferred.run(engine.mark_ready if engine is not None else lambda p: None)
+                    else:  # the whole backward, towards the weights only
+                        torch.autograd.backward(outputs.pop(key), out_grads.pop(key),
+                                                inputs=trainable(chunks[a.chunk]))
+                elif a.kind == "SEND_B":
+                    grad = inputs.pop(key).grad
+                    sends.append((grad, comm.batch_isend_irecv(
+                        [P2POp("send", grad, a.peer, self._tag(a.microbatch, stage - 1, True))])))
+                self.recorder.record(started)
             for _, works in sends:
                 for w in works:
                     w.wait()
