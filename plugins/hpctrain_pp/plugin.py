@@ -31,7 +31,8 @@ from hpctrain.log import log_rank0
 from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp.config import PipelineConfig
-from hpctrain_pp.executor import PipelineSchedule, Recorder, sum_tied_gradients
+from hpctrain_pp import timeline
+from hpctrain_pp.executor import PipelineSchedule, sum_tied_gradients
 from hpctrain_pp.schedules import check
 from hpctrain_pp.split import stage_layers
 
@@ -147,7 +148,7 @@ def hpctrain_step_schedule(cfg: Any, mesh: Any) -> Optional[PipelineSchedule]:
 
     if cfg.model.tie_embeddings:
         mesh.pp_ends()  # made before the mesh is sealed; used after each backward
-    return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, Recorder(pc.timeline))
+    return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, timeline.Recorder(pc.timeline))
 
 
 @hookimpl(trylast=True)
@@ -156,3 +157,29 @@ def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
     finished), sum tied embedding gradients between the first and last stage."""
     if mesh.size("pp") > 1:
         sum_tied_gradients(model, mesh.pp_ends())
+
+
+def write_timeline(trainer: Any, run_dir: Optional[str]) -> Optional[timeline.PipelineTimeline]:
+    """Gather the last step's pipeline timeline (a collective over each pp
+    group); world rank 0 writes the trace and the picture into ``run_dir``
+    and logs the measured bubble. None when there is nothing recorded."""
+    schedule = trainer.schedule
+    if not isinstance(schedule, PipelineSchedule) or not schedule.recorder.enabled or not schedule.recorder.times:
+        return None
+    tl = timeline.gather(schedule.recorder, schedule.schedule, schedule.group, schedule.v,
+                         trainer.cursor.num_microbatches)
+    if trainer.mesh.world_rank == 0:
+        theory = timeline.formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
+        where = ""
+        if run_dir:
+            json_path, png_path = timeline.write(tl, run_dir)
+            where = f"; {json_path} (Chrome trace), {png_path}"
+        log_rank0("pipeline timeline (last step): measured bubble %.3f, theory %.3f (%s, p=%d, v=%d, m=%d)%s",
+                  tl.bubble(), theory, tl.schedule, tl.p, tl.v, tl.m, where)
+    return tl
+
+
+@hookimpl
+def hpctrain_on_train_end(trainer: Any, metrics: Dict[str, float]) -> None:
+    if trainer.mesh.size("pp") > 1:
+        write_timeline(trainer, trainer.run_dir)
