@@ -74,14 +74,19 @@ def _train_and_check(world, pm, pp, *extra):
     run_dir = world.bcast(tempfile.mkdtemp(prefix="pptl-") if world.Get_rank() == 0 else None)
     trainer.run_dir = run_dir
     trainer.fit()  # the plugin's hpctrain_on_train_end writes the files
+    failure = None
     if world.Get_rank() == 0:
-        with open(os.path.join(run_dir, JSON_NAME)) as f:
-            trace = json.load(f)
-        data = trace["otherData"]
-        _check_trace(trace, data["schedule"], pp, data["vpp"], trainer.cursor.num_microbatches)
-        with open(os.path.join(run_dir, PNG_NAME), "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    world.Barrier()
+        try:
+            with open(os.path.join(run_dir, JSON_NAME)) as f:
+                trace = json.load(f)
+            data = trace["otherData"]
+            _check_trace(trace, data["schedule"], pp, data["vpp"], trainer.cursor.num_microbatches)
+            with open(os.path.join(run_dir, PNG_NAME), "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n", "not a PNG"
+        except AssertionError as e:  # every rank fails with rank 0 (no rank left waiting)
+            failure = f"rank 0: {e!r}"
+    failure = world.bcast(failure)
+    assert failure is None, failure
 
 
 @pytest.mark.mpi(min_size=2)
