@@ -58,7 +58,11 @@ def resolve_backend_name(name: str, device: torch.device, pm) -> str:
 
 def backend_factory(cfg: Any, pm, device: torch.device):
     def make(group: Group) -> Communicator:
-        if group.size == 1:
+        # A backend makes a group's communicator collectively over the world,
+        # once per partition; a one-rank group may only skip that when every
+        # group of its partition has one rank (pp_ends: the middle stages are
+        # alone while the ends pair up, and all must join the split).
+        if all(len(ranks) == 1 for ranks in group.partition):
             return LocalCommunicator()
         names = {resolve_backend_name(cfg.comm.per_axis.get(a, cfg.comm.backend), device, pm) for a in group.axes}
         if len(names) > 1:

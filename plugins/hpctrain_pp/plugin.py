@@ -159,7 +159,7 @@ def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
         sum_tied_gradients(model, mesh.pp_ends())
 
 
-def write_timeline(trainer: Any, run_dir: Optional[str]) -> Optional[timeline.PipelineTimeline]:
+def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Optional[timeline.PipelineTimeline]:
     """Gather the last step's pipeline timeline (a collective over each pp
     group); world rank 0 writes the trace and the picture into ``run_dir``
     and logs the measured bubble. None when there is nothing recorded."""
@@ -168,7 +168,7 @@ def write_timeline(trainer: Any, run_dir: Optional[str]) -> Optional[timeline.Pi
         return None
     tl = timeline.gather(schedule.recorder, schedule.schedule, schedule.group, schedule.v,
                          trainer.cursor.num_microbatches)
-    if trainer.mesh.world_rank == 0:
+    if trainer.mesh.world_rank == 0 and (log or run_dir):
         theory = timeline.formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
         where = ""
         if run_dir:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hpctrain_pp.schedules import Action, place, stage_of
 
@@ -61,12 +61,16 @@ def check_programs(programs: Dict[int, List[Action]], p: int, v: int, m: int) ->
 
 
 def simulate(programs: Dict[int, List[Action]], p: int, v: int, t_f: float = 1.0, t_b: float = 1.0,
-             t_w: float = 1.0) -> Timeline:
+             t_w: float = 1.0, per_rank: Optional[Dict[int, Dict[str, float]]] = None) -> Timeline:
+    """``per_rank[r]`` (optional) overrides the duration of one F, B or W
+    action on rank r (already a chunk's share), e.g. measured ones: stages
+    of unequal cost."""
     split = any(a.kind == "W" for prog in programs.values() for a in prog)
-    cost = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
+    uniform = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
+    costs = {r: {**uniform, **(per_rank or {}).get(r, {})} for r in programs}
     last = p * v - 1
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> finish time
-    compute = {r: [a for a in prog if a.kind in cost] for r, prog in programs.items()}
+    compute = {r: [a for a in prog if a.kind in uniform] for r, prog in programs.items()}
     pos = {r: 0 for r in programs}
     free = {r: 0.0 for r in programs}
     spans: Dict[int, List[Tuple[Action, float, float]]] = {r: [] for r in programs}
@@ -91,7 +95,7 @@ def simulate(programs: Dict[int, List[Action]], p: int, v: int, t_f: float = 1.0
                 if any(n not in done for n in needs):
                     break
                 start = max([free[r]] + [done[n] for n in needs])
-                end = start + cost[a.kind]
+                end = start + costs[r][a.kind]
                 done[(a.kind, a.microbatch, s)] = end
                 spans[r].append((a, start, end))
                 free[r] = end

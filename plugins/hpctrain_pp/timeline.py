@@ -100,6 +100,18 @@ class PipelineTimeline:
             t_b, t_w = t_b * 0.5, t_b * 0.5
         return simulate(self.programs, self.p, self.v, self.mean_time("F"), t_b, t_w)
 
+    def simulated_per_rank(self):
+        """The simulator's play with each rank's own mean action times: what
+        the schedule gives these (possibly unequal) stages with free messages;
+        measured minus this is the executor's and the wire's share."""
+        per_rank = {}
+        for r in self.programs:
+            d: Dict[str, List[float]] = {}
+            for a, s, e in self.compute_spans(r):
+                d.setdefault(a.kind, []).append(e - s)
+            per_rank[r] = {k: sum(x) / len(x) for k, x in d.items()}
+        return simulate(self.programs, self.p, self.v, per_rank=per_rank)
+
 
 def formula_bubble(schedule: str, p: int, v: int, m: int) -> float:
     """The published bubble fractions (idle over compute, equal F, B and W times)."""

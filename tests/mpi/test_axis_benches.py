@@ -1,7 +1,8 @@
-"""Smoke runs of ``hpctrain-bench zero`` and ``hpctrain-bench tp`` (tiny
-model, no timing asserted: benchmarks are not timed tests). What is
-checked: every rank finishes, rank 0 prints a row per contender, and the
-peer (FSDP2, torch's tensor-parallel API) and ours end on the same loss
+"""Smoke runs of ``hpctrain-bench zero``, ``tp`` and ``pp`` (tiny model, no
+timing asserted: benchmarks are not timed tests). What is checked: every
+rank finishes, rank 0 prints a row per contender, and the peer (FSDP2,
+torch's tensor-parallel API, torch.distributed.pipelining) and ours end on
+the same loss
 (same model, init and data; 1e-4 relative covers fp32 reassociation over 2
 steps and the 6 printed digits)."""
 from __future__ import annotations
@@ -45,3 +46,27 @@ def test_tp_bench_runs_and_agrees_with_torch_tp(world, capsys):
         loss = _losses(out, {"torch-TP", "tp[mpi]", "tp[torch]"})
         assert set(loss) == {"torch-TP", "tp[mpi]", "tp[torch]"}
         assert all(v == pytest.approx(loss["torch-TP"], rel=1e-4) for v in loss.values())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pp_bench_runs_and_agrees_with_torch_pipelining(world, capsys):
+    from hpctrain.bench import pp
+
+    n = world.Get_size()
+    if n > MAX_RANKS:
+        pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
+    model = [*TINY[:1], f"model.n_layers={2 * n}", *TINY[2:], "trainer.global_batch_size=8",
+             "trainer.micro_batch_size=1"]
+    assert pp.main(["--steps", "2", "--warmup", "0", "--bubble-steps", "1", *model]) == 0
+    out = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        def rows(part, numbers):  # label (may hold spaces) -> its last ``numbers`` columns
+            return {" ".join(line.split()[:-numbers]): line.split()[-numbers:] for line in part.splitlines()
+                    if line.startswith(("torch Schedule", "ours "))}
+
+        steps = rows(out.split("## step time")[1].split("## bubble")[0], 4)
+        bubbles = rows(out.split("## bubble")[1], 7)
+        for schedule, (peer, _) in pp.SCHEDULES.items():
+            ours = f"ours {schedule}[mpi]"
+            assert float(steps[ours][-1]) == pytest.approx(float(steps[f"torch {peer}"][-1]), rel=1e-4), schedule
+            assert float(bubbles[ours][2]) >= 0.0, schedule  # measured bubble

@@ -36,10 +36,7 @@ def _check(pm, model, *layout):
 
 
 def _pp_sizes(n):
-    # pp 4 runs at 4 ranks; at 8 only pp 2 (x dp 4): building a tp2 x pp2 x dp2
-    # trainer after a pp4 x dp2 one in the same 8-rank job hangs (both
-    # backends; open, see the closing note), and 8 oversubscribed ranks are slow
-    return [2] if n == 8 else [pp for pp in (2, 4) if pp <= n]
+    return [pp for pp in (2, 4) if pp <= n]
 
 
 @pytest.mark.mpi(min_size=2)
