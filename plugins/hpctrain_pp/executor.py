@@ -1,10 +1,12 @@
 """Runs a rank's pipeline program (``schedules.actions``) for one step.
 
-Forward receives block until the activation is there; sends are posted
-without waiting (``batch_isend_irecv``) and completed at the end of the
-step. Activation shapes are fixed for the run (micro-batch, the rank's
-tokens / tp under sequence parallelism, d_model; fp32 residual stream), so
-no message carries a shape. Tags name (micro-batch, stage boundary,
+Every send and receive is non-blocking (``batch_isend_irecv``): sends are
+posted without waiting and completed at the end of the step; each receive
+is posted one receive ahead of where the program consumes it (so it is in
+flight during the compute before it) and waited for there. Activation
+shapes are fixed for the run (micro-batch, the rank's tokens / tp under
+sequence parallelism, d_model; fp32 residual stream), so no message
+carries a shape. Tags name (micro-batch, stage boundary,
 direction), so messages never match the wrong receive.
 
 Gradients: backwards accumulate into ``.grad`` under the gradient-sync
@@ -100,17 +102,36 @@ class PipelineSchedule:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
         engine = grad_sync.of(model)
+        program = self.program(m)
+        receives = iter([i for i, a in enumerate(program) if a.kind.startswith("RECV")])
+        posted: Dict[int, Tuple[torch.Tensor, List[Any]]] = {}
+
+        def post_next() -> None:  # the program's next receive, posted now, waited for where it stands
+            i = next(receives, None)
+            if i is not None:
+                a = program[i]
+                s = a.chunk * self.p + self.rank
+                buf = torch.empty(self.hidden(microbatches[a.microbatch].inputs), dtype=torch.float32, device=device)
+                tag = self._tag(a.microbatch, s - 1, False) if a.kind == "RECV_F" else self._tag(a.microbatch, s, True)
+                posted[i] = (buf, comm.batch_isend_irecv([P2POp("recv", buf, a.peer, tag)]))
+
+        def received(i: int) -> torch.Tensor:
+            post_next()  # keep one receive ahead in flight while this one is consumed and computed on
+            buf, works = posted.pop(i)
+            for w in works:
+                w.wait()
+            return buf
+
         self.recorder.begin_step()
+        post_next()
         with engine.no_sync() if engine is not None else contextlib.nullcontext():
-            for a in self.program(m):
+            for i, a in enumerate(program):
                 key = (a.microbatch, a.chunk)
                 stage = a.chunk * self.p + self.rank
                 mb = microbatches[a.microbatch]
                 started = self.recorder.now()
                 if a.kind == "RECV_F":
-                    buf = torch.empty(self.hidden(mb.inputs), dtype=torch.float32, device=device)
-                    comm.recv(buf, a.peer, self._tag(a.microbatch, stage - 1, False))
-                    inputs[key] = buf.requires_grad_()
+                    inputs[key] = received(i).requires_grad_()
                 elif a.kind == "F":
                     x = mb.inputs if stage == 0 else inputs[key]
                     # a later stage's input may be a sequence shard (tp): name the tokens' positions
@@ -134,9 +155,7 @@ class PipelineSchedule:
                     sends.append((sent, comm.batch_isend_irecv(
                         [P2POp("send", sent, a.peer, self._tag(a.microbatch, stage, False))])))
                 elif a.kind == "RECV_B":
-                    buf = torch.empty(outputs[key][0].shape, dtype=outputs[key][0].dtype, device=device)
-                    comm.recv(buf, a.peer, self._tag(a.microbatch, stage, True))
-                    out_grads[key][0] = buf
+                    out_grads[key][0] = received(i)
                 elif a.kind == "B":
                     if not split:
                         torch.autograd.backward(outputs.pop(key), out_grads.pop(key))
