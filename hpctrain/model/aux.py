@@ -65,6 +65,12 @@ def add_aux_loss(name: str, value: torch.Tensor) -> None:
         active.add(name, value)
 
 
+def collecting() -> bool:
+    """Whether a training forward is collecting auxiliary losses now (a part
+    keeps per-step statistics only then, not in inference or recomputation)."""
+    return _ACTIVE.get() is not None
+
+
 @contextlib.contextmanager
 def collect_aux_losses() -> Iterator[AuxLosses]:
     """Collect the auxiliary losses of the forwards run inside."""

@@ -69,6 +69,17 @@ def build_model(cfg: Any, pm=None, mesh: Any = None) -> Transformer:
     return model
 
 
+def narrow_param(module: nn.Module, name: str, spec: ShardSpec, mesh: Any) -> nn.Parameter:
+    """Replace ``module.<name>`` (on the meta device) by this rank's piece as
+    ``spec`` cuts it (an axis plugin splitting a weight in ``hpctrain_parallelize``)."""
+    old = getattr(module, name)
+    new = nn.Parameter(torch.empty(spec.local_shape(mesh.coords, mesh.sizes), dtype=old.dtype, device="meta"),
+                       requires_grad=old.requires_grad)
+    set_spec(new, spec)
+    setattr(module, name, new)
+    return new
+
+
 def assign_specs(model: nn.Module) -> None:
     """Give every parameter without a ShardSpec a replicated one named by its
     path, with the init its module declares in ``param_init``."""

@@ -7,7 +7,10 @@ different block from ours:
   three matrices, grouped-query attention, RoPE, optionally tied embeddings.
   Every count is read from ``hpctrain.model.shapes.ModelShape`` so the planner
   and the model builder cannot disagree. A mixture-of-experts variant
-  replaces the SwiGLU by ``num_experts`` copies plus an ``h x E`` router.
+  replaces the SwiGLU of every ``moe_every``-th block by ``num_experts``
+  copies plus an ``h x E`` router (and ``shared_experts`` more copies every
+  token uses), as the MoE plugin builds it: experts split over ep and
+  replicated over tp (the MoE block is not tensor-parallel).
 - ``gpt`` is the GPT of Megatron-LM (Narayanan et al. 2021, Table 1): 4h GeLU
   MLP, biases, LayerNorm, learned positions, output tied to the input
   embedding. Its total follows the paper's formula exactly,
@@ -49,30 +52,42 @@ class Arch:
     """Experts per MoE layer (1 = dense)."""
     top_k: int = 1
     """Experts each token is routed to."""
+    moe_every: int = 1
+    """MoE in blocks i with (i + 1) % moe_every == 0; the others dense."""
+    shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (MoE blocks only)."""
     name: str = "model"
     vocab_pad_to: Optional[int] = None
     """``model.vocab_pad_to`` (None: the default padding rule)."""
 
     # -- construction ----------------------------------------------------
     @classmethod
-    def from_model_config(cls, m: Any, num_experts: int = 1, top_k: int = 1) -> "Arch":
-        """OUR model from a ModelConfig, through ModelShape (the one source of truth)."""
+    def from_model_config(cls, m: Any, num_experts: Optional[int] = None, top_k: Optional[int] = None) -> "Arch":
+        """OUR model from a ModelConfig, through ModelShape (the one source of
+        truth); an MoE model's settings from its ``model.moe`` section
+        (``num_experts``/``top_k`` given here override them)."""
         shape = ModelShape.from_config(m)
-        arch = cls.from_shape(shape, name=str(getattr(m, "name", "model")), num_experts=num_experts, top_k=top_k)
+        e, k, every, shared = moe_settings(m)
+        arch = cls.from_shape(shape, name=str(getattr(m, "name", "model")),
+                              num_experts=num_experts if num_experts is not None else e,
+                              top_k=top_k if top_k is not None else k, moe_every=every, shared_experts=shared)
         pad_to = getattr(m, "vocab_pad_to", None)
         return arch if pad_to is None else replace(arch, vocab_pad_to=int(pad_to))
 
     @classmethod
-    def from_shape(cls, shape: ModelShape, name: str = "model", num_experts: int = 1, top_k: int = 1) -> "Arch":
+    def from_shape(cls, shape: ModelShape, name: str = "model", num_experts: int = 1, top_k: int = 1,
+                   moe_every: int = 1, shared_experts: int = 0) -> "Arch":
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ConfigError(f"MoE needs num_experts >= 1 and 1 <= top_k <= num_experts (got {num_experts}, {top_k})")
+        if moe_every < 1 or shared_experts < 0:
+            raise ConfigError(f"MoE needs every >= 1 and shared_experts >= 0 (got {moe_every}, {shared_experts})")
         return cls("llama", shape.vocab_size, shape.d_model, shape.n_layers, shape.n_heads, shape.n_kv_heads,
-                   shape.ffn_hidden, shape.tie_embeddings, 0, num_experts, top_k, name)
+                   shape.ffn_hidden, shape.tie_embeddings, 0, num_experts, top_k, moe_every, shared_experts, name)
 
     @classmethod
     def gpt(cls, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, name: str = "gpt") -> "Arch":
         """A Megatron-LM GPT (MLP width 4h, tied output, learned positions)."""
-        return cls("gpt", vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, True, seq_len, 1, 1, name)
+        return cls("gpt", vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, True, seq_len, 1, 1, 1, 0, name)
 
     # -- shapes ----------------------------------------------------------
     @property
@@ -86,6 +101,18 @@ class Arch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 1
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` holds experts."""
+        return self.is_moe and (i + 1) % self.moe_every == 0
+
+    def moe_layers_in(self, first: int, stop: int) -> int:
+        """MoE blocks among blocks ``first .. stop - 1``."""
+        return sum(1 for i in range(first, stop) if self.is_moe_layer(i))
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.moe_layers_in(0, self.n_layers)
 
     @cached_property
     def _shape(self) -> ModelShape:
@@ -122,9 +149,18 @@ class Arch:
 
     @cached_property
     def layer_params(self) -> int:
+        """One MoE block (a dense one when the model has no experts)."""
         if self.family == "llama" and not self.is_moe:
             return self._shape.block_params
-        return self.attention_params + self.num_experts * self.expert_params + self.router_params + self.norm_params
+        return (self.attention_params + (self.num_experts + self.shared_experts) * self.expert_params
+                + self.router_params + self.norm_params)
+
+    @cached_property
+    def dense_layer_params(self) -> int:
+        """One block without experts."""
+        if self.family == "llama":
+            return self._shape.block_params
+        return self.attention_params + self.expert_params + self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -143,12 +179,13 @@ class Arch:
     def total_params(self) -> int:
         if self.family == "llama" and not self.is_moe:
             return self._shape.total_params
-        return self.embedding_params + self.n_layers * self.layer_params + self.final_norm_params + self.output_params
+        blocks = self.n_moe_layers * self.layer_params + (self.n_layers - self.n_moe_layers) * self.dense_layer_params
+        return self.embedding_params + blocks + self.final_norm_params + self.output_params
 
     @cached_property
     def active_params(self) -> int:
         """Parameters a token passes through (MoE: top_k experts of E)."""
-        inactive = (self.num_experts - self.top_k) * self.expert_params * self.n_layers
+        inactive = (self.num_experts - self.top_k) * self.expert_params * self.n_moe_layers
         return self.total_params - inactive
 
     @cached_property
@@ -160,10 +197,12 @@ class Arch:
         return self.active_params - lookup - self.positions * self.d_model
 
     # -- per tensor-parallel rank ------------------------------------------
-    def layer_params_per_rank(self, tp: int, ep: int = 1) -> int:
-        """One block's parameters on one (tp, ep) rank. Matrices are split by
-        tp (kv heads replicated when tp > n_kv_heads); norms and the router are
-        replicated; experts are split by ep, then by tp."""
+    def layer_params_per_rank(self, tp: int, ep: int = 1, moe: bool = True) -> int:
+        """One block's parameters on one (tp, ep) rank (``moe``: an MoE block
+        when the model has experts). Attention matrices and a dense block's
+        SwiGLU are split by tp (kv heads replicated when tp > n_kv_heads);
+        norms are replicated; an MoE block's routed experts are split by ep,
+        and its experts, shared experts and router are replicated over tp."""
         h = self.d_model
         if self.family == "gpt":
             # column-parallel weights and biases split (12h^2 + 7h); the two
@@ -171,18 +210,28 @@ class Arch:
             return (12 * h * h + 7 * h) // tp + 6 * h
         kv = self.kv_dim_per_rank(tp)
         attention = 2 * h * (h // tp) + 2 * h * kv
-        experts = (self.num_experts // ep) * 3 * h * (self.ffn_hidden // tp)
-        return attention + experts + self.router_params + self.norm_params
+        if not (moe and self.is_moe):
+            return attention + 3 * h * (self.ffn_hidden // tp) + self.norm_params
+        experts = (self.num_experts // ep) * 3 * h * self.ffn_hidden
+        return attention + experts + self.shared_experts * 3 * h * self.ffn_hidden + self.router_params + self.norm_params
+
+    def expert_params_per_rank(self, ep: int = 1) -> int:
+        """One MoE block's routed-expert parameters on one ep rank (reduced over cp x dp only)."""
+        return (self.num_experts // ep) * 3 * self.d_model * self.ffn_hidden if self.is_moe else 0
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary rows per the vocab-parallel embedding's rule (``model.shapes.padded_vocab``)."""
         return padded_vocab(self.vocab_size, tp, self.vocab_pad_to)
 
-    def param_tensors_per_layer(self, ep: int = 1) -> int:
-        """Parameter tensors per block (torch's AdamW keeps one step counter each)."""
+    def param_tensors_per_layer(self, ep: int = 1, moe: bool = True) -> int:
+        """Parameter tensors per block (torch's AdamW keeps one step counter
+        each). An MoE block stacks its experts into three [experts, ...]
+        tensors, plus the router and three for the shared experts."""
         if self.family == "gpt":
             return 12  # 4 weights + 4 biases + 2 x (LayerNorm weight, bias)
-        return 4 + 3 * (self.num_experts // ep) + 2 + (1 if self.is_moe else 0)
+        if not (moe and self.is_moe):
+            return 4 + 3 + 2
+        return 4 + 3 + 1 + (3 if self.shared_experts else 0) + 2
 
     # -- FLOPs -----------------------------------------------------------
     def layer_forward_flops_per_token(self, seq_len: int) -> float:
@@ -205,15 +254,18 @@ class Arch:
         return 2.0 * self.d_model * self.vocab_size
 
 
-def moe_settings(model_cfg: Any) -> "tuple[int, int]":
-    """(num_experts, top_k) if the config carries an MoE section (``model.moe``
-    with ``num_experts``/``top_k``, the names the MoE plugin is expected to
-    declare), else (1, 1)."""
-    moe: Optional[Any] = None
+def moe_settings(model_cfg: Any) -> "tuple[int, int, int, int]":
+    """(num_experts, top_k, every, shared_experts) of a model with
+    ``model.ffn=moe`` and its ``model.moe`` section (the MoE plugin's keys),
+    else a dense model's (1, 1, 1, 0)."""
+    dense = (1, 1, 1, 0)
+    if str(getattr(model_cfg, "ffn", "swiglu")) != "moe":
+        return dense
     try:
         moe = model_cfg.get("moe") if hasattr(model_cfg, "get") else getattr(model_cfg, "moe", None)
     except Exception:  # a structured config without the key
         moe = None
     if moe is None:
-        return 1, 1
-    return int(getattr(moe, "num_experts", 1) or 1), int(getattr(moe, "top_k", 1) or 1)
+        return dense
+    return (int(getattr(moe, "num_experts", 1) or 1), int(getattr(moe, "top_k", 1) or 1),
+            int(getattr(moe, "every", 1) or 1), int(getattr(moe, "shared_experts", 0) or 0))

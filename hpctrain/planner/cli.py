@@ -101,7 +101,7 @@ def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=No
     """(plan, arch, workload, cluster, cfg, user overrides): the whole pipeline without printing."""
     from hpctrain.config.validate import PRECISIONS
     from hpctrain.errors import ConfigError
-    from hpctrain.planner.arch import Arch, moe_settings
+    from hpctrain.planner.arch import Arch
     from hpctrain.planner.cluster import cluster_spec, load_calibration
     from hpctrain.planner.estimate import Workload
     from hpctrain.planner.memory import HPCTRAIN
@@ -116,8 +116,7 @@ def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=No
     if cfg.trainer.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision!r} is not one of {', '.join(PRECISIONS)}")
     cluster = cluster_spec(cfg.cluster, load_calibration(calibration))
-    experts, top_k = moe_settings(cfg.model)
-    arch = Arch.from_model_config(cfg.model, experts, top_k)
+    arch = Arch.from_model_config(cfg.model)
     work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision, HPCTRAIN,
                     cfg.comm.bucket_mb * 2 ** 20)
     plan = search(arch, cfg.model, work, cluster, {**_pins(overrides), **(knob_pins or {})})

@@ -124,9 +124,13 @@ def _stage_params(arch: Arch, lay: Layout, first: bool, last: bool) -> Tuple[flo
 @lru_cache(maxsize=4096)
 def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, first: bool, last: bool) -> Tuple[float, float, int]:
     layers, h = arch.n_layers // pp, arch.d_model
-    expert = layers * (arch.num_experts // ep) * 3 * h * (arch.ffn_hidden // tp) if arch.is_moe else 0
-    dense = layers * arch.layer_params_per_rank(tp, ep) - expert
-    tensors = layers * arch.param_tensors_per_layer(ep)
+    # the first and the last stage hold the first and the last blocks
+    lo = 0 if first else arch.n_layers - layers
+    moe = arch.moe_layers_in(lo, lo + layers)
+    expert = moe * arch.expert_params_per_rank(ep)
+    dense = (moe * arch.layer_params_per_rank(tp, ep) + (layers - moe) * arch.layer_params_per_rank(tp, ep, moe=False)
+             - expert)
+    tensors = moe * arch.param_tensors_per_layer(ep) + (layers - moe) * arch.param_tensors_per_layer(ep, moe=False)
     vocab_shard = arch.padded_vocab(tp) // tp * h
     if first:
         dense += vocab_shard + arch.positions * h

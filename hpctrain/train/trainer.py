@@ -31,6 +31,7 @@ import torch
 from hpctrain.data import DataCursor, SampleOrder, open_source
 from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
+from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
@@ -118,6 +119,7 @@ class Trainer:
                 raise PluginError(f"plugin {name!r} was chosen for axis {axis!r} (size {size}) but declined it")
             model = out
         materialize(model, self.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers, mesh.coords, mesh.sizes)
+        scale_presummed(model.parameters(), mesh)  # expert weights: their ep sum becomes a data average
         pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
         return model
 

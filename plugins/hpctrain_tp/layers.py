@@ -22,20 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import copy_to_region
+from hpctrain.model.build import narrow_param as narrow  # noqa: F401 (re-exported for the plugin)
 from hpctrain.model.transformer import RMSNorm, apply_rope
-from hpctrain.shard import ShardSpec, get_spec, set_spec
+from hpctrain.shard import get_spec
 
 from hpctrain_tp.regions import Regions
-
-
-def narrow(module: nn.Module, name: str, spec: ShardSpec, mesh: Any) -> nn.Parameter:
-    """Replace ``module.<name>`` (on the meta device) by this rank's piece as ``spec`` cuts it."""
-    old = getattr(module, name)
-    new = nn.Parameter(torch.empty(spec.local_shape(mesh.coords, mesh.sizes), dtype=old.dtype, device="meta"),
-                       requires_grad=old.requires_grad)
-    set_spec(new, spec)
-    setattr(module, name, new)
-    return new
 
 
 def column_parallel(linear: nn.Linear, mesh: Any, unit: int = 1, pieces: Optional[int] = None) -> None:

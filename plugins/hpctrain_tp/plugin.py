@@ -11,6 +11,11 @@ the query heads, the key/value heads and the SwiGLU width; the sequence
 divides into tp shards under sequence parallelism) are the core's
 ``check_layout``, which the planner shares.
 
+A feed-forward block other than the built-in SwiGLU (an MoE layer from
+another plugin) is left whole on every tp rank: it receives this rank's
+tokens (its sequence shard under sequence parallelism) and sums its own
+weights' gradients over tp where the ranks' tokens differ.
+
 Data parallelism composes unchanged: tp is not a data axis, so every
 gradient is averaged over the data axes as before (and ZeRO shards the tp
 pieces further). A tp group should stay inside a node; one that spans nodes
@@ -25,6 +30,7 @@ from torch import nn
 from hpctrain import hookimpl
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.model.shapes import padded_vocab
+from hpctrain.model.transformer import SwiGLU
 from hpctrain.shard import get_spec
 
 from hpctrain_tp.layers import (ParallelAttention, ParallelSwiGLU, SequenceParallelRMSNorm, column_parallel,
@@ -70,10 +76,13 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
         row_parallel(attn.wo, mesh, unit=head_dim)
         block.attn = ParallelAttention(attn, regions, kv_replicas)
         ffn = block.ffn
-        column_parallel(ffn.w1, mesh)
-        column_parallel(ffn.w3, mesh)
-        row_parallel(ffn.w2, mesh)
-        block.ffn = ParallelSwiGLU(ffn, regions)
+        if type(ffn) is SwiGLU:
+            column_parallel(ffn.w1, mesh)
+            column_parallel(ffn.w3, mesh)
+            row_parallel(ffn.w2, mesh)
+            block.ffn = ParallelSwiGLU(ffn, regions)
+        # any other feed-forward (an MoE layer) is replicated over tp and
+        # handles the tp region itself (hpctrain_make_module gets the mesh)
         block.attn_norm = parallel_norm(block.attn_norm)
         block.ffn_norm = parallel_norm(block.ffn_norm)
 

@@ -110,10 +110,11 @@ def shared_reference(overrides: Tuple[str, ...], steps: int) -> List["StepRecord
     """``reference`` of the config these overrides compose, computed once per
     MPI job (several test modules compare layouts with the same model)."""
     from hpctrain.config import compose_resolved
+    from hpctrain.plugins import get_manager
 
     key = (tuple(overrides), steps)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = reference(compose_resolved(overrides), steps)
+    if key not in _REFERENCES:  # plugin config sections (model.moe) need the plugins' schema
+        _REFERENCES[key] = reference(compose_resolved(overrides, get_manager()), steps)
     return _REFERENCES[key]
 
 

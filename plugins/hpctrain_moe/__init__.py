@@ -1,0 +1,1 @@
+"""Mixture of experts with expert parallelism (``model.ffn=moe``, ``parallel.ep``): see ``plugin``."""

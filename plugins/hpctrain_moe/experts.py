@@ -1,0 +1,63 @@
+"""The experts' weights: SwiGLUs stacked on a leading expert dim.
+
+``w1`` (gate) and ``w3`` (up) are (E, ffn_hidden, d_model), ``w2`` (down)
+is (E, d_model, ffn_hidden): one logical tensor each, shape [experts, ...],
+which is what checkpoints store and what ``parallel.ep`` splits (dim 0).
+Each expert's slice is laid out like an ``nn.Linear`` weight.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Uses = Callable[[torch.Tensor], torch.Tensor]
+"""How the layer sees a weight (identity, or a collective under sequence parallelism)."""
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts; after the ep split this rank holds
+    ``local`` of them, from ``first``."""
+
+    param_init = {"w1": "normal", "w3": "normal", "w2": "normal_scaled"}
+
+    def __init__(self, d_model: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first, self.local = 0, num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+
+    def forward(self, rows: torch.Tensor, rows_per_expert: List[int], uses: Optional[Uses] = None) -> torch.Tensor:
+        """Expert-major ``rows`` -> each local expert's outputs, in the same order."""
+        see = uses or (lambda w: w)
+        w1, w3, w2 = see(self.w1), see(self.w3), see(self.w2)
+        outs, at = [], 0
+        for e, n in enumerate(rows_per_expert):
+            outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
+            at += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class SharedExperts(nn.Module):
+    """``count`` shared experts every token passes through, as one SwiGLU of
+    width count * hidden (the sum of ``count`` SwiGLUs is one wider SwiGLU)."""
+
+    param_init = {"w1": "normal", "w3": "normal", "w2": "normal_scaled"}
+
+    def __init__(self, d_model: int, hidden: int, count: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(count * hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(count * hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(d_model, count * hidden))
+
+    def forward(self, x: torch.Tensor, uses: Optional[Uses] = None) -> torch.Tensor:
+        see = uses or (lambda w: w)
+        return swiglu(x, see(self.w1), see(self.w3), see(self.w2))

@@ -1,0 +1,120 @@
+"""The MoE feed-forward block: route, (drop,) dispatch, experts, combine.
+
+Per micro-batch of N tokens (this rank's; under sequence parallelism its
+sequence shard): fp32 router logits -> top-k routing (``router.route``) ->
+with a capacity, the assignments each expert keeps (``capacity``) -> the
+load-balancing loss and z-loss into the auxiliary-loss channel, the step
+statistics into ``LayerStats`` (training forwards only) -> the tokens to
+their experts and back (``dispatch``) -> plus the shared experts.
+
+Regions. Under tensor parallelism the layer is replicated over tp. Without
+sequence parallelism the tp ranks hold the same tokens and compute the
+same thing. With it (``token_split``: the tp group), each holds a shard of
+the micro-batch's tokens, so (a) the balance statistics and the capacity
+priority are formed over the whole micro-batch (counts all-reduced, the
+expert choices all-gathered along the sequence), and (b) every weight goes
+through ``copy_to_region`` (forward identity, backward all-reduce), so each
+rank's gradient is the sum over all the micro-batch's tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from hpctrain.comm.differentiable import all_gather_along, copy_to_region, reduce_from_region
+from hpctrain.model.aux import add_aux_loss, collecting
+
+from hpctrain_moe.capacity import expert_capacity, keep_mask
+from hpctrain_moe.config import MoEConfig
+from hpctrain_moe.dispatch import combine, dispatch, plan_dispatch
+from hpctrain_moe.experts import GroupedExperts, SharedExperts
+from hpctrain_moe.router import Router, assignment_counts, balance_loss, route, z_loss
+from hpctrain_moe.stats import LayerStats
+
+
+@dataclass
+class MoERegions:
+    """The groups one MoE layer talks to (None: a group of one)."""
+
+    ep: Any = None
+    """Expert parallelism: the ranks that split the experts (set by the ep split)."""
+    token_split: Any = None
+    """The tp group when sequence parallelism splits each micro-batch's tokens over it."""
+    counts_tokens: bool = True
+    """Whether this rank's tokens count in the step statistics (tp ranks without
+    sequence parallelism hold the same tokens: only tp rank 0's count)."""
+    counts_values: bool = True
+    """Whether this rank adds the micro-batch's loss values to the statistics (tp rank 0)."""
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward block (see the module docstring)."""
+
+    def __init__(self, d_model: int, hidden: int, cfg: MoEConfig, regions: Optional[MoERegions] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.regions = regions or MoERegions()
+        self.router = Router(d_model, cfg.num_experts, cfg.top_k, cfg.router)
+        self.experts = GroupedExperts(d_model, hidden, cfg.num_experts)
+        self.shared = SharedExperts(d_model, hidden, cfg.shared_experts) if cfg.shared_experts else None
+        self.stats = LayerStats(cfg.num_experts)
+        self.last_keep: Optional[torch.Tensor] = None
+        """The last forward's kept assignments (N, k) with a capacity (tests compare drops)."""
+
+    def _uses(self, weight: torch.Tensor) -> torch.Tensor:
+        group = self.regions.token_split
+        return copy_to_region(weight, group) if group is not None else weight
+
+    def _keep(self, experts: torch.Tensor, batch: int) -> torch.Tensor:
+        """The assignments within capacity, decided over the whole micro-batch."""
+        group = self.regions.token_split
+        n, k = experts.shape
+        whole = experts
+        if group is not None:  # the priority order runs over the micro-batch's sequence
+            whole = all_gather_along(experts.view(batch, n // batch, k), group, dim=1).reshape(-1, k)
+        cap = expert_capacity(whole.shape[0], k, self.cfg.num_experts, float(self.cfg.capacity_factor))
+        keep = keep_mask(whole, self.cfg.num_experts, cap)
+        if group is not None:
+            s = n // batch
+            keep = keep.view(batch, -1, k)[:, group.rank * s:(group.rank + 1) * s].reshape(n, k)
+        return keep
+
+    def _balance(self, routing, keep: Optional[torch.Tensor], n: int) -> None:
+        """The auxiliary losses of this micro-batch and its statistics."""
+        cfg, group = self.cfg, self.regions.token_split
+        local_counts = assignment_counts(routing.experts, cfg.num_experts)
+        counts, prob_sum, lse_sq, tokens = local_counts, routing.balance_probs.sum(0), routing.lse.pow(2).sum(), n
+        if group is not None:  # the whole micro-batch's statistics on every rank of the split
+            counts = reduce_from_region(local_counts, group)
+            prob_sum = reduce_from_region(prob_sum, group)
+            lse_sq = reduce_from_region(lse_sq, group)
+            tokens = n * group.size
+        balance = balance_loss(counts, prob_sum, tokens, cfg.top_k)
+        z = z_loss(lse_sq, tokens)
+        if cfg.aux_loss_coef:
+            add_aux_loss("moe.aux_loss", cfg.aux_loss_coef * balance)
+        if cfg.z_loss_coef:
+            add_aux_loss("moe.z_loss", cfg.z_loss_coef * z)
+        dropped = (~keep).sum() if keep is not None else torch.zeros((), device=local_counts.device)
+        self.stats.add(local_counts, dropped, float(routing.experts.numel()), balance, z,
+                       1.0 if self.regions.counts_tokens else 0.0, 1.0 if self.regions.counts_values else 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, d = x.shape[0], x.shape[-1]
+        tokens = x.reshape(-1, d)
+        n = tokens.shape[0]
+        routing = route(self.router.logits(tokens, self._uses(self.router.weight)), self.cfg.top_k,
+                        self.cfg.router, self.router.expert_bias)
+        keep = self._keep(routing.experts, batch) if self.cfg.capacity_factor is not None else None
+        self.last_keep = keep
+        if collecting():
+            self._balance(routing, keep, n)
+        plan = plan_dispatch(routing.experts, routing.weights, keep, self.cfg.num_experts, self.regions.ep)
+        rows = dispatch(tokens, plan, self.regions.ep)
+        out = combine(self.experts(rows, plan.rows_per_expert, self._uses), plan, self.regions.ep, n)
+        if self.shared is not None:
+            out = out + self.shared(tokens, self._uses)
+        return out.view_as(x)

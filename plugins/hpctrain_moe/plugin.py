@@ -1,0 +1,171 @@
+"""Mixture-of-experts plugin: ``model.ffn=moe`` blocks and the ``ep`` axis.
+
+- ``hpctrain_make_module(kind="ffn", name="moe")`` builds every
+  ``model.moe.every``-th block's feed-forward as an ``MoE`` (the others stay
+  the core's SwiGLU), holding all experts, on the meta device.
+- ``hpctrain_parallelize(axis="ep")`` keeps this rank's E/ep experts: the
+  stacked expert weights are split on dim 0 over ``ep`` (their ShardSpecs
+  say so, so checkpoints store [experts, ...] logical tensors and any ep
+  can load them). Expert-parallel ranks are data-parallel for every other
+  weight: samples are split over dp x ep, dense gradients averaged over
+  cp x ep x dp and expert gradients over cp x dp by the core (which also
+  divides the experts' ep-summed gradients by ep, ``grad_sync.presummed``).
+- ``hpctrain_step_metrics``: the step's expert load, drops and balance
+  losses, reduced over the world in one all-reduce, written to
+  ``metrics.jsonl``; the sigmoid router's selection biases move towards
+  balance from the same loads (identical on every rank).
+
+With ``model.ffn`` other than ``moe`` the plugin declines ``ep``, which is
+then a plain data axis.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from hpctrain import hookimpl
+from hpctrain.config import plugin_section
+from hpctrain.log import log_rank0
+from hpctrain.mesh import AXES
+from hpctrain.model.build import narrow_param
+from hpctrain.model.shapes import ModelShape
+from hpctrain.model.transformer import SwiGLU
+from hpctrain.shard import get_spec
+
+from hpctrain_moe.config import MoEConfig
+from hpctrain_moe.layer import MoE, MoERegions
+from hpctrain_moe.router import ROUTERS, update_bias
+from hpctrain_moe.stats import loads, step_metrics
+
+SECTION = "model.moe"
+
+
+def moe_config(cfg: Any) -> MoEConfig:
+    return plugin_section(cfg, SECTION, MoEConfig)
+
+
+def is_moe_block(layer_index: int, every: int) -> bool:
+    """Whether block ``layer_index`` is an MoE block (``MoEConfig.every``)."""
+    return (layer_index + 1) % every == 0
+
+
+def moe_layer_ids(n_layers: int, every: int) -> List[int]:
+    return [i for i in range(n_layers) if is_moe_block(i, every)]
+
+
+def moe_layers(model: nn.Module) -> Dict[int, MoE]:
+    """This rank's MoE blocks by their index in the whole model."""
+    return {int(name): block.ffn for name, block in model.layers.named_children() if isinstance(block.ffn, MoE)}
+
+
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"parallel": ["ep"], "model.ffn": ["moe"]}
+
+
+@hookimpl
+def hpctrain_config_sections() -> Dict[str, type]:
+    return {SECTION: MoEConfig}
+
+
+@hookimpl
+def hpctrain_claim_axis(axis: str, cfg: Any) -> Optional[bool]:
+    if axis != "ep":
+        return None
+    return cfg.model.ffn == "moe"
+
+
+@hookimpl
+def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    if cfg.model.ffn != "moe":
+        return None
+    m, ep = moe_config(cfg), int(cfg.parallel.ep)
+    out = []
+    if m.num_experts < 1:
+        out.append(f"model.moe.num_experts={m.num_experts}: need at least 1 expert")
+    elif ep >= 1 and m.num_experts % ep:
+        fits = [d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]
+        out.append(f"parallel.ep={ep} does not divide model.moe.num_experts={m.num_experts}: "
+                   f"use ep in {fits} or a multiple of {ep} experts")
+    if not 1 <= m.top_k <= max(m.num_experts, 1):
+        out.append(f"model.moe.top_k={m.top_k}: must be between 1 and num_experts ({m.num_experts})")
+    if m.capacity_factor is not None and not m.capacity_factor > 0:
+        out.append(f"model.moe.capacity_factor={m.capacity_factor}: must be > 0, or null for dropless routing")
+    if m.router not in ROUTERS:
+        out.append(f"model.moe.router={m.router!r}: choose one of {', '.join(ROUTERS)}")
+    for key in ("aux_loss_coef", "z_loss_coef", "aux_free_bias_rate"):
+        value = getattr(m, key)
+        if not value >= 0:  # also rejects nan
+            out.append(f"model.moe.{key}={value}: must be >= 0 (0 turns it off)")
+    if m.shared_experts < 0:
+        out.append(f"model.moe.shared_experts={m.shared_experts}: must be >= 0")
+    if m.every < 1:
+        out.append(f"model.moe.every={m.every}: must be >= 1 (1: every block is MoE)")
+    elif m.every > cfg.model.n_layers:
+        out.append(f"model.moe.every={m.every} exceeds model.n_layers={cfg.model.n_layers}: no block would be MoE; "
+                   f"use every <= {cfg.model.n_layers} or model.ffn=swiglu")
+    return out
+
+
+def _regions(mesh: Any, cfg: Any) -> MoERegions:
+    if mesh is None or mesh.size("tp") == 1:
+        return MoERegions()
+    first = mesh.rank("tp") == 0
+    if bool(cfg.parallel.sequence_parallel):
+        return MoERegions(token_split=mesh.group("tp"), counts_tokens=True, counts_values=first)
+    return MoERegions(counts_tokens=first, counts_values=first)
+
+
+@hookimpl
+def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh: Any) -> Optional[nn.Module]:
+    if kind != "ffn" or name != "moe":
+        return None
+    m = moe_config(cfg)
+    shape = ModelShape.from_config(cfg.model)
+    if not is_moe_block(layer_index, m.every):
+        return SwiGLU(shape)
+    return MoE(shape.d_model, shape.ffn_hidden, m, _regions(mesh, cfg))
+
+
+@hookimpl
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+    if axis != "ep":
+        return None
+    group = mesh.group("ep")
+    for layer in moe_layers(model).values():
+        experts = layer.experts
+        local = experts.num_experts // group.size
+        for name in ("w1", "w3", "w2"):
+            narrow_param(experts, name, get_spec(getattr(experts, name)).split(0, "ep"), mesh)
+        experts.first, experts.local = mesh.rank("ep") * local, local
+        layer.regions.ep = group
+    m = moe_config(cfg)
+    log_rank0("expert parallelism: ep=%d, %d of %d experts per rank, top-%d %s routing, %s", group.size,
+              m.num_experts // group.size, m.num_experts, m.top_k, m.router,
+              "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor}")
+    return model
+
+
+@hookimpl
+def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) -> Optional[Dict[str, float]]:
+    cfg = trainer.cfg
+    if cfg.model.ffn != "moe":
+        return None
+    m = moe_config(cfg)
+    ids = moe_layer_ids(cfg.model.n_layers, m.every)
+    held = moe_layers(trainer.model)
+    rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=trainer.device)
+    for row, layer_id in enumerate(ids):
+        if layer_id in held:
+            rows[row] = held[layer_id].stats.take(trainer.device)
+    world = trainer.mesh.group(AXES)
+    if world.size > 1:  # every rank, with MoE blocks on its stage or not
+        world.communicator().all_reduce(rows)
+    if m.router == "sigmoid" and m.aux_free_bias_rate:
+        for row, layer_id in enumerate(ids):
+            if layer_id in held:
+                bias = held[layer_id].router.expert_bias
+                update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
+    return step_metrics(rows, m.num_experts)

@@ -1,0 +1,105 @@
+"""The router: which experts each token goes to, with what weight, and the
+losses that keep the experts balanced. Everything here runs in fp32.
+
+``route`` is a pure function of the logits (and the sigmoid router's
+selection bias); the balance statistics are sums over the tokens given, so
+a caller whose micro-batch is split over ranks (sequence parallelism) adds
+them up over those ranks before forming the losses (``balance_loss``,
+``z_loss``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class Routing:
+    """One micro-batch's routing (N tokens)."""
+
+    experts: torch.Tensor
+    """(N, k) int64: the chosen experts, best first."""
+    weights: torch.Tensor
+    """(N, k) fp32: the weight of each chosen expert's output (differentiable)."""
+    balance_probs: torch.Tensor
+    """(N, E) fp32: each token's probability over all experts, the P of the balance loss (differentiable)."""
+    lse: torch.Tensor
+    """(N,) fp32: logsumexp of the logits, for the z-loss (differentiable)."""
+
+
+def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tensor] = None) -> Routing:
+    """Route N tokens from their (N, E) fp32 logits (see ``MoEConfig.router``)."""
+    if kind == "softmax":
+        probs = logits.softmax(dim=-1)
+        if top_k == 1:  # Switch: the probability itself, so the router learns from the loss
+            weights, experts = probs.topk(1, dim=-1)
+        else:  # Mixtral: softmax over the chosen logits
+            chosen, experts = logits.topk(top_k, dim=-1)
+            weights = chosen.softmax(dim=-1)
+        balance = probs
+    elif kind == "sigmoid":
+        scores = logits.sigmoid()
+        pick = scores if bias is None else scores + bias
+        experts = pick.topk(top_k, dim=-1).indices
+        chosen = scores.gather(-1, experts)
+        weights = chosen / chosen.sum(dim=-1, keepdim=True)
+        balance = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"model.moe.router={kind!r}: choose one of {', '.join(ROUTERS)}")
+    return Routing(experts, weights, balance, torch.logsumexp(logits, dim=-1))
+
+
+def assignment_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) fp32: how many of the (N, k) assignments each expert got (before any drop)."""
+    return torch.bincount(experts.reshape(-1), minlength=num_experts).to(torch.float32)
+
+
+def balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Switch/GShard load balance, E * sum_e f_e * P_e, from the micro-batch's
+    assignment ``counts`` (f_e = counts_e / (tokens * k), not differentiable)
+    and the sum over its tokens of the balance probabilities (P_e = sum / tokens).
+    1.0 when both are uniform."""
+    num_experts = counts.numel()
+    f = counts / (tokens * top_k)
+    return num_experts * (f * (prob_sum / tokens)).sum()
+
+
+def z_loss(lse_square_sum: torch.Tensor, tokens: int) -> torch.Tensor:
+    """ST-MoE router z-loss: the mean over tokens of logsumexp(logits)^2."""
+    return lse_square_sum / tokens
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: raise the selection bias of
+    experts that got fewer than the mean load this step, lower the others'."""
+    bias.add_(rate * torch.sign(load.mean() - load).to(bias.dtype))
+
+
+class Router(nn.Module):
+    """The router's weight (E, d_model) and, for the sigmoid router, the
+    per-expert selection bias (a buffer: not trained by gradients, saved in
+    checkpoints, updated after each step by ``update_bias``)."""
+
+    param_init = {"weight": "normal"}
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, kind: str):
+        super().__init__()
+        if kind not in ROUTERS:
+            raise ValueError(f"model.moe.router={kind!r}: choose one of {', '.join(ROUTERS)}")
+        self.num_experts, self.top_k, self.kind = num_experts, top_k, kind
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.expert_bias: Optional[torch.Tensor]
+        if kind == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def logits(self, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(N, E) fp32 logits of (N, d) tokens; ``weight`` is ``self.weight`` as the layer uses it."""
+        with torch.autocast(device_type=tokens.device.type, enabled=False):  # fp32 even under bf16 autocast
+            return tokens.float() @ weight.float().t()
