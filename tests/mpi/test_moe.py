@@ -144,6 +144,16 @@ def test_capacity_drops_the_assignments_one_process_drops(world, pm):
     _check(pm, model, "parallel.ep=2")
 
 
+@pytest.mark.mpi(min_size=4)
+def test_capacity_with_sequence_parallel_tensor_parallelism(world, pm):
+    """Under sequence parallelism each tp rank routes a shard of the
+    micro-batch; the capacity's priority order still runs over the whole
+    micro-batch (the expert choices are gathered along the sequence)."""
+    trainer = _check(pm, ("model.moe.capacity_factor=0.75",), "parallel.ep=2", "parallel.tp=2",
+                     "parallel.sequence_parallel=true")
+    assert trainer.metrics["moe.dropped_fraction"] > 0
+
+
 def _force_expert_zero(trainer):
     for block in trainer.model.layers:
         block.ffn.router.expert_bias.copy_(torch.tensor([1e6, 0.0, 0.0, 0.0]))

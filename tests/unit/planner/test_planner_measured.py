@@ -21,9 +21,11 @@ from hpctrain.planner.memory import HPCTRAIN
 ACTIVATION_TOLERANCE = 0.10  # the bound; the fp32 prediction is exact to the byte per layer >= 1
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_model_state_bytes_equal_a_real_step(tiny_trainer, tied):
-    trainer, cfg = tiny_trainer(f"model.tie_embeddings={str(tied).lower()}")
+@pytest.mark.parametrize("model", [("model.tie_embeddings=false",), ("model.tie_embeddings=true",),
+                                   ("model=tiny-moe",), ("model=tiny-moe", "model.moe.shared_experts=1")],
+                         ids=["untied", "tied", "moe", "moe-shared"])
+def test_model_state_bytes_equal_a_real_step(tiny_trainer, model):
+    trainer, cfg = tiny_trainer(*model)
     trainer.train_step()
     params = list(trainer.model.parameters())
     held_weights = tensor_bytes(params)

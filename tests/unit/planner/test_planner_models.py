@@ -87,6 +87,24 @@ def test_moe_counts():
     assert base.layer_params_per_rank(1, ep=4) == dense.layer_params - dense.expert_params + 2 * dense.expert_params + 64 * 8
 
 
+def test_mixtral_8x7b_parameters(make_config):
+    arch = Arch.from_model_config(make_config("model=mixtral-8x7b").model)
+    assert (arch.num_experts, arch.top_k) == (8, 2)
+    assert arch.total_params == 46_702_792_704  # Mistral's published 46.7B
+    assert arch.active_params == 12_879_925_248  # 12.9B used per token (2 of 8 experts)
+
+
+def test_moe_every_and_shared_experts_counts(make_config):
+    every = Arch.from_model_config(make_config("model=tiny-moe", "model.n_layers=4", "model.moe.every=2").model)
+    dense = Arch.from_model_config(make_config("model=tiny", "model.ffn_hidden=64", "model.n_layers=4").model)
+    moe_block = dense.layer_params - dense.expert_params + 4 * dense.expert_params + 64 * 4
+    assert every.n_moe_layers == 2 and [every.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert every.total_params == dense.total_params + 2 * (moe_block - dense.layer_params)
+    shared = Arch.from_model_config(make_config("model=tiny-moe", "model.moe.shared_experts=2").model)
+    assert shared.layer_params == moe_block + 2 * dense.expert_params
+    assert shared.active_params == shared.total_params - 2 * 2 * dense.expert_params  # 2 of 4 routed unused
+
+
 # -- layouts use the training validator ---------------------------------------------
 def test_check_layout_gives_the_training_messages(make_config, pm):
     from hpctrain.config.validate import validate
