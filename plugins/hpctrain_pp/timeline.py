@@ -192,7 +192,8 @@ def draw(tl: PipelineTimeline, path: str) -> None:
         ax.set_title(f"{title}: {tl.schedule}, p={tl.p}, v={tl.v}, m={tl.m}, bubble {bubble:.3f}", fontsize=9)
     axes[1].set_xlabel("ms from the step's start")
     axes[0].legend(handles=[Patch(color=COLOURS[k], label=k) for k in ("F", "B", "W", "SEND_F")],
-                   labels=["F", "B", "W", "send/recv"], loc="upper right", fontsize=7, ncol=4)
+                   labels=["F", "B", "W", "send/recv"], loc="lower right", bbox_to_anchor=(1.0, 1.0),
+                   fontsize=7, ncol=4, frameon=False)  # above the plot, clear of the bars
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
