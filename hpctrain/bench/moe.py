@@ -13,9 +13,14 @@ overrides (the model's ``model.moe.*``, ``trainer.micro_batch_size`` and
 
    - ``raw-mpi4py``: two ``Alltoallv`` of the rows with the counts and
      displacements precomputed (the floor: no Python above MPI);
-   - ``ours[<backend>]``: the same two exchanges through the core's
-     ``all_to_all`` (the MoE dispatch's collective) on our mpi and torch
+   - ``exchange[<backend>]``: the same two exchanges through our
+     Communicator (counting wrapper included) into the same kept buffers
+     as raw's: what our communication layer adds, on our mpi and torch
      (gloo) backends;
+   - ``ours[<backend>]``: the two exchanges as the layer runs them, the
+     core's differentiable ``all_to_all``, whose outputs are new tensors
+     every call (on a CPU, new memory is cold: it costs its first touch and
+     cache misses that raw's reused buffers do not);
    - ``dispatch+combine[<backend>]``: what the layer really runs: the
      counts exchange and sort (``plan_dispatch``), gathering the rows,
      both exchanges, the regrouping by expert and the weighted sum back
@@ -137,6 +142,12 @@ def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
         rows, back = exchange()
         if not (torch.equal(rows, recv) and torch.equal(back, send)):
             raise RuntimeError(f"ours[{backend}] and raw Alltoallv moved different rows")
+        comm, kept_rows, kept_back = group.communicator(), torch.empty_like(recv), torch.empty_like(send)
+
+        def kept(c=comm, p=plan, s=send, r=kept_rows, b=kept_back):
+            c.all_to_all(r, s, p.recv_splits, p.send_splits)
+            c.all_to_all(b, r, p.send_splits, p.recv_splits)
+        contenders.append((f"exchange[{backend}]", kept))
 
         def whole(g=group, lay=layer, rr=r):
             with torch.no_grad():
@@ -232,8 +243,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpctrain.bench.torch_peer import start
 
     args = _parser().parse_args(argv)
-    started = start("moe", lambda n: [*DEFAULT_OVERRIDES, f"trainer.global_batch_size={8 * n}", f"parallel.ep={n}",
-                                      *args.overrides])
+    given = [*DEFAULT_OVERRIDES, *args.overrides]
+    micro = int([o for o in given if o.startswith("trainer.micro_batch_size=")][-1].split("=", 1)[1])
+    # one micro-batch per rank: the global batch follows the micro-batch and the world
+    started = start("moe", lambda n: [*given, f"trainer.global_batch_size={micro * n}", f"parallel.ep={n}"])
     if started is None:
         return 2
     run(args, *started)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
@@ -136,6 +136,7 @@ class MpiCommunicator:
         self.size = group.size
         self.comm = mpi_comm_for(group, world)
         self.check_shapes = check_shapes
+        self._row_types: Dict[Tuple[int, int], MPI.Datatype] = {}
         self.cuda_aware = cuda_aware
         self._tag_ub = world.Get_attr(MPI.TAG_UB)
         # with check_shapes every call goes the full way (the caches stay empty)
@@ -332,17 +333,23 @@ class MpiCommunicator:
                              lambda: self.comm.Alltoall(send, recv),
                              lambda: self.comm.Ialltoall(send, recv),
                              [src, dst], dst.finish)
-        # one MPI element = one dim-0 row, in transport elements
-        row_type = dst.mpi_type.Create_contiguous(row * per_element).Commit()
+        # one MPI element = one dim-0 row, in transport elements (the type is
+        # made once per row shape and kept: an MoE layer exchanges the same
+        # rows every micro-batch)
+        row_type = self._row_type(dst.mpi_type, row * per_element)
         send = [src.array, (send_rows, _displacements(send_rows)), row_type]
         recv = [dst.array, (recv_rows, _displacements(recv_rows)), row_type]
-        try:
-            return self._run("all_to_all", async_op,
-                             lambda: self.comm.Alltoallv(send, recv),
-                             lambda: self.comm.Ialltoallv(send, recv),
-                             [src, dst], dst.finish)
-        finally:
-            row_type.Free()  # MPI keeps it alive for a pending operation
+        return self._run("all_to_all", async_op,
+                         lambda: self.comm.Alltoallv(send, recv),
+                         lambda: self.comm.Ialltoallv(send, recv),
+                         [src, dst], dst.finish)
+
+    def _row_type(self, base: MPI.Datatype, count: int) -> MPI.Datatype:
+        key = (base.handle, count)
+        found = self._row_types.get(key)
+        if found is None:
+            found = self._row_types[key] = base.Create_contiguous(count).Commit()
+        return found
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False):
         self._check_peer(src, "broadcast")

@@ -9,11 +9,13 @@ micro-batch and MoE block:
    rows it gets from each source for each of its experts (the splits of the
    next two exchanges, so no rank ever waits on a shape it does not know).
 2. ``dispatch``: the rows go out in one uneven all-to-all (counts may be 0:
-   a rank that receives nothing works, with empty tensors), then are
-   regrouped from source-major to expert-major order.
-3. the local experts run, each on its contiguous rows.
-4. ``combine``: the results go back in expert order, through the reverse
-   all-to-all, and are summed into their tokens with the router weights.
+   a rank that receives nothing works, with empty tensors). They arrive
+   source-major: from each source, its rows for each local expert.
+3. the local experts run on those runs (``DispatchPlan.segments``) where
+   they lie, so the rows are never regrouped by expert (two copies of
+   every row saved).
+4. ``combine``: the results go back through the reverse all-to-all in the
+   same order, and are summed into their tokens with the router weights.
 
 Both exchanges are ``all_to_all`` from the core's differentiable
 collectives: backward sends the gradients the opposite way. With ep = 1
@@ -22,7 +24,7 @@ the same code runs without the exchanges: that is the one-process model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -39,12 +41,11 @@ class DispatchPlan:
     """Rows sent to each ep rank."""
     recv_splits: List[int]
     """Rows received from each ep rank."""
-    rows_per_expert: List[int]
-    """Rows each local expert computes, in local expert order."""
-    to_expert_major: Optional[torch.Tensor] = None
-    """Permutation of the received rows (source-major) into local-expert-major order (None: ep = 1)."""
-    from_expert_major: Optional[torch.Tensor] = None
-    """Its inverse."""
+    segments: List[Tuple[int, int]]
+    """The received rows as consecutive runs of (local expert, rows): source-major,
+    then by expert (one run per expert when ep = 1). Runs may be empty."""
+    exchange: bool = False
+    """Whether rows cross ranks (ep > 1)."""
 
 
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int,
@@ -64,40 +65,28 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     ep = 1 if group is None else group.size
     if ep == 1:
         sent = [int(flat_e.numel())]
-        return DispatchPlan(tok, flat_w, sent, sent, counts.tolist())
+        return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())))
     local = num_experts // ep
     received = torch.empty_like(counts)
     group.communicator().all_to_all(received, counts)  # equal parts: E/ep counts to each rank
     from_src = received.view(ep, local).tolist()  # [source][local expert]
     send_splits = counts.view(ep, local).sum(dim=1).tolist()
     recv_splits = [sum(row) for row in from_src]
-    rows_per_expert = [sum(from_src[s][e] for s in range(ep)) for e in range(local)]
-    starts, at = [[0] * local for _ in range(ep)], 0
-    for s in range(ep):
-        for e in range(local):
-            starts[s][e], at = at, at + from_src[s][e]
-    pieces = [torch.arange(starts[s][e], starts[s][e] + from_src[s][e], device=experts.device)
-              for e in range(local) for s in range(ep)]
-    to_major = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=experts.device)
-    from_major = torch.empty_like(to_major)
-    from_major[to_major] = torch.arange(to_major.numel(), device=experts.device)
-    return DispatchPlan(tok, flat_w, send_splits, recv_splits, rows_per_expert, to_major, from_major)
+    segments = [(e, from_src[s][e]) for s in range(ep) for e in range(local)]
+    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True)
 
 
 def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
-    """(N, d) tokens -> the rows this rank's experts compute, expert-major."""
+    """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``)."""
     rows = tokens[plan.token]
-    if plan.to_expert_major is None:
-        return rows
-    rows = all_to_all(rows, group, plan.recv_splits, plan.send_splits)
-    return rows[plan.to_expert_major]
+    return all_to_all(rows, group, plan.recv_splits, plan.send_splits) if plan.exchange else rows
 
 
 def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Any, n_tokens: int) -> torch.Tensor:
-    """The experts' (expert-major) outputs -> (N, d): each token's sum of its
-    experts' outputs times their router weights."""
-    if plan.from_expert_major is not None:
-        expert_rows = all_to_all(expert_rows[plan.from_expert_major], group, plan.send_splits, plan.recv_splits)
+    """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
+    sum of its experts' outputs times their router weights."""
+    if plan.exchange:
+        expert_rows = all_to_all(expert_rows, group, plan.send_splits, plan.recv_splits)
     weighted = expert_rows * plan.weight.unsqueeze(-1).to(expert_rows.dtype)
     out = torch.zeros((n_tokens, expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)
     return out.index_add(0, plan.token, weighted)

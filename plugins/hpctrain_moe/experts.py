@@ -7,7 +7,7 @@ Each expert's slice is laid out like an ``nn.Linear`` weight.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +35,13 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
 
-    def forward(self, rows: torch.Tensor, rows_per_expert: List[int], uses: Optional[Uses] = None) -> torch.Tensor:
-        """Expert-major ``rows`` -> each local expert's outputs, in the same order."""
+    def forward(self, rows: torch.Tensor, segments: List[Tuple[int, int]], uses: Optional[Uses] = None) -> torch.Tensor:
+        """``rows`` as consecutive runs of (local expert, count) -> each row's
+        expert output, in the same order."""
         see = uses or (lambda w: w)
         w1, w3, w2 = see(self.w1), see(self.w3), see(self.w2)
         outs, at = [], 0
-        for e, n in enumerate(rows_per_expert):
+        for e, n in segments:
             outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
             at += n
         return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -86,5 +86,6 @@ def test_moe_bench_runs(world, capsys):
     out = capsys.readouterr().out
     if world.Get_rank() == 0:
         first = {line.split()[0] for line in out.splitlines() if line.split()}
-        assert {"raw-mpi4py", "ours[mpi]", "ours[torch]", "dispatch+combine[mpi]", "dispatch+combine[torch]",
+        assert {"raw-mpi4py", "exchange[mpi]", "ours[mpi]", "ours[torch]", "dispatch+combine[mpi]",
+                "dispatch+combine[torch]",
                 "one", f"ep={world.Get_size()}"} <= first
