@@ -29,11 +29,13 @@ def presummed_factor(split_axes: Iterable[str], mesh: Mesh) -> int:
 
 
 def scale_presummed(params: Iterable[torch.nn.Parameter], mesh: Mesh) -> List[torch.nn.Parameter]:
-    """Hook every parameter split on a data axis of size > 1 to divide its
-    gradient by that axis's size (see the module docstring); returns them."""
+    """Hook every parameter with a *dimension* split on a data axis of size
+    > 1 to divide its gradient by that axis's size (see the module
+    docstring); returns them. ZeRO's flat shards over the data axes are not
+    such splits: their gradients are reduced over those axes as usual."""
     scaled = []
     for p in params:
-        factor = presummed_factor(get_spec(p).split_axes, mesh)
+        factor = presummed_factor([a for s in get_spec(p).splits for a in s.axes], mesh)
         if factor > 1 and p.requires_grad:
             p.register_hook(lambda g, f=float(factor): g / f)
             scaled.append(p)

@@ -84,8 +84,12 @@ def test_only_the_chosen_plugin_is_asked(pm, make_config):
     assert trainer.model.chosen_by == "b" and a.asked == ["tp"] and b.asked == ["tp"]
 
 
-def test_ep_without_an_expert_plugin_is_a_data_axis(pm, make_config):
-    assert "ep" not in axis_plugins(pm)
+def test_ep_of_a_dense_model_is_a_data_axis(pm, make_config):
+    """The MoE plugin serves ep but declines it for a model without experts."""
+    assert "moe" in axis_plugins(pm).get("ep", [])
+    dense = make_config("parallel.ep=2", "parallel.dp=2")
+    assert axis_plugin(pm, dense, "ep") is None
+    assert axis_plugin(pm, make_config("parallel.ep=2", "model=tiny-moe"), "ep") == "moe"
     assert validate(make_config("parallel.ep=2", "parallel.dp=2", "trainer.global_batch_size=8",
                                 "trainer.micro_batch_size=2"), 4, pm) == []
     problems = validate(make_config("parallel.ep=2", "parallel.dp=2", "trainer.global_batch_size=6",
