@@ -86,6 +86,8 @@ class ParallelConfig:
     """Expert-parallel size."""
     sequence_parallel: bool = True
     """With tp > 1: norms and the residual stream hold 1/tp of the sequence (all-gather before column-parallel layers, reduce-scatter after row-parallel ones); false: all-reduce after row-parallel layers."""
+    cp_impl: str = "ring"
+    """Context parallelism's attention: ring (key/value chunks passed around the cp ring, overlapped with compute) or allgather (keys and values all-gathered per layer)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first (tp first keeps TP groups inside a node)."""
     impl: AxisImplConfig = field(default_factory=AxisImplConfig)

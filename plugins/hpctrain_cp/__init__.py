@@ -1,0 +1,1 @@
+"""Context parallelism: ring attention (zigzag balanced) and the all-gather variant; see ``plugin``."""

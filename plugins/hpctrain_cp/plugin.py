@@ -1,0 +1,68 @@
+"""Context-parallel plugin: ``parallel.cp`` ranks split each sequence.
+
+The core already gives each cp rank its tokens and targets (the zigzag
+chunks of ``hpctrain.data.sequence``: rank i holds chunks i and 2cp-1-i of
+2cp, so causal attention costs every rank the same), passes their true
+positions to RoPE, averages the loss over all tokens and reduces dense
+gradients over cp (a data axis). What this plugin adds is attention across
+the split: ``hpctrain_parallelize(axis="cp")`` replaces every block's core
+attention by
+
+- ``ring`` (``parallel.cp_impl=ring``, the default): ``ring.RingAttention``,
+  key/value chunks passed around the cp ring, overlapped with compute,
+  merged with an online softmax; the backward pass sends dK/dV around;
+- ``allgather``: ``allgather.AllGatherAttention``, keys and values
+  all-gathered per layer, gradients reduce-scattered.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from hpctrain import hookimpl
+from hpctrain.log import log_rank0
+
+from hpctrain_cp.allgather import AllGatherAttention
+from hpctrain_cp.ring import Layout, RingAttention
+
+IMPLS = ("ring", "allgather")
+
+
+@hookimpl
+def hpctrain_capabilities() -> Dict[str, List[str]]:
+    return {"parallel": ["cp"]}
+
+
+@hookimpl
+def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    impl = str(cfg.parallel.cp_impl)
+    if impl not in IMPLS:
+        return [f"parallel.cp_impl={impl!r}: choose one of {', '.join(IMPLS)}"]
+    return None
+
+
+def _attention_modules(model: nn.Module):
+    for block in model.layers:
+        yield block.attn
+
+
+@hookimpl
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+    if axis != "cp":
+        return None
+    group = mesh.group("cp")
+    cp, rank, seq = group.size, mesh.rank("cp"), int(cfg.trainer.seq_len)
+    layout = Layout.zigzag(cp)
+    chunk = seq // (2 * cp)
+    impl = str(cfg.parallel.cp_impl)
+    for attn in _attention_modules(model):
+        if impl == "ring":
+            attn.core = RingAttention(group, layout)
+        else:
+            everyone = torch.cat([layout.positions(r, chunk) for r in range(cp)])
+            attn.core = AllGatherAttention(group, layout.positions(rank, chunk), everyone)
+    log_rank0("context parallelism: cp=%d (%s), %d tokens per rank in chunks %s of %d", cp, impl, seq // cp,
+              list(layout.chunks[rank]), chunk)
+    return model

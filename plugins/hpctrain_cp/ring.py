@@ -1,0 +1,146 @@
+"""Ring attention: each rank keeps its queries; the key/value chunks travel
+around the cp ring.
+
+Forward, step s = 0 .. cp-1: the rank holds the keys and values of rank
+``r - s`` (its own at s = 0). It posts the non-blocking hand-over of that
+block to rank ``r + 1`` (and the receive of the next one from ``r - 1``)
+*before* computing with it, so the exchange overlaps the block's
+attention; it then merges the block's partial outputs into its running
+output with the online softmax (``blocks.merge``, fp32 log-sum-exp).
+
+Backward sends the key/value gradients around the ring with their block:
+at step s the rank computes its queries' contribution to block ``r - s``'s
+dK/dV, adds it to the accumulator that arrived with the block, and passes
+both on; after cp hand-overs every accumulator is back with its owner. Only
+this rank's own q, k, v, its output and log-sum-exp are saved for
+backward, so saved attention activations fall as 1/cp.
+
+Which chunks of the sequence a rank holds is ``Layout.chunks``: the zigzag
+(rank i holds chunks i and 2cp-1-i, the training layout) or, for the
+benchmark's comparison, contiguous (rank i holds chunks 2i and 2i+1).
+Chunk pairs that causality masks out entirely are skipped, so the layout
+decides each rank's work.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from hpctrain.comm.protocol import P2POp
+
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
+
+TAG_KV, TAG_DKV = 31, 32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which equal chunks of the sequence each cp rank holds, in ascending order."""
+
+    chunks: Tuple[Tuple[int, ...], ...]
+    """Per cp rank, its chunk indices."""
+
+    @classmethod
+    def zigzag(cls, cp: int) -> "Layout":
+        return cls(tuple((i, 2 * cp - 1 - i) for i in range(cp)))
+
+    @classmethod
+    def contiguous(cls, cp: int) -> "Layout":
+        return cls(tuple((2 * i, 2 * i + 1) for i in range(cp)))
+
+    def positions(self, rank: int, chunk: int) -> torch.Tensor:
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunks[rank]])
+
+
+def _shift(comm: Any, rank: int, size: int, send: torch.Tensor, tag: int) -> Tuple[torch.Tensor, List[Any]]:
+    """Post sending ``send`` to the next rank and receiving the same shape from the previous one."""
+    recv = torch.empty_like(send)
+    works = comm.batch_isend_irecv([P2POp("send", send, (rank + 1) % size, tag),
+                                    P2POp("recv", recv, (rank - 1) % size, tag)])
+    return recv, works
+
+
+def _pairs(mine: Sequence[int], theirs: Sequence[int]):
+    for i, a in enumerate(mine):
+        for j, b in enumerate(theirs):
+            kind = pair_kind(a, b)
+            if kind is not None:
+                yield i, j, kind == "causal"
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: Layout, scale: float):
+        comm, rank, n = group.communicator(), group.rank, group.size
+        heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
+        q32 = q.float()
+        mine = layout.chunks[rank]
+        outs: List[Optional[torch.Tensor]] = [None] * len(mine)
+        lses: List[Optional[torch.Tensor]] = [None] * len(mine)
+        block = torch.stack([k, v]).contiguous()
+        for step in range(n):
+            src = (rank - step) % n
+            nxt, works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
+            for i, j, causal in _pairs(mine, layout.chunks[src]):
+                o, l = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
+                                     vx[:, :, j * c:(j + 1) * c], scale, causal)
+                outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+            for w in works:
+                w.wait()
+            block = nxt if nxt is not None else block
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout, ctx.scale = group, layout, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout, scale = ctx.group, ctx.layout, ctx.scale
+        comm, rank, n = group.communicator(), group.rank, group.size
+        heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // len(layout.chunks[rank])
+        mine = layout.chunks[rank]
+        q32, dout32 = q.float(), dout.float()
+        delta = (dout32 * out).sum(dim=-1)
+        dq = torch.zeros_like(q32)
+        block = torch.stack([k, v]).contiguous()
+        dblock = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        for step in range(n):
+            src = (rank - step) % n
+            nxt, kv_works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
+            dk = torch.zeros_like(kx)
+            dv = torch.zeros_like(vx)
+            for i, j, causal in _pairs(mine, layout.chunks[src]):
+                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                g_q, g_k, g_v = block_backward(q32[:, :, qs], kx[:, :, ks], vx[:, :, ks], scale, causal,
+                                               lse[:, :, qs], dout32[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += g_q
+                dk[:, :, ks] += g_k
+                dv[:, :, ks] += g_v
+            dblock[0] += reduce_kv(dk, kv_heads)
+            dblock[1] += reduce_kv(dv, kv_heads)
+            dblock, works = _shift(comm, rank, n, dblock, TAG_DKV)  # the gradient travels with its block
+            for w in works + kv_works:
+                w.wait()
+            block = nxt if nxt is not None else block
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None
+
+
+class RingAttention(nn.Module):
+    """Core attention (``forward(q, k, v)``, shapes (batch, heads, tokens,
+    head_dim), causal) over a sequence split across ``group`` as ``layout``
+    says; grouped-query attention when k/v have fewer heads."""
+
+    def __init__(self, group: Any, layout: Layout):
+        super().__init__()
+        self.group, self.layout = group, layout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout,
+                                    1.0 / math.sqrt(q.shape[-1]))
