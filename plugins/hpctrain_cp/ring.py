@@ -24,6 +24,7 @@ decides each rank's work.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -56,6 +57,16 @@ class Layout:
         return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunks[rank]])
 
 
+@dataclass
+class ComputeTime:
+    """CPU seconds this rank's thread spent in attention arithmetic (not in
+    waits), summed over calls: each rank's share of the work, however the
+    ranks share cores (the benchmark's balance table)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
 def _shift(comm: Any, rank: int, size: int, send: torch.Tensor, tag: int) -> Tuple[torch.Tensor, List[Any]]:
     """Post sending ``send`` to the next rank and receiving the same shape from the previous one."""
     recv = torch.empty_like(send)
@@ -74,7 +85,7 @@ def _pairs(mine: Sequence[int], theirs: Sequence[int]):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: Layout, scale: float):
+    def forward(ctx, q, k, v, group, layout: Layout, scale: float, clock: Optional[ComputeTime]):
         comm, rank, n = group.communicator(), group.rank, group.size
         heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
         q32 = q.float()
@@ -85,17 +96,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (rank - step) % n
             nxt, works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            t0 = time.thread_time()
             kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
             for i, j, causal in _pairs(mine, layout.chunks[src]):
                 o, l = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
                                      vx[:, :, j * c:(j + 1) * c], scale, causal)
                 outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+            if clock is not None:
+                clock.forward += time.thread_time() - t0
             for w in works:
                 w.wait()
             block = nxt if nxt is not None else block
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.scale = group, layout, scale
+        ctx.group, ctx.layout, ctx.scale, ctx.clock = group, layout, scale, clock
         return out.to(q.dtype)
 
     @staticmethod
@@ -113,6 +127,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(n):
             src = (rank - step) % n
             nxt, kv_works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            t0 = time.thread_time()
             kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
             dk = torch.zeros_like(kx)
             dv = torch.zeros_like(vx)
@@ -125,22 +140,25 @@ class _RingAttention(torch.autograd.Function):
                 dv[:, :, ks] += g_v
             dblock[0] += reduce_kv(dk, kv_heads)
             dblock[1] += reduce_kv(dv, kv_heads)
+            if ctx.clock is not None:
+                ctx.clock.backward += time.thread_time() - t0
             dblock, works = _shift(comm, rank, n, dblock, TAG_DKV)  # the gradient travels with its block
             for w in works + kv_works:
                 w.wait()
             block = nxt if nxt is not None else block
-        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None
 
 
 class RingAttention(nn.Module):
     """Core attention (``forward(q, k, v)``, shapes (batch, heads, tokens,
     head_dim), causal) over a sequence split across ``group`` as ``layout``
-    says; grouped-query attention when k/v have fewer heads."""
+    says; grouped-query attention when k/v have fewer heads. ``clock``
+    (optional) accumulates this rank's compute time."""
 
-    def __init__(self, group: Any, layout: Layout):
+    def __init__(self, group: Any, layout: Layout, clock: Optional[ComputeTime] = None):
         super().__init__()
-        self.group, self.layout = group, layout
+        self.group, self.layout, self.clock = group, layout, clock
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout,
-                                    1.0 / math.sqrt(q.shape[-1]))
+                                    1.0 / math.sqrt(q.shape[-1]), self.clock)

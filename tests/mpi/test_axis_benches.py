@@ -1,4 +1,4 @@
-"""Smoke runs of ``hpctrain-bench zero``, ``tp``, ``pp`` and ``moe`` (tiny model, no
+"""Smoke runs of ``hpctrain-bench zero``, ``tp``, ``pp``, ``moe`` and ``cp`` (tiny model, no
 timing asserted: benchmarks are not timed tests). What is checked: every
 rank finishes, rank 0 prints a row per contender, and the peer (FSDP2,
 torch's tensor-parallel API, torch.distributed.pipelining) and ours end on
@@ -89,3 +89,22 @@ def test_moe_bench_runs(world, capsys):
         assert {"raw-mpi4py", "exchange[mpi]", "ours[mpi]", "ours[torch]", "dispatch+combine[mpi]",
                 "dispatch+combine[torch]",
                 "one", f"ep={world.Get_size()}"} <= first
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cp_bench_runs(world, capsys):
+    """Every row of both tables; the bench itself checks each layout's
+    output rows against one process's attention."""
+    from hpctrain.bench import cp
+
+    n = world.Get_size()
+    if n > MAX_RANKS:
+        pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
+    assert cp.main(["--seq", str(16 * n), "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--iters", "1",
+                    "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    if world.Get_rank() == 0:
+        for row in ("one process (sdpa)", f"ring, zigzag, cp={n}", f"ring, contiguous, cp={n}",
+                    f"allgather, zigzag, cp={n}"):
+            assert row in out
+        assert sum(1 for line in out.splitlines() if line.startswith(("zigzag ", "contiguous "))) == 2
