@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, List, Mapping
 
+from hpctrain.config.ranges import range_problems
 from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.errors import ConfigError, PluginError
 from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
@@ -112,16 +113,15 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain.data.sources import check_data_config
     from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 
+    out_of_range = range_problems(cfg)
+    if out_of_range:  # the checks below would divide by these
+        return out_of_range
     t, p = cfg.trainer, cfg.parallel
     try:
         sizes = resolve_sizes({a: p[a] for a in AXES}, world_size, p.order)
     except ConfigError as e:
         return [str(e)]  # everything below depends on the layout
     problems = check_layout(sizes, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
-    if t.steps < 0:
-        problems.append(f"trainer.steps={t.steps} must be >= 0")
-    if t.log_every < 1:
-        problems.append(f"trainer.log_every={t.log_every} must be >= 1")
     if t.precision not in PRECISIONS:
         problems.append(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
     if t.progress not in ("auto", "on", "off"):
@@ -170,8 +170,26 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
             problems.append(f"checkpoint.format={ck.format!r} is not provided by any installed plugin "
                             f"(available: {', '.join(caps.get('checkpoint.format', [])) or 'none'}); "
                             "set checkpoint.every=0 and checkpoint.resume=null, or install it")
+    if ck.every and ck.dir:
+        problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
     return problems
+
+
+def _writable(path: str, key: str) -> List[str]:
+    """[] when a file can be created in ``path`` (made if missing), else why not:
+    found now, before any step is computed, not at the first save."""
+    import os
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".hpctrain-write-test-"):
+            pass
+    except OSError as e:
+        return [f"{key}={path!r} is not writable ({e.strerror or e}); choose a directory this job can write "
+                "(e.g. on the cluster's scratch file system)"]
+    return []
 
 
 def validate(cfg: Any, world_size: int, pm=None) -> List[str]:

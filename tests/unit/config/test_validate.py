@@ -23,6 +23,7 @@ def test_batch_not_divisible(make_config, pm):
 
 
 def test_axis_without_plugin(make_config, pm):
+    pm.unregister(name="cp")  # as if hpctrain_cp were not installed (or blocked by HPCTRAIN_DISABLE_PLUGINS)
     (p,) = _problems(make_config, pm, "parallel.cp=2")
     assert "parallel.cp=2 but no installed plugin parallelises axis 'cp'" in p
 

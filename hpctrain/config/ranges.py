@@ -1,0 +1,111 @@
+"""The range of every number a user can type, checked before anything else.
+
+One table (``RULES``): each core key with what its value must be. A value
+outside its range is one ``hpctrain: error:`` line naming the key, the
+value, the requirement and, where there is one, the fix, raised before any
+collective (``validate`` runs these first and stops there when any fails,
+since later checks would divide by a zero or a negative size). NaN and
+infinities fail every float rule. Plugins check their own sections in
+``hpctrain_validate``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Tuple
+
+from omegaconf import OmegaConf
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def at_least(lo: float) -> Callable[[Any], bool]:
+    return lambda x: _real(x) and x >= lo
+
+
+def above(lo: float) -> Callable[[Any], bool]:
+    return lambda x: _real(x) and x > lo
+
+
+def within(lo: float, hi: float, hi_open: bool = False) -> Callable[[Any], bool]:
+    return lambda x: _real(x) and lo <= x and (x < hi if hi_open else x <= hi)
+
+
+def optional(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: x is None or rule(x)
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str
+    ok: Callable[[Any], bool]
+    need: str
+    """What the value must be, as the message says it."""
+    fix: str = ""
+    """A hint after the requirement (the usual value, the way to turn a feature off)."""
+
+
+RULES: Tuple[Rule, ...] = (
+    Rule("trainer.steps", at_least(1), "an integer >= 1 (optimizer steps to run)"),
+    Rule("trainer.global_batch_size", at_least(1), "an integer >= 1"),
+    Rule("trainer.micro_batch_size", at_least(1), "an integer >= 1"),
+    Rule("trainer.seq_len", at_least(1), "an integer >= 1 (tokens per sample)"),
+    Rule("trainer.log_every", at_least(1), "an integer >= 1"),
+    Rule("trainer.seed", at_least(0), "an integer >= 0"),
+    Rule("model.vocab_size", at_least(2), "an integer >= 2"),
+    Rule("model.d_model", at_least(2), "an integer >= 2 (the hidden size)"),
+    Rule("model.n_layers", at_least(1), "an integer >= 1"),
+    Rule("model.n_heads", at_least(1), "an integer >= 1 dividing model.d_model"),
+    Rule("model.n_kv_heads", optional(at_least(1)), "null (= n_heads) or an integer >= 1 dividing model.n_heads"),
+    Rule("model.ffn_hidden", optional(at_least(1)), "null (Llama's 8h/3 rule) or an integer >= 1"),
+    Rule("model.ffn_multiple_of", at_least(1), "an integer >= 1"),
+    Rule("model.max_seq_len", at_least(1), "an integer >= 1"),
+    Rule("model.rope_theta", above(0), "a finite number > 0", "the usual is 10000 or 500000"),
+    Rule("model.norm_eps", above(0), "a finite number > 0", "the usual is 1e-5"),
+    Rule("model.init_std", lambda x: _real(x) and 0 < x < 1, "a finite number in (0, 1)", "the usual is 0.02"),
+    Rule("model.vocab_pad_to", optional(at_least(1)), "null or an integer >= 1"),
+    Rule("optim.lr", above(0), "a finite number > 0", "the usual is 1e-4 to 3e-3"),
+    Rule("optim.min_lr_ratio", within(0, 1), "a number in [0, 1] (the final fraction of lr)"),
+    Rule("optim.weight_decay", at_least(0), "a finite number >= 0", "0 turns it off"),
+    Rule("optim.beta1", within(0, 1, hi_open=True), "a number in [0, 1)", "the usual is 0.9"),
+    Rule("optim.beta2", within(0, 1, hi_open=True), "a number in [0, 1)", "the usual is 0.95 or 0.999"),
+    Rule("optim.eps", above(0), "a finite number > 0", "the usual is 1e-8"),
+    Rule("optim.warmup_steps", at_least(0), "an integer >= 0", "0 starts at the full lr"),
+    Rule("optim.grad_clip", at_least(0), "a finite number >= 0", "0 turns clipping off"),
+    Rule("comm.bucket_mb", above(0), "a finite number of MiB > 0", "the usual is 25"),
+    Rule("comm.timeout_s", above(0), "a finite number of seconds > 0"),
+    Rule("checkpoint.every", at_least(0), "an integer >= 0", "0 turns periodic saves off"),
+    Rule("checkpoint.keep", at_least(0), "an integer >= 0", "0 keeps every checkpoint"),
+    Rule("data.seed", at_least(0), "an integer >= 0"),
+    Rule("data.embedded_bytes", at_least(1024), "an integer >= 1024"),
+    Rule("parallel.tp", at_least(1), "an integer >= 1"),
+    Rule("parallel.pp", at_least(1), "an integer >= 1"),
+    Rule("parallel.cp", at_least(1), "an integer >= 1"),
+    Rule("parallel.ep", at_least(1), "an integer >= 1"),
+    Rule("parallel.dp", lambda x: x == -1 or at_least(1)(x), "-1 (the rest of the world) or an integer >= 1"),
+    Rule("cluster.gpus", at_least(0), "an integer >= 0"),
+    Rule("cluster.gpus_per_node", at_least(0), "an integer >= 0"),
+    Rule("cluster.gpu_mem_gb", at_least(0), "a finite number >= 0"),
+    Rule("cluster.peak_tflops", at_least(0), "a finite number >= 0"),
+    Rule("cluster.intra_bw_gbs", at_least(0), "a finite number >= 0"),
+    Rule("cluster.inter_bw_gbs", at_least(0), "a finite number >= 0"),
+)
+
+
+def range_problems(cfg: Any) -> List[str]:
+    """One message per value outside its rule's range."""
+    out = []
+    for rule in RULES:
+        value = OmegaConf.select(cfg, rule.key, default=None) if OmegaConf.is_config(cfg) else _get(cfg, rule.key)
+        if rule.ok(value):
+            continue
+        out.append(f"{rule.key}={value!r}: must be {rule.need}" + (f"; {rule.fix}" if rule.fix else ""))
+    return out
+
+
+def _get(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg

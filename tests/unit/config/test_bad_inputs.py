@@ -1,0 +1,101 @@
+"""Every out-of-range value a user can type is rejected by validation,
+before any collective, with one message naming the key and the fix (the
+reliability issue's table: at least 40 bad inputs). Each row: the
+override, and what the message must contain. A good config passes, and
+one test shows every bad value of a config reported at once."""
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.config.validate import validate
+
+BAD = [
+    ("trainer.steps=0", "trainer.steps=0: must be an integer >= 1"),
+    ("trainer.steps=-5", "trainer.steps=-5: must be an integer >= 1"),
+    ("trainer.seq_len=0", "trainer.seq_len=0: must be an integer >= 1"),
+    ("trainer.seq_len=-8", "trainer.seq_len=-8"),
+    ("trainer.global_batch_size=0", "trainer.global_batch_size=0: must be an integer >= 1"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0: must be an integer >= 1"),
+    ("trainer.micro_batch_size=-2", "trainer.micro_batch_size=-2"),
+    ("trainer.log_every=0", "trainer.log_every=0: must be an integer >= 1"),
+    ("trainer.seed=-1", "trainer.seed=-1: must be an integer >= 0"),
+    ("trainer.precision=fp8", "trainer.precision='fp8' is not one of fp32, bf16"),
+    ("trainer.progress=maybe", "trainer.progress='maybe' is not one of auto, on, off"),
+    ("model.vocab_size=1", "model.vocab_size=1: must be an integer >= 2"),
+    ("model.d_model=-64", "model.d_model=-64: must be an integer >= 2"),
+    ("model.d_model=0", "model.d_model=0"),
+    ("model.n_layers=0", "model.n_layers=0: must be an integer >= 1"),
+    ("model.n_heads=0", "model.n_heads=0: must be an integer >= 1"),
+    ("model.n_heads=3", "model.d_model=64 is not divisible by model.n_heads=3"),
+    ("model.n_kv_heads=0", "model.n_kv_heads=0: must be null"),
+    ("model.n_kv_heads=3", "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    ("model.ffn_hidden=0", "model.ffn_hidden=0: must be null"),
+    ("model.ffn_multiple_of=0", "model.ffn_multiple_of=0: must be an integer >= 1"),
+    ("model.max_seq_len=0", "model.max_seq_len=0: must be an integer >= 1"),
+    ("trainer.seq_len=1024", "trainer.seq_len=1024 exceeds model.max_seq_len=256"),
+    ("model.rope_theta=0", "model.rope_theta=0.0: must be a finite number > 0"),
+    ("model.rope_theta=nan", "model.rope_theta=nan"),
+    ("model.norm_eps=-1e-5", "model.norm_eps=-1e-05: must be a finite number > 0"),
+    ("model.init_std=1e6", "model.init_std=1000000.0: must be a finite number in (0, 1)"),
+    ("model.init_std=0", "model.init_std=0.0"),
+    ("model.vocab_pad_to=0", "model.vocab_pad_to=0: must be null or an integer >= 1"),
+    ("optim.lr=-1", "optim.lr=-1.0: must be a finite number > 0"),
+    ("optim.lr=0", "optim.lr=0.0: must be a finite number > 0"),
+    ("optim.lr=nan", "optim.lr=nan: must be a finite number > 0"),
+    ("optim.lr=inf", "optim.lr=inf"),
+    ("optim.min_lr_ratio=-1", "optim.min_lr_ratio=-1.0: must be a number in [0, 1]"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2.0"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1: must be a finite number >= 0"),
+    ("optim.beta1=1.0", "optim.beta1=1.0: must be a number in [0, 1)"),
+    ("optim.beta2=1.5", "optim.beta2=1.5: must be a number in [0, 1)"),
+    ("optim.beta2=-0.5", "optim.beta2=-0.5"),
+    ("optim.eps=0", "optim.eps=0.0: must be a finite number > 0"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps=-1: must be an integer >= 0"),
+    ("optim.grad_clip=-1", "optim.grad_clip=-1.0: must be a finite number >= 0; 0 turns clipping off"),
+    ("optim.grad_clip=nan", "optim.grad_clip=nan"),
+    ("comm.bucket_mb=0", "comm.bucket_mb=0.0: must be a finite number of MiB > 0"),
+    ("comm.timeout_s=-3", "comm.timeout_s=-3.0: must be a finite number of seconds > 0"),
+    ("comm.backend=carrier-pigeon", "comm.backend='carrier-pigeon'"),
+    ("checkpoint.every=-1", "checkpoint.every=-1: must be an integer >= 0"),
+    ("checkpoint.keep=-2", "checkpoint.keep=-2: must be an integer >= 0"),
+    ("data.seed=-1", "data.seed=-1: must be an integer >= 0"),
+    ("data.embedded_bytes=10", "data.embedded_bytes=10: must be an integer >= 1024"),
+    ("parallel.tp=0", "parallel.tp=0: must be an integer >= 1"),
+    ("parallel.pp=-1", "parallel.pp=-1: must be an integer >= 1"),
+    ("parallel.dp=0", "parallel.dp=0: must be -1"),
+    ("parallel.cp=3", "tp(1) * cp(3)"),
+    ("parallel.tp=2", "world size 1 is not divisible by tp(2)"),
+    ("parallel.order=tp-dp", "parallel.order"),
+    ("model.attention=nosuch", "model.attention='nosuch' is unknown"),
+    ("cluster.gpus=-8", "cluster.gpus=-8: must be an integer >= 0"),
+    ("cluster.peak_tflops=nan", "cluster.peak_tflops=nan"),
+]
+
+
+def test_the_table_is_big_enough():
+    assert len(BAD) >= 40 and len({o for o, _ in BAD}) == len(BAD)
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[o for o, _ in BAD])
+def test_bad_input_is_rejected_with_its_key(make_config, pm, override, message):
+    problems = validate(make_config(override), 1, pm)
+    assert any(message in p for p in problems), problems
+    key = override.split("=", 1)[0]
+    assert any(key in p or "world size" in p for p in problems)  # the message names what to change
+
+
+def test_a_good_config_passes(make_config, pm):
+    assert validate(make_config(), 1, pm) == []
+
+
+def test_every_bad_value_is_reported_at_once(make_config, pm):
+    problems = validate(make_config("optim.lr=-1", "optim.beta2=1.5", "trainer.steps=0"), 1, pm)
+    assert len(problems) == 3
+
+
+def test_an_unwritable_checkpoint_dir_fails_before_the_first_step(make_config, pm, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    problems = validate(make_config("checkpoint.every=5", f"checkpoint.dir={blocker}/ckpt"), 1, pm)
+    assert any(f"checkpoint.dir='{blocker}/ckpt' is not writable" in p for p in problems), problems
+    assert validate(make_config("checkpoint.every=5", f"checkpoint.dir={tmp_path}/ok"), 1, pm) == []
