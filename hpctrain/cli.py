@@ -63,8 +63,12 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
         run(cfg, run_dir)
         return 0
     except HpctrainError as e:
-        # Raised identically on every rank (validation is agreed over MPI).
-        return _fail(str(e), rt.world_rank, 2)
+        # Raised identically on every rank (validation is agreed over MPI;
+        # a diverged run sees the same global loss everywhere).
+        code = _fail(str(e), rt.world_rank, e.exit_code)
+        if e.on_every_rank and rt.world_size > 1:
+            rt.mpi_comm.Barrier()  # rank 0 has written its line before any rank exits
+        return code
     except Exception:
         tb = traceback.format_exc()
         sys.stderr.write("".join(f"[rank {rt.world_rank}] {line}\n" for line in tb.rstrip().splitlines()))

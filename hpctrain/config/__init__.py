@@ -7,6 +7,7 @@ from hpctrain.config.schema import (  # noqa: F401
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    ReliabilityConfig,
     TrainConfig,
     TrainerConfig,
 )

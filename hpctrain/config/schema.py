@@ -193,6 +193,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """What a run does when training goes wrong (see hpctrain/train/guard.py)."""
+
+    nonfinite: str = "stop"
+    """A non-finite loss or gradient norm (every rank sees the same global values before the update): stop (end the run with an error, exit status 3, before the update, so no checkpoint holds non-finite weights) or skip (drop that step's update and count it)."""
+    max_skips: int = 3
+    """With nonfinite=skip: this many non-finite steps in a row stop the run."""
+    spike_window: int = 20
+    """Loss-spike detector: the finite losses of the last this-many steps form the baseline."""
+    spike_zscore: float = 6.0
+    """A loss this many standard deviations above the baseline's mean is logged as a spike (metrics: loss_spike=1)."""
+
+
+@dataclass
 class ClusterConfig:
     """The machine the run targets (used by the planner and the launch templates)."""
 
@@ -224,5 +238,6 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     run_dir: Optional[str] = None
     """Filled in at start: the one run directory all ranks share."""

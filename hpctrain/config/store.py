@@ -33,6 +33,7 @@ GROUPS: Dict[str, type] = {
     "trainer": S.TrainerConfig,
     "checkpoint": S.CheckpointConfig,
     "cluster": S.ClusterConfig,
+    "reliability": S.ReliabilityConfig,
 }
 
 

@@ -124,6 +124,8 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     problems = check_layout(sizes, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
     if t.precision not in PRECISIONS:
         problems.append(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    if cfg.reliability.nonfinite not in ("stop", "skip"):
+        problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
 

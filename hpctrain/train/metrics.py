@@ -11,6 +11,7 @@ the loss falling too.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Dict, Optional
@@ -25,7 +26,7 @@ class MetricsWriter:
 
     def write(self, record: Dict[str, float]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
 
     def flush(self) -> None:
         if self._file is not None:
@@ -35,6 +36,12 @@ class MetricsWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def json_safe(record: Dict[str, float]) -> Dict[str, object]:
+    """NaN and infinities as null: JSON has no such numbers (json.dumps would
+    write bare NaN, which JSON readers reject)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 def format_step(step: int, total: int, m: Dict[str, float]) -> str:

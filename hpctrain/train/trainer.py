@@ -37,6 +37,7 @@ from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.plugins import axis_plugin, parallelize_caller
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_step
+from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
 from hpctrain.train.schedule import GradAccumulation, as_step_result
@@ -71,6 +72,9 @@ class Trainer:
         self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
                                  positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len))
         self.metrics: Dict[str, float] = {}
+        rel = cfg.reliability
+        self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
+        self.spikes = LossSpikes(rel.spike_window, rel.spike_zscore)
         self.history: List[Dict[str, float]] = []
         self.checkpointer = self._make_checkpointer()
         mesh.seal()
@@ -144,25 +148,40 @@ class Trainer:
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
         grad_norm, loss = reduce_step(pairs, result.loss_sum, result.tokens, mesh, self.device)
-        clip_(pairs, grad_norm, cfg.optim.grad_clip)
-        # an async save may still be copying parameters and optimizer state to host
-        before_update = getattr(self.checkpointer, "before_update", None)
-        if before_update is not None:
-            before_update()
-        self.optimizer.step()
+        loss_value, norm_value = float(loss), float(grad_norm)
+        # global values: every rank decides the same (raises to stop the run)
+        update = self.guard.update_allowed(self.step + 1, loss_value, norm_value)
+        if update:
+            clip_(pairs, grad_norm, cfg.optim.grad_clip)
+            # an async save may still be copying parameters and optimizer state to host
+            before_update = getattr(self.checkpointer, "before_update", None)
+            if before_update is not None:
+                before_update()
+            self.optimizer.step()
+        else:
+            log_rank0("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in all; "
+                      "reliability.nonfinite=skip)", self.step + 1, loss_value, norm_value, self.guard.in_a_row,
+                      self.guard.skipped)
         self.step += 1
         dt = time.perf_counter() - t0
         tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.metrics = {
             "step": self.step,
-            "loss": float(loss),
-            "grad_norm": float(grad_norm),
+            "loss": loss_value,
+            "grad_norm": norm_value,
             "lr": lr,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "consumed_samples": self.cursor.consumed_samples,
             "peak_rss_bytes": peak_rss_bytes(),
         }
+        if self.guard.skipped:
+            self.metrics["skipped_steps"] = self.guard.skipped
+        z = self.spikes.check(loss_value)
+        if z is not None:
+            self.metrics["loss_spike"] = 1
+            log_rank0("step %d: loss spike: %.4f is %.1f standard deviations above the last %d steps' mean",
+                      self.step, loss_value, z, len(self.spikes.recent))
         # bytes per group in this step; a group appears from the first step it moves anything
         now = self._comm_totals()
         for name, total in now.items():

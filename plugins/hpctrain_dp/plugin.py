@@ -62,8 +62,6 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     compress = OmegaConf.select(cfg, "comm.dp.compress", default="none")
     if compress not in WIRE_DTYPES:
         problems.append(f"comm.dp.compress={compress!r} is not one of {', '.join(WIRE_DTYPES)}")
-    if cfg.comm.bucket_mb < 0:
-        problems.append(f"comm.bucket_mb={cfg.comm.bucket_mb} must be >= 0 (0: one bucket per parameter)")
     return problems or None
 
 

@@ -140,3 +140,19 @@ def test_tensor_parallel_from_the_command_line(tmp_path):
         got = _metrics(tmp_path / name)
         assert [m["loss"] for m in got] == pytest.approx(want, rel=1e-6)
         assert all(m["comm_bytes.tp"] > 0 for m in got)
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_a_diverged_run_stops_with_one_line_and_status_3(tmp_path):
+    """optim.lr=1e6: the gradient norm is NaN at step 2 on every rank; the
+    job ends with exit status 3, one error line from rank 0, no traceback,
+    and its checkpoints (every step) hold only finite steps."""
+    r = _run(["optim.lr=1e6", "trainer.steps=6", "trainer.progress=off", "checkpoint.every=1",
+              f"checkpoint.dir={tmp_path}/ckpt",
+              f"hydra.run.dir={tmp_path}"], n=2)
+    assert r.returncode == 3, r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    assert len(errors) == 1 and "step 2:" in errors[0] and "not all finite" in errors[0]
+    assert "Traceback" not in r.stderr
+    assert [m["step"] for m in _metrics(tmp_path)] == [1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.h5")) == ["step_00000001.h5"]

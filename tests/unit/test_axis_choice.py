@@ -45,7 +45,8 @@ def test_one_plugin_serving_an_axis_is_used_without_a_choice(pm, make_config):
     pm.register(TensorParallelStub("a"), name="tp_a")
     assert axis_plugins(pm)["tp"] == ["tp_a"]
     assert axis_plugin(pm, make_config(), "tp") == "tp_a"
-    assert axis_plugin(pm, make_config(), "cp") is None
+    pm.unregister(name="cp")
+    assert axis_plugin(pm, make_config(), "cp") is None  # no plugin serves it
 
 
 def test_two_plugins_without_a_choice_is_an_error_naming_both(pm, make_config):

@@ -53,7 +53,7 @@ BAD = [
     ("optim.warmup_steps=-1", "optim.warmup_steps=-1: must be an integer >= 0"),
     ("optim.grad_clip=-1", "optim.grad_clip=-1.0: must be a finite number >= 0; 0 turns clipping off"),
     ("optim.grad_clip=nan", "optim.grad_clip=nan"),
-    ("comm.bucket_mb=0", "comm.bucket_mb=0.0: must be a finite number of MiB > 0"),
+    ("comm.bucket_mb=-1", "comm.bucket_mb=-1.0: must be a finite number of MiB >= 0"),
     ("comm.timeout_s=-3", "comm.timeout_s=-3.0: must be a finite number of seconds > 0"),
     ("comm.backend=carrier-pigeon", "comm.backend='carrier-pigeon'"),
     ("checkpoint.every=-1", "checkpoint.every=-1: must be an integer >= 0"),
