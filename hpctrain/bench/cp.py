@@ -96,11 +96,7 @@ def run(args: Any, rt: Any, pm: Any) -> None:
         rows = layout.positions(group.rank, chunk)
         mine = [t[:, :, rows].contiguous() for t in full]
         clock = ComputeTime()
-        if label.startswith("ring"):
-            core = RingAttention(group, layout, clock)
-        else:
-            everyone = torch.cat([layout.positions(r, chunk) for r in range(n)])
-            core = AllGatherAttention(group, rows, everyone)
+        core = RingAttention(group, layout, clock) if label.startswith("ring") else AllGatherAttention(group, layout)
         got = _fwd_bwd(core, *mine)
         torch.testing.assert_close(got, want[:, :, rows], rtol=1e-4, atol=1e-5)  # same attention as one process
         clock.forward = clock.backward = 0.0

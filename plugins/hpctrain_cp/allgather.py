@@ -3,33 +3,88 @@ keys and values over the cp ranks, and each rank attends with its own
 queries; the key/value gradients are reduce-scattered back.
 
 The gathered keys are in cp-rank order, each rank's chunks in its layout
-(zigzag), so the causal mask is built from true positions: a query at
-position p sees the keys at positions <= p.
+(zigzag). Attention runs chunk pair by chunk pair (``blocks``: a query
+chunk sees earlier key chunks fully, its own causally, later ones not at
+all, so no masked work is done), merged by log-sum-exp; backward recomputes
+each pair from the saved output and log-sum-exp, then reduce-scatters
+dK/dV so each rank gets the sum of every rank's gradient for its own keys.
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.comm.differentiable import gather_from_sequence_region
+from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
+
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
+from hpctrain_cp.ring import Layout
+
+
+def _pairs(layout: Layout, rank: int):
+    """(local query chunk index, gathered key chunk index, causal) for every pair with work."""
+    mine = layout.chunks[rank]
+    everyone = [c for r in range(len(layout.chunks)) for c in layout.chunks[r]]
+    for i, a in enumerate(mine):
+        for j, b in enumerate(everyone):
+            kind = pair_kind(a, b)
+            if kind is not None:
+                yield i, j, kind == "causal"
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout: Layout, scale: float):
+        rank, heads = group.rank, q.shape[1]
+        c = q.shape[2] // len(layout.chunks[rank])
+        kv = all_gather_along(torch.stack([k, v]), group, dim=3)  # (2, b, kv_heads, T, d), rank order
+        kx, vx = expand_kv(kv[0].float(), heads), expand_kv(kv[1].float(), heads)
+        q32 = q.float()
+        outs: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
+        lses: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
+        for i, j, causal in _pairs(layout, rank):
+            o, l = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c], vx[:, :, j * c:(j + 1) * c],
+                                 scale, causal)
+            outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, kv, out, lse)
+        ctx.group, ctx.layout, ctx.scale, ctx.kv_heads = group, layout, scale, k.shape[1]
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv, out, lse = ctx.saved_tensors
+        group, layout, scale = ctx.group, ctx.layout, ctx.scale
+        rank, heads = group.rank, q.shape[1]
+        c = q.shape[2] // len(layout.chunks[rank])
+        kx, vx = expand_kv(kv[0].float(), heads), expand_kv(kv[1].float(), heads)
+        q32, dout32 = q.float(), dout.float()
+        delta = (dout32 * out).sum(dim=-1)
+        dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(kx), torch.zeros_like(vx)
+        for i, j, causal in _pairs(layout, rank):
+            qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            g_q, g_k, g_v = block_backward(q32[:, :, qs], kx[:, :, ks], vx[:, :, ks], scale, causal, lse[:, :, qs],
+                                           dout32[:, :, qs], delta[:, :, qs], out[:, :, qs])
+            dq[:, :, qs] += g_q
+            dk[:, :, ks] += g_k
+            dv[:, :, ks] += g_v
+        dkv = torch.stack([reduce_kv(dk, ctx.kv_heads), reduce_kv(dv, ctx.kv_heads)])
+        mine = reduce_scatter_along(dkv, group, dim=3)  # every rank's gradient for this rank's keys, summed
+        return dq.to(q.dtype), mine[0].to(kv.dtype), mine[1].to(kv.dtype), None, None, None
 
 
 class AllGatherAttention(nn.Module):
     """Core attention (``forward(q, k, v)``, (batch, heads, tokens, head_dim),
-    causal) for a rank holding the tokens at ``positions`` of the sequence
-    split over ``group``; ``all_positions`` are every rank's, in rank order."""
+    causal) over a sequence split across ``group`` as ``layout`` says, keys
+    and values all-gathered per call; grouped-query attention when k/v have
+    fewer heads."""
 
-    def __init__(self, group: Any, positions: torch.Tensor, all_positions: torch.Tensor):
+    def __init__(self, group: Any, layout: Layout):
         super().__init__()
-        self.group = group
-        # True where attention is allowed: key position <= query position
-        self.register_buffer("allowed", all_positions[None, :] <= positions[:, None], persistent=False)
+        self.group, self.layout = group, layout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_all = gather_from_sequence_region(k.contiguous(), self.group, dim=2)  # bwd: reduce-scatter dK
-        v_all = gather_from_sequence_region(v.contiguous(), self.group, dim=2)
-        mask = self.allowed.to(q.device)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return _AllGatherAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout,
+                                         1.0 / math.sqrt(q.shape[-1]))

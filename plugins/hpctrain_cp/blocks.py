@@ -12,6 +12,12 @@ flash-attention backward of one pair given the final output's log-sum-exp.
 Grouped-query attention: k and v have fewer heads than q; query head i
 uses key head i // (q heads / kv heads) (``expand_kv``; ``reduce_kv``
 sums the gradients back).
+
+On CPU a pair runs through torch's flash-attention kernel for CPU (the
+aten op behind ``scaled_dot_product_attention``, which also returns the
+log-sum-exp, and its backward, which takes the final output and
+log-sum-exp as a ring needs); elsewhere, or when ``FUSED`` is off, through
+the plain matrix products below (the reference the unit tests compare).
 """
 from __future__ import annotations
 
@@ -40,6 +46,16 @@ def pair_kind(q_chunk: int, k_chunk: int) -> Optional[str]:
     return "causal" if k_chunk == q_chunk else None
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+FUSED = True
+"""Use the fused CPU kernel where it exists (tests turn it off to check one against the other)."""
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return FUSED and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
@@ -53,6 +69,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
                   causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(output, lse) of fp32 query chunk ``q`` (b, h, c, d) against one key/value
     chunk (expanded to h heads): output (b, h, c, d), lse (b, h, c)."""
+    if _fused(q):
+        out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+        return out, lse
     s = _scores(q, k, scale, causal)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)
@@ -70,10 +89,15 @@ def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], out_b: torch
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor
+                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one pair, all fp32 with h heads, from the final ``lse``
-    of the query chunk and ``delta`` = rowsum(dout * out)."""
+    of the query chunk and ``delta`` = rowsum(dout * out); the fused kernel
+    takes ``out`` itself (it forms delta inside)."""
+    if _fused(q) and out is not None:
+        dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                         out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        return dq, dk, dv
     p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
     dv = p.transpose(-1, -2) @ dout
     ds = p * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))

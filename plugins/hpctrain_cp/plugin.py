@@ -13,12 +13,14 @@ attention by
   merged with an online softmax; the backward pass sends dK/dV around;
 - ``allgather``: ``allgather.AllGatherAttention``, keys and values
   all-gathered per layer, gradients reduce-scattered.
+
+Both compute chunk pair by chunk pair (``blocks``), skipping the pairs
+causality masks out, so the zigzag layout gives every rank the same work.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import torch
 from torch import nn
 
 from hpctrain import hookimpl
@@ -58,11 +60,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
     chunk = seq // (2 * cp)
     impl = str(cfg.parallel.cp_impl)
     for attn in _attention_modules(model):
-        if impl == "ring":
-            attn.core = RingAttention(group, layout)
-        else:
-            everyone = torch.cat([layout.positions(r, chunk) for r in range(cp)])
-            attn.core = AllGatherAttention(group, layout.positions(rank, chunk), everyone)
+        attn.core = RingAttention(group, layout) if impl == "ring" else AllGatherAttention(group, layout)
     log_rank0("context parallelism: cp=%d (%s), %d tokens per rank in chunks %s of %d", cp, impl, seq // cp,
               list(layout.chunks[rank]), chunk)
     return model

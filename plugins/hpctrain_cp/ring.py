@@ -134,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
             for i, j, causal in _pairs(mine, layout.chunks[src]):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 g_q, g_k, g_v = block_backward(q32[:, :, qs], kx[:, :, ks], vx[:, :, ks], scale, causal,
-                                               lse[:, :, qs], dout32[:, :, qs], delta[:, :, qs])
+                                               lse[:, :, qs], dout32[:, :, qs], delta[:, :, qs], out[:, :, qs])
                 dq[:, :, qs] += g_q
                 dk[:, :, ks] += g_k
                 dv[:, :, ks] += g_v

@@ -48,9 +48,18 @@ def _rank_forward(q, k, v, layout, rank, chunk, scale):
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "matmul"])
+def fused(request, monkeypatch):
+    """Both paths of a chunk pair: the CPU flash kernel and the plain products."""
+    from hpctrain_cp import blocks
+
+    monkeypatch.setattr(blocks, "FUSED", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("cp", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
-def test_chunk_pairs_equal_causal_attention(cp, kind):
+def test_chunk_pairs_equal_causal_attention(cp, kind, fused):
     q, k, v = _inputs()
     layout = getattr(Layout, kind)(cp)
     chunk, scale = T // (2 * cp), 1.0 / math.sqrt(D)
@@ -74,7 +83,8 @@ def test_chunk_pairs_equal_causal_attention(cp, kind):
                     continue
                 ks = slice(b * chunk, (b + 1) * chunk)
                 g_q, g_k, g_v = block_backward(q.detach()[:, :, rows][:, :, qs], kx[:, :, ks], vx[:, :, ks], scale,
-                                               kind_ == "causal", lse[:, :, qs], g[:, :, qs], delta[:, :, qs])
+                                               kind_ == "causal", lse[:, :, qs], g[:, :, qs], delta[:, :, qs],
+                                               out[:, :, qs])
                 dq[:, :, rows[qs]] += g_q
                 dk[:, :, ks] += g_k
                 dv[:, :, ks] += g_v
