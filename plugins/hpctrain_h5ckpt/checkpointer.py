@@ -86,6 +86,13 @@ class H5Checkpointer:
         self._hooked: List[Any] = []
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
+        if self.rank == 0 and self.directory:  # no save of this job is running yet
+            for path in store.orphans(self.directory):
+                try:
+                    os.remove(path)
+                    log.warning("removed %s, left by a save that did not finish", path)
+                except OSError:
+                    pass
 
     # -- saving ----------------------------------------------------------------
     def save(self, trainer: Any, path: Optional[str] = None) -> str:
@@ -228,6 +235,8 @@ class H5Checkpointer:
         a file: exactly that file."""
         if resume == "auto":
             found = store.candidates(self.directory) if (self.rank == 0 and self.directory) else []
+            if self.rank == 0:
+                self._say_what_auto_found(found)
             self._auto = self.comm.bcast(found, root=0)
             return self._auto[0] if self._auto else None
         found, is_dir = [], False
@@ -242,6 +251,19 @@ class H5Checkpointer:
             raise CheckpointError(f"checkpoint.resume={resume}: no checkpoint file there (expected a .h5 file, "
                                   "a checkpoint directory, or auto)")
         return path
+
+    def _say_what_auto_found(self, found: List[str]) -> None:
+        where = os.path.abspath(self.directory) if self.directory else "(no checkpoint.dir)"
+        if not found:
+            log_rank0("checkpoint.resume=auto: no committed checkpoint (step_*.h5) in %s: starting from step 0", where)
+            return
+        steps = [store.step_of(os.path.basename(p)) for p in found]
+        log_rank0("checkpoint.resume=auto: %d checkpoint(s) in %s (steps %s); trying the newest, step %d",
+                  len(found), where, ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else ""), steps[0])
+        latest = store.read_latest(self.directory)
+        if latest and os.path.abspath(latest) != os.path.abspath(found[0]):
+            log.warning("checkpoint.resume=auto: 'latest' names %s, older than %s; the newest committed "
+                        "checkpoint wins", os.path.basename(latest), os.path.basename(found[0]))
 
     def load(self, trainer: Any, path: str) -> str:
         self.wait()

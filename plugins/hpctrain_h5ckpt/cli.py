@@ -1,10 +1,12 @@
 """``hpctrain-ckpt``: inspect, verify and export hpctrain HDF5 checkpoints.
 
     hpctrain-ckpt inspect PATH [--config]     tree, shapes, step, layout, size
-    hpctrain-ckpt verify PATH                 every checksum; exit 1 if corrupt
+    hpctrain-ckpt verify PATH                 every checksum and finite values; a directory: every checkpoint in it; exit 1 if any is bad
     hpctrain-ckpt export PATH --to OUT.safetensors [--dtype bfloat16] [--config-json config.json]
 
-PATH is a checkpoint file or a checkpoint directory (its ``latest``). One
+PATH is a checkpoint file or a checkpoint directory (inspect and export:
+its newest committed checkpoint; verify: every one, and the orphaned
+temporary files and a stale ``latest`` are named). One
 process, the default HDF5 driver, read-only; nothing is ever unpickled.
 Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage.
 """
@@ -83,13 +85,53 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_one(path: str, report_errors: bool = False) -> bool:
+    """Every dataset's checksum, and finite weights and optimizer state; one
+    line either way (a corrupt file raises, unless ``report_errors``)."""
+    import torch
+
+    from hpctrain_h5ckpt.snapshot import from_numpy
+
+    def finite(r: Any, name: str) -> bool:
+        t = from_numpy(r.file[name][()], r.index[name].attrs.get("torch_dtype", ""))  # bf16: its bit pattern
+        return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+    try:
+        with _reader(path) as r:
+            r.read({})  # nothing wanted: every dataset is read whole and checked
+            total = sum(d.nbytes for d in r.index.values())
+            bad = [p for p in sorted(r.index) if p.startswith(("/model/", "/optim/")) and not finite(r, p)]
+            step = r.meta.get("step")
+    except CheckpointError as e:
+        if not report_errors:
+            raise
+        print(f"BAD {path}: {e}")
+        return False
+    if bad:
+        print(f"BAD {path}: non-finite values (NaN or inf) in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+              + (", ..." if len(bad) > 5 else ""))
+        return False
+    print(f"OK {path}: {len(r.index)} datasets, {_mb(total)} verified (step {step})")
+    return True
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    path = _resolve(args.path)
-    with _reader(path) as r:
-        r.read({})  # nothing wanted: every dataset is read whole and checked
-        total = sum(d.nbytes for d in r.index.values())
-        print(f"OK {path}: {len(r.index)} datasets, {_mb(total)} verified (step {r.meta.get('step')})")
-    return 0
+    from hpctrain_h5ckpt import store
+
+    if not os.path.isdir(args.path):
+        return 0 if _verify_one(_resolve(args.path)) else 1
+    found = store.committed(args.path)
+    if not found:
+        raise CheckpointError(f"{args.path}: no committed checkpoint (step_*.h5) in this directory")
+    ok = [_verify_one(p, report_errors=True) for p in found]
+    latest = store.read_latest(args.path)
+    if latest and os.path.abspath(latest) != os.path.abspath(found[0]):
+        print(f"note: 'latest' names {os.path.basename(latest)}, older than {os.path.basename(found[0])}; "
+              "resume=auto takes the newest good one")
+    for orphan in store.orphans(args.path):
+        print(f"note: {orphan} is left from a save that did not finish (the next run removes it)")
+    print(f"{sum(ok)} of {len(ok)} checkpoints OK")
+    return 0 if all(ok) else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:

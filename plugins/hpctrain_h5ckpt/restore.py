@@ -28,6 +28,7 @@ from hpctrain.boxes import box_shape
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.shard import Piece
 
+from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import Box
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.snapshot import (NAME_TO_TORCH, Held, from_numpy, held_buffers, held_params, optimizer_state,
@@ -108,6 +109,7 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             want(held)
     wants.update(_rng_wants(trainer, reader))
     data = reader.read(wants, shapes)
+    _refuse_nonfinite(reader, index, data)
 
     held_names = set().union(*reader.comm.allgather({h.spec.logical_name for _, h in params}))
     unused = sorted(p for p in index if p.startswith("/model/") and p[len("/model/"):] not in held_names)
@@ -150,6 +152,26 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
         torch.cuda.set_rng_state(from_numpy(data["/meta/rng/torch_cuda"][0].reshape(-1), "uint8").clone(), trainer.device)
     log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, trainer.step,
               trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
+
+
+def _refuse_nonfinite(reader: CheckpointReader, index: Any, data: Dict[str, Any]) -> None:
+    """A checkpoint holding NaN or infinite weights or optimizer state is
+    unusable (resume=auto then falls back to an older one): agreed over the
+    ranks before anything of the trainer is touched."""
+    bad = []
+    for path, arrays in data.items():
+        if not path.startswith(("/model/", "/optim/")) or path not in index:
+            continue
+        dtype = index[path].attrs.get("torch_dtype", "")
+        for arr in arrays:
+            t = from_numpy(arr, dtype)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(path)
+                break
+    everyone = sorted(set().union(*reader.comm.allgather(set(bad))))
+    if everyone:
+        raise CheckpointError(f"{reader.path}: non-finite values (NaN or inf) in {len(everyone)} tensor(s): "
+                              + ", ".join(everyone[:5]) + (", ..." if len(everyone) > 5 else ""))
 
 
 def _stored_dtype(info: Any) -> torch.dtype:

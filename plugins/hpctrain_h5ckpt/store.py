@@ -69,11 +69,24 @@ def committed(directory: str) -> List[str]:
 
 
 def candidates(directory: str) -> List[str]:
-    """What ``resume=auto`` tries, in order: the file ``latest`` names, then
-    every other committed checkpoint, highest step first."""
-    first = read_latest(directory)
-    rest = [p for p in committed(directory) if p != first]
-    return ([first] if first else []) + rest
+    """What ``resume=auto`` tries, in order: every committed checkpoint,
+    highest step first. A committed file is complete (the rename is the
+    commit), so the newest one wins even over a ``latest`` that names an
+    older step (a crash between the rename and the pointer update, or a
+    pointer left behind): loading the stale one would let the run write
+    over the newer steps."""
+    return committed(directory)
+
+
+def orphans(directory: str) -> List[str]:
+    """Temporary files a crashed save left (``*.h5.tmp``, ``latest.tmp``): never read, safe to delete
+    when no save is running."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [os.path.join(directory, n) for n in sorted(names)
+            if n == LATEST + ".tmp" or (n.endswith(".h5.tmp") and step_of(n[:-len(".tmp")]) is not None)]
 
 
 def commit(tmp: str, final: str, directory: Optional[str], keep: int, fsync: bool = True) -> List[str]:

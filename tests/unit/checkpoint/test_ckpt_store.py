@@ -33,13 +33,25 @@ def test_uncommitted_and_foreign_files_are_never_candidates(tmp_path):
     assert store.candidates(d) == [final]
 
 
-def test_latest_comes_first_then_highest_steps(tmp_path):
+def test_the_newest_committed_checkpoint_wins_over_a_stale_latest(tmp_path):
+    """latest naming step 2 while 3 exists (a crash between the commit's
+    rename and the pointer update): loading 2 would let the run overwrite 3."""
     d = str(tmp_path)
     for step in (1, 2, 3):
         tmp, final = _tmp_file(d, step)
         store.commit(tmp, final, d, keep=0)
-    store.write_latest(d, os.path.join(d, store.checkpoint_name(2)))  # a run that restarted from step 2
-    assert [store.step_of(p) for p in store.candidates(d)] == [2, 3, 1]
+    store.write_latest(d, os.path.join(d, store.checkpoint_name(2)))
+    assert [store.step_of(p) for p in store.candidates(d)] == [3, 2, 1]
+
+
+def test_orphaned_temporary_files_are_found(tmp_path):
+    d = str(tmp_path)
+    tmp, final = _tmp_file(d, 4)
+    store.commit(tmp, final, d, keep=0)
+    left, _ = _tmp_file(d, 5)  # a save that crashed mid-write
+    open(os.path.join(d, "latest.tmp"), "w").close()
+    open(os.path.join(d, "notes.tmp"), "w").close()  # not ours: left alone
+    assert store.orphans(d) == [os.path.join(d, "latest.tmp"), left]
 
 
 def test_prune_spares_the_latest_and_the_new_file(tmp_path):

@@ -149,3 +149,47 @@ def test_safetensors_package_reads_the_export(ckpt_dir, tmp_path):
     mine, _ = read_safetensors(out)
     theirs = st.load_file(out)
     assert set(theirs) == set(mine) and all(np.array_equal(theirs[k], mine[k]) for k in mine)
+
+
+def test_nonfinite_checkpoints_are_flagged_skipped_and_orphans_cleaned(tmp_path, capsys):
+    """A checkpoint whose weights hold NaN (its checksums are right: it was
+    written that way) is named by ``verify DIR``, which checks every
+    checkpoint; resume=auto refuses it and falls back to the older one, says
+    what it searched and found, and removes a crashed save's .tmp file."""
+    import logging
+
+    from hpctrain.config import compose_resolved
+    from hpctrain.plugins import create_manager
+    from hpctrain.run import reference_trainer
+
+    pm = create_manager()
+    d = str(tmp_path / "ck")
+    base = ["trainer.steps=4", "checkpoint.every=1", "checkpoint.keep=0", f"checkpoint.dir={d}",
+            "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.seq_len=32", "trainer.progress=off"]
+    trainer = reference_trainer(compose_resolved(base, pm), pm)
+    trainer.train_step()
+    trainer.save_checkpoint()
+    trainer.train_step()
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    trainer.save_checkpoint()
+    capsys.readouterr()
+    assert cli.main(["verify", d]) == 1
+    out = capsys.readouterr().out
+    assert "BAD " + os.path.join(d, "step_00000002.h5") + ": non-finite values" in out
+    assert "OK " + os.path.join(d, "step_00000001.h5") in out and "1 of 2 checkpoints OK" in out
+
+    orphan = os.path.join(d, "step_00000003.h5.tmp")
+    open(orphan, "wb").close()
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hpctrain").addHandler(handler)
+    try:
+        resumed = reference_trainer(compose_resolved(base + ["checkpoint.resume=auto"], pm), pm)
+    finally:
+        logging.getLogger("hpctrain").removeHandler(handler)
+    assert resumed.step == 1 and not os.path.exists(orphan)
+    assert all(bool(torch.isfinite(p).all()) for p in resumed.model.parameters())
+    assert any("checkpoint.resume=auto: 2 checkpoint(s) in" in s and "steps 2, 1" in s for s in said), said
+    assert any("non-finite values" in s and "step_00000002.h5" in s for s in said)
