@@ -59,3 +59,30 @@ class Checkpointer(Protocol):
         save). A checkpointer that copies state in the background waits here
         until that copy is done. Optional: the trainer skips a checkpointer
         without it, which must then finish copying inside ``save``."""
+
+
+EXPERIMENT_KEYS = ("model", "data", "optim", "trainer.global_batch_size", "trainer.seq_len", "trainer.seed",
+                   "trainer.precision")
+"""What makes two launches the same experiment for the default checkpoint
+directory. Left out on purpose: the layout (``parallel.*``: checkpoints
+resume at any layout), ``trainer.steps`` (a relaunch may train longer), the
+micro-batch size, logging, communication and cluster settings."""
+
+
+def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
+    """``<launch dir>/checkpoints/<model name>-<8 hex digits>``: the digits hash
+    the ``EXPERIMENT_KEYS`` values, so relaunching the same experiment from
+    the same directory (a requeued or resubmitted job, a crash) finds its
+    checkpoints with ``checkpoint.resume=auto``, and a different experiment
+    does not."""
+    import hashlib
+    import json
+    import os
+
+    from omegaconf import OmegaConf
+
+    chosen = {key: OmegaConf.to_container(OmegaConf.select(cfg, key), resolve=True)
+              if OmegaConf.is_config(OmegaConf.select(cfg, key)) else OmegaConf.select(cfg, key)
+              for key in EXPERIMENT_KEYS}
+    digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return os.path.join(os.path.abspath(launch_dir), "checkpoints", f"{cfg.model.name}-{digest}")

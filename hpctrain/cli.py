@@ -91,7 +91,12 @@ def _hydra_main(argv: List[str], world) -> int:
     codes: List[int] = []
 
     def task(cfg) -> int:
+        from hpctrain.checkpoint import default_checkpoint_dir
+
         run_dir = HydraConfig.get().runtime.output_dir
+        if cfg.checkpoint.dir is None and (cfg.checkpoint.every or cfg.checkpoint.resume):
+            # one directory per experiment, found again by a relaunch (README, "Checkpoints")
+            cfg.checkpoint.dir = default_checkpoint_dir(cfg, HydraConfig.get().runtime.cwd)
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         if world is not None:
             world.bcast((_RUN, cfg_yaml, run_dir), root=0)

@@ -181,7 +181,7 @@ class CheckpointConfig:
     format: str = "hdf5"
     """Checkpoint format plugin."""
     dir: Optional[str] = None
-    """Directory for checkpoints; None means <run dir>/checkpoints."""
+    """Directory for checkpoints; None (from the command line): checkpoints/<model name>-<hash of the model, data, optimizer, batch, sequence, seed and precision settings> under the launch directory, so a relaunch of the same experiment finds its checkpoints (hpctrain.checkpoint.default_checkpoint_dir)."""
     every: int = 0
     """Save every N steps; 0 disables periodic saves."""
     resume: Optional[str] = None

@@ -156,3 +156,22 @@ def test_a_diverged_run_stops_with_one_line_and_status_3(tmp_path):
     assert "Traceback" not in r.stderr
     assert [m["step"] for m in _metrics(tmp_path)] == [1]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.h5")) == ["step_00000001.h5"]
+
+
+def test_a_relaunch_of_the_same_experiment_finds_its_checkpoints(tmp_path):
+    """Without checkpoint.dir, checkpoints go to checkpoints/<model>-<hash> under
+    the launch directory: a relaunch with the same experiment (a longer
+    trainer.steps is the same experiment) resumes from them with
+    resume=auto; another learning rate is another experiment."""
+    common = ["trainer.progress=off", "checkpoint.every=2", "checkpoint.resume=auto"]
+    first = _run(["trainer.steps=2", *common, f"hydra.run.dir={tmp_path}/run1"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    dirs = list((tmp_path / "checkpoints").iterdir())
+    assert len(dirs) == 1 and dirs[0].name.startswith("tiny-") and (dirs[0] / "step_00000002.h5").exists()
+    again = _run(["trainer.steps=4", *common, f"hydra.run.dir={tmp_path}/run2"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr and "step_00000002.h5" in again.stderr
+    assert [m["step"] for m in _metrics(tmp_path / "run2")] == [3, 4]
+    other = _run(["trainer.steps=2", "optim.lr=1e-3", *common, f"hydra.run.dir={tmp_path}/run3"], cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
+    assert "no committed checkpoint" in other.stderr and len(list((tmp_path / "checkpoints").iterdir())) == 2
