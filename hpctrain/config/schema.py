@@ -204,6 +204,12 @@ class ReliabilityConfig:
     """Loss-spike detector: the finite losses of the last this-many steps form the baseline."""
     spike_zscore: float = 6.0
     """A loss this many standard deviations above the baseline's mean is logged as a spike (metrics: loss_spike=1)."""
+    weight_check_every: int = 100
+    """Every this many steps, data-parallel replicas compare exact checksums of the weights they share; a mismatch names the diverging ranks and stops the run (exit status 4). 0 turns it off."""
+    straggler_every: int = 10
+    """Every this many steps, each rank's step and compute time are gathered: metrics.jsonl gets the slowest rank against the median. 0 turns it off."""
+    straggler_factor: float = 1.5
+    """A rank slower than this x the median step time in two checks in a row is named in the log."""
 
 
 @dataclass

@@ -38,6 +38,8 @@ from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.plugins import axis_plugin, parallelize_caller
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_step
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
+from hpctrain.model.transformer import Transformer
+from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
 from hpctrain.train.schedule import GradAccumulation, as_step_result
@@ -75,6 +77,9 @@ class Trainer:
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
         self.spikes = LossSpikes(rel.spike_window, rel.spike_zscore)
+        self.stragglers = Stragglers(rel.straggler_factor)
+        # every model (part) this rank runs: the whole model, or a pipeline's stages
+        self.forward_clock = ForwardClock(m for m in self.model.modules() if isinstance(m, Transformer))
         self.history: List[Dict[str, float]] = []
         self.checkpointer = self._make_checkpointer()
         mesh.seal()
@@ -145,6 +150,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         result = as_step_result(self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast), microbatches)
+        compute_s = self.forward_clock.take()
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
         grad_norm, loss = reduce_step(pairs, result.loss_sum, result.tokens, mesh, self.device)
@@ -163,6 +169,9 @@ class Trainer:
                       "reliability.nonfinite=skip)", self.step + 1, loss_value, norm_value, self.guard.in_a_row,
                       self.guard.skipped)
         self.step += 1
+        rel = cfg.reliability
+        if rel.weight_check_every and self.step % rel.weight_check_every == 0:
+            check_replicas(self.params, mesh, self.device, self.step)  # collective; raises on every rank
         dt = time.perf_counter() - t0
         tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.metrics = {
@@ -177,6 +186,8 @@ class Trainer:
         }
         if self.guard.skipped:
             self.metrics["skipped_steps"] = self.guard.skipped
+        if rel.straggler_every and self.step % rel.straggler_every == 0:
+            self.metrics.update(self.stragglers.check(mesh, self.device, self.step, dt, compute_s))
         z = self.spikes.check(loss_value)
         if z is not None:
             self.metrics["loss_spike"] = 1
