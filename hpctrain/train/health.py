@@ -18,9 +18,11 @@ compute time are all-gathered. A rank's step time is the same as everyone's
 stragglers are found by compute time: the wall time of its model forwards
 in the step, which for the data axes holds no communication. (Under tensor
 parallelism a forward also waits for its tp peers.) ``metrics.jsonl`` gets
-the slowest rank by compute time, its compute time and the median; a rank
-slower than ``reliability.straggler_factor`` x the median in two checks in
-a row is named in the log.
+the slowest rank by compute time, its compute time and the median of the
+other ranks'; a rank slower than ``reliability.straggler_factor`` x the
+median of the other ranks in two checks in a row is named in the log,
+slowest first. (The median of the others, not of all: with 2 ranks the
+median of all is the mean, which no rank can exceed by 2x.)
 """
 from __future__ import annotations
 
@@ -128,18 +130,18 @@ class Stragglers:
         world.communicator().all_gather(everyone, mine)
         times = everyone.view(world.size, 2).tolist()
         compute = [t[1] for t in times]
-        median = statistics.median(compute)
+        others = [statistics.median(compute[:r] + compute[r + 1:]) for r in range(world.size)]
         slowest = max(range(world.size), key=lambda r: compute[r])
-        slow = {r for r, c in enumerate(compute) if median > 0 and c > self.factor * median}
-        persistent = sorted(slow & self.slow_before)
+        slow = {r for r, c in enumerate(compute) if others[r] > 0 and c > self.factor * others[r]}
+        persistent = sorted(slow & self.slow_before, key=lambda r: -compute[r])  # slowest first
         if persistent:
-            log_rank0("step %d: straggler rank(s) %s: compute time %s s against a median of %.3f s (more than "
-                      "reliability.straggler_factor=%.2f x, two checks in a row)", step,
-                      ", ".join(map(str, persistent)), ", ".join(f"{compute[r]:.3f}" for r in persistent), median,
-                      self.factor)
+            log_rank0("step %d: straggler rank(s) %s: compute time %s s against the other ranks' median of %.3f s "
+                      "(more than reliability.straggler_factor=%.2f x, two checks in a row)", step,
+                      ", ".join(map(str, persistent)), ", ".join(f"{compute[r]:.3f}" for r in persistent),
+                      others[persistent[0]], self.factor)
         self.slow_before = slow
         return {"straggler.slowest_rank": slowest, "straggler.slowest_compute_s": compute[slowest],
-                "straggler.median_compute_s": median, "straggler.max_step_s": max(t[0] for t in times)}
+                "straggler.median_compute_s": others[slowest], "straggler.max_step_s": max(t[0] for t in times)}
 
 
 class ForwardClock:

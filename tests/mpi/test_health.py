@@ -35,8 +35,11 @@ def test_a_corrupted_replica_is_named_on_every_rank(world, pm):
 def test_a_slow_rank_is_reported(world, pm):
     """Rank 1's first block is made slow (a sleep in its forward): every
     rank's step takes as long (the gradient all-reduce waits for rank 1),
-    but rank 1's compute time stands out."""
-    trainer = world_trainer(pm, *BASE, "reliability.straggler_every=1", "reliability.straggler_factor=1.2")
+    but rank 1's compute time stands out. On 8 ranks sharing 2 cores other
+    ranks' compute times jitter by more than 1.2x, and the report rightly
+    names them too; so the factor is 3 (the sleep makes rank 1 about 10x the
+    median) and the check is that rank 1 is named first, as the slowest."""
+    trainer = world_trainer(pm, *BASE, "reliability.straggler_every=1", "reliability.straggler_factor=3")
     if world.Get_rank() == 1:
         handle = trainer.model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(0.05))
     said = []
@@ -50,6 +53,7 @@ def test_a_slow_rank_is_reported(world, pm):
         if world.Get_rank() == 1:
             handle.remove()
     assert all(m["straggler.slowest_rank"] == 1 for m in metrics)
-    assert all(m["straggler.slowest_compute_s"] > 1.2 * m["straggler.median_compute_s"] for m in metrics)
+    assert all(m["straggler.slowest_compute_s"] > 3 * m["straggler.median_compute_s"] for m in metrics)
     if world.Get_rank() == 0:
-        assert any("straggler rank(s) 1:" in s for s in said), said
+        reports = [s.split("straggler rank(s) ")[1].split(":")[0] for s in said if "straggler rank(s) " in s]
+        assert reports and all(r.split(", ")[0] == "1" for r in reports), said
