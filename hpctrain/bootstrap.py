@@ -142,15 +142,27 @@ def with_device(device: str) -> Runtime:
     return _runtime
 
 
-def _advertised_address() -> str:
+def advertised_address() -> str:
+    """The address rank 0 tells the others to connect to (``HPCTRAIN_MASTER_ADDR`` forces it):
+    the host name's address, or, where that is a loopback address (Debian's
+    /etc/hosts maps the host name to 127.0.1.1), the address of the
+    interface the default route leaves by (a UDP socket's local end; no
+    packet is sent)."""
     forced = os.environ.get(MASTER_ADDR_ENV)
     if forced:
         return forced
-    host = socket.gethostname()
     try:
-        return socket.gethostbyname(host)
+        addr = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        addr = "127.0.0.1"
+    if addr.startswith("127."):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(("10.255.255.255", 1))
+                addr = probe.getsockname()[0]
+        except OSError:
+            pass
+    return addr
 
 
 def init_torch_distributed(backend: str, timeout_s: float = 600.0) -> None:
@@ -161,7 +173,7 @@ def init_torch_distributed(backend: str, timeout_s: float = 600.0) -> None:
         return
     rt = get_runtime()
     if rt.is_main:
-        addr = _advertised_address()
+        addr = advertised_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]

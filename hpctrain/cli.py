@@ -55,6 +55,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
     from hpctrain.config.store import to_config
     from hpctrain.plugins import get_manager
     from hpctrain.run import run
+    from hpctrain.train.watchdog import JobStopped
 
     rt = get_runtime()
     try:
@@ -62,6 +63,8 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
         cfg.run_dir = run_dir
         run(cfg, run_dir)
         return 0
+    except JobStopped as e:
+        return e.exit_code  # the watchdog's line (rank 0 or 1) already says why
     except HpctrainError as e:
         # Raised identically on every rank (validation is agreed over MPI;
         # a diverged run sees the same global loss everywhere).

@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -127,7 +128,7 @@ class Mesh:
     """Named-axis layout of the world (see the module docstring)."""
 
     def __init__(self, sizes: Mapping[str, int], world_rank: int, world_size: int, order: str = DEFAULT_ORDER,
-                 rank_nodes: Optional[Sequence[int]] = None):
+                 rank_nodes: Optional[Sequence[int]] = None, board: Optional[OpBoard] = None):
         self.order: Tuple[str, ...] = parse_order(order)
         self.sizes: Dict[str, int] = resolve_sizes(sizes, world_size, order)
         self.world_size = world_size
@@ -146,6 +147,8 @@ class Mesh:
         self._created: List[Group] = []                # distinct groups, in creation order
         self._backend_factory: Optional[Callable[[Group], "Communicator"]] = None
         self._sealed = False
+        self.board = board if board is not None else OpBoard()
+        """Numbered collectives and the current wait of this rank (``hpctrain.comm.watch``)."""
         for axes in self.standard_group_keys():
             self.group(axes)
         self.pp_ends()
@@ -321,13 +324,15 @@ class Mesh:
         Creating a communicator may be collective over the world; every rank
         creates the same groups in the same order (their definition order).
         Groups of more than one rank get a ``CountingCommunicator`` around the
-        backend's, so bytes on the wire are counted for every backend.
+        backend's, so bytes on the wire are counted for every backend and
+        every collective is numbered on ``self.board`` (the hang watchdog's
+        view of this rank).
         """
         from hpctrain.comm.counting import CountingCommunicator
 
         def counted(group: Group) -> "Communicator":
             comm = factory(group)
-            return CountingCommunicator(comm) if group.size > 1 else comm
+            return CountingCommunicator(comm, self.board, group.name, group.ranks) if group.size > 1 else comm
 
         self._backend_factory = counted
         for g in self._created:

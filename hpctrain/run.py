@@ -12,10 +12,12 @@ import torch
 
 from hpctrain.bootstrap import Runtime, get_runtime, with_device
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
-from hpctrain.errors import ConfigError, PluginError
+from hpctrain.comm.watch import OpBoard
+from hpctrain.errors import ConfigError, HpctrainError, PluginError
 from hpctrain.log import add_file_log, get_logger
 from hpctrain.mesh import AXES, Group, Mesh
 from hpctrain.plugins import get_manager
+from hpctrain.train.watchdog import JobStopped
 
 log = get_logger(__name__)
 
@@ -76,20 +78,52 @@ def backend_factory(cfg: Any, pm, device: torch.device):
     return make
 
 
-def build_mesh(cfg: Any, rt: Runtime, pm) -> Mesh:
+def build_mesh(cfg: Any, rt: Runtime, pm, board: Optional[OpBoard] = None) -> Mesh:
     mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order,
-                rank_nodes=rt.rank_nodes or None)
+                rank_nodes=rt.rank_nodes or None, board=board)
     mesh.attach_backends(backend_factory(cfg, pm, rt.device))
     return mesh
 
 
 def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, float]]:
-    """Train according to ``cfg``; returns the per-step metrics (every rank)."""
-    return prepare_run(cfg, run_dir, pm).fit()
+    """Train according to ``cfg``; returns the per-step metrics (every rank).
+
+    With ``reliability.hang_timeout_s`` > 0 on more than one rank, the hang
+    watchdog runs from after validation to the end (``hpctrain.train.watchdog``).
+    """
+    holder: List[Any] = []
+    done = False
+    try:
+        history = prepare_run(cfg, run_dir, pm, watchdog_holder=holder).fit()
+        done = True
+        return history
+    except Exception as e:
+        if holder and not isinstance(e, HpctrainError):
+            # a failure caused by another rank's fault: the watchdog has (or is about to have) named it
+            verdict = holder[0].wait_for_verdict(5.0)
+            if verdict is not None:
+                raise JobStopped(verdict) from e
+        raise
+    finally:
+        if holder:
+            holder[0].stop("done" if done else "error")
 
 
-def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None):
-    """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet."""
+def start_watchdog(cfg: Any, rt: Runtime):
+    """The hang watchdog for this job, or None (off, or one rank)."""
+    timeout = float(cfg.reliability.hang_timeout_s)
+    if rt.world_size == 1 or timeout <= 0:
+        return None
+    from hpctrain.train.watchdog import Watchdog
+
+    return Watchdog(rt.mpi_comm, timeout)
+
+
+def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holder: Optional[List[Any]] = None):
+    """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet.
+
+    With ``watchdog_holder`` (a list), the hang watchdog is started after
+    validation and appended to it; the caller stops it."""
     from hpctrain.config.validate import validate
     from hpctrain.train.trainer import Trainer
 
@@ -103,7 +137,13 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None):
     if run_dir and rt.is_main:
         os.makedirs(run_dir, exist_ok=True)
         add_file_log(os.path.join(run_dir, "train.log"))
-    mesh = build_mesh(cfg, rt, pm)
+    board = None
+    if watchdog_holder is not None:
+        watchdog = start_watchdog(cfg, rt)
+        if watchdog is not None:
+            watchdog_holder.append(watchdog)
+            board = watchdog.board
+    mesh = build_mesh(cfg, rt, pm, board)
     return Trainer(cfg, mesh, pm, rt.device, run_dir)
 
 

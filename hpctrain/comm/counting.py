@@ -18,6 +18,10 @@ the group size:
 
 Counting happens when an operation is issued (asynchronous ones included);
 a call that raises before anything moves is not counted.
+
+The wrapper also numbers each collective and records on the mesh's
+``OpBoard`` when this rank blocks in one (``hpctrain.comm.watch``), which
+is what the hang watchdog reads.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
+from hpctrain.comm.watch import OpBoard, WatchedWork
 
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -64,8 +69,13 @@ class CountingCommunicator:
     wrapper sits in front of every collective of training.
     """
 
-    def __init__(self, inner: Communicator):
+    def __init__(self, inner: Communicator, board: Optional[OpBoard] = None, group: str = "?",
+                 members: Sequence[int] = ()):
         self.inner = inner
+        self.board = board if board is not None else OpBoard()
+        self.group_name = group
+        self.members = tuple(members)
+        """World ranks of the group, in group-rank order."""
         self.backend = inner.backend
         self.rank = inner.rank
         self.size = inner.size
@@ -83,25 +93,41 @@ class CountingCommunicator:
     def __repr__(self) -> str:
         return f"Counting({self.inner!r})"
 
+    def _run(self, name: str, call, async_op: bool) -> Work:
+        """Issue collective ``name`` (numbered); a blocking one is recorded as a wait."""
+        board = self.board
+        seq = board.issue(name, self.group_name)
+        if async_op:
+            return WatchedWork(call(), board, name, self.group_name, seq, self.members)
+        with board.blocked(name, self.group_name, seq, self.members):
+            return call()
+
+    def _p2p(self, name: str, peer: int, call):
+        board = self.board
+        board.last_op = (name, self.group_name, None)
+        with board.blocked(name, self.group_name, None, (self.members[peer],) if self.members else ()):
+            return call()
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work:
-        work = self._all_reduce(tensor, op, async_op)
+        work = self._run("all_reduce", lambda: self._all_reduce(tensor, op, async_op), async_op)
         self.counter.add(_AR, self._ring2 * tensor.nbytes)
         return work
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-        work = self._all_gather(output, input, async_op)
+        work = self._run("all_gather", lambda: self._all_gather(output, input, async_op), async_op)
         self.counter.add(_AG, self._ring * output.nbytes)
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False) -> Work:
-        work = self._reduce_scatter(output, input, op, async_op)
+        work = self._run("reduce_scatter", lambda: self._reduce_scatter(output, input, op, async_op), async_op)
         self.counter.add(_RS, self._ring * input.nbytes)
         return work
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]] = None,
                    input_splits: Optional[Sequence[int]] = None, async_op: bool = False) -> Work:
-        work = self.inner.all_to_all(output, input, output_splits, input_splits, async_op)
+        work = self._run("all_to_all", lambda: self.inner.all_to_all(output, input, output_splits, input_splits,
+                                                                      async_op), async_op)
         total = input.nbytes
         if input_splits is None:
             sent = self._ring * total
@@ -113,26 +139,30 @@ class CountingCommunicator:
         return work
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work:
-        work = self.inner.broadcast(tensor, src, async_op)
+        work = self._run("broadcast", lambda: self.inner.broadcast(tensor, src, async_op), async_op)
         self.counter.add(_BC, tensor.nbytes)
         return work
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.inner.send(tensor, dst, tag)
+        self._p2p("send", dst, lambda: self.inner.send(tensor, dst, tag))
         self.counter.add(_SEND, tensor.nbytes)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        self.inner.recv(tensor, src, tag)
+        self._p2p("recv", src, lambda: self.inner.recv(tensor, src, tag))
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[Work]:
         works = self.inner.batch_isend_irecv(ops)
         sent = sum(op.tensor.nbytes for op in ops if op.kind == "send")
         if sent:
             self.counter.add(_SEND, sent)
-        return works
+        if len(works) != len(ops) or not self.members:
+            return works
+        self.board.last_op = ("p2p", self.group_name, None)
+        return [WatchedWork(w, self.board, op.kind, self.group_name, None, (self.members[op.peer],))
+                for w, op in zip(works, ops)]
 
     def barrier(self) -> None:
-        self.inner.barrier()
+        self._run("barrier", self.inner.barrier, False)
 
 
 def unwrap(comm: Any) -> Any:

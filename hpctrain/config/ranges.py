@@ -16,6 +16,8 @@ from typing import Any, Callable, List, Tuple
 
 from omegaconf import OmegaConf
 
+from hpctrain.config.schema import FAULTS
+
 
 def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -91,6 +93,13 @@ RULES: Tuple[Rule, ...] = (
     Rule("reliability.weight_check_every", at_least(0), "an integer >= 0", "0 turns the check off"),
     Rule("reliability.straggler_every", at_least(0), "an integer >= 0", "0 turns the report off"),
     Rule("reliability.straggler_factor", above(1), "a finite number > 1", "the usual is 1.5"),
+    Rule("reliability.hang_timeout_s", lambda x: x == 0 or at_least(1)(x), "0 (off) or a finite number >= 1",
+         "the usual is 600; set it above your slowest checkpoint save"),
+    Rule("debug.fault", lambda x: x in FAULTS, f"one of {', '.join(FAULTS)}"),
+    Rule("debug.fault_at", lambda x: x in ("step", "checkpoint"), "step or checkpoint"),
+    Rule("debug.fault_rank", at_least(0), "an integer >= 0 (a world rank)"),
+    Rule("debug.fault_step", at_least(1), "an integer >= 1"),
+    Rule("debug.slow_s", at_least(0), "a finite number >= 0"),
     Rule("cluster.gpus", at_least(0), "an integer >= 0"),
     Rule("cluster.gpus_per_node", at_least(0), "an integer >= 0"),
     Rule("cluster.gpu_mem_gb", at_least(0), "a finite number >= 0"),

@@ -209,7 +209,28 @@ class ReliabilityConfig:
     straggler_every: int = 10
     """Every this many steps, each rank's step and compute time are gathered: metrics.jsonl gets the slowest rank against the median. 0 turns it off."""
     straggler_factor: float = 1.5
-    """A rank slower than this x the median step time in two checks in a row is named in the log."""
+    """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the log."""
+    hang_timeout_s: float = 600.0
+    """Hang watchdog (hpctrain/train/watchdog.py): a rank silent, or waited for in a collective, this long (or a rank that died, at once) is named by rank 0 with its op and sequence number and the job is aborted (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
+
+
+FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt")
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, to test how a job fails (hpctrain/train/faults.py)."""
+
+    fault: str = "none"
+    """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps slow_s in every step's compute from then on), corrupt (one of its weights changes); none."""
+    fault_rank: int = 0
+    """The world rank the fault happens on."""
+    fault_step: int = 1
+    """The step (1-based) it happens in."""
+    fault_at: str = "step"
+    """Where in that step: step (before its forward) or checkpoint (before the checkpoint save that follows it; the step must save)."""
+    slow_s: float = 0.05
+    """Seconds a slow rank sleeps per micro-batch forward."""
 
 
 @dataclass
@@ -245,5 +266,6 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     run_dir: Optional[str] = None
     """Filled in at start: the one run directory all ranks share."""

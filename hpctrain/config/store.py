@@ -34,6 +34,7 @@ GROUPS: Dict[str, type] = {
     "checkpoint": S.CheckpointConfig,
     "cluster": S.ClusterConfig,
     "reliability": S.ReliabilityConfig,
+    "debug": S.DebugConfig,
 }
 
 

@@ -128,6 +128,12 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
+    d = cfg.debug
+    if d.fault != "none" and d.fault_rank >= world_size:
+        problems.append(f"debug.fault_rank={d.fault_rank} is not a rank of this {world_size}-rank job; "
+                        f"use 0..{world_size - 1}")
+    if d.fault != "none" and d.fault_at == "checkpoint" and not cfg.checkpoint.every:
+        problems.append("debug.fault_at=checkpoint needs checkpoints: set checkpoint.every")
 
     caps = plugins.capabilities(pm) if pm is not None else {}
     for key, name in [("comm.backend", cfg.comm.backend)] + [(f"comm.per_axis.{a}", b) for a, b in cfg.comm.per_axis.items()]:

@@ -40,6 +40,7 @@ from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_step
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.model.transformer import Transformer
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
+from hpctrain.train.faults import FaultInjector
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
 from hpctrain.train.schedule import GradAccumulation, as_step_result
@@ -80,6 +81,7 @@ class Trainer:
         self.stragglers = Stragglers(rel.straggler_factor)
         # every model (part) this rank runs: the whole model, or a pipeline's stages
         self.forward_clock = ForwardClock(m for m in self.model.modules() if isinstance(m, Transformer))
+        self.faults = FaultInjector(cfg.debug, mesh.world_rank)
         self.history: List[Dict[str, float]] = []
         self.checkpointer = self._make_checkpointer()
         mesh.seal()
@@ -105,7 +107,13 @@ class Trainer:
         """Save now (collective); used by ``checkpoint.every`` and on demand (preemption)."""
         if self.checkpointer is None:
             return None
-        saved = self.checkpointer.save(self, path)
+        self.faults.before_checkpoint(self.step)
+        board = self.mesh.board
+        board.phase = "checkpoint save"
+        # one numbered op over the world: a rank that never enters is named by the hang watchdog
+        with board.collective("checkpoint save", "checkpoint", tuple(range(self.mesh.world_size))):
+            saved = self.checkpointer.save(self, path)
+        board.phase = "training"
         self.pm.hook.hpctrain_on_checkpoint(trainer=self, path=saved)
         return saved
 
@@ -144,6 +152,9 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         cfg, mesh = self.cfg, self.mesh
         t0 = time.perf_counter()
+        board = self.mesh.board
+        board.step, board.phase = self.step + 1, "training"
+        self.faults.before_step(self.step + 1, [m for m in self.model.modules() if isinstance(m, Transformer)])
         microbatches = [mb.to(self.device) for mb in self.cursor.next_step()]
         lr = lr_at(self.step, cfg.optim, cfg.trainer.steps)
         set_lr(self.optimizer, lr)
@@ -153,7 +164,8 @@ class Trainer:
         compute_s = self.forward_clock.take()
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
-        grad_norm, loss = reduce_step(pairs, result.loss_sum, result.tokens, mesh, self.device)
+        loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
+        grad_norm, loss = reduce_step(pairs, loss_sum, result.tokens, mesh, self.device)
         loss_value, norm_value = float(loss), float(grad_norm)
         # global values: every rank decides the same (raises to stop the run)
         update = self.guard.update_allowed(self.step + 1, loss_value, norm_value)
@@ -164,6 +176,7 @@ class Trainer:
             if before_update is not None:
                 before_update()
             self.optimizer.step()
+            self.faults.after_update(self.step + 1, self.params)
         else:
             log_rank0("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in all; "
                       "reliability.nonfinite=skip)", self.step + 1, loss_value, norm_value, self.guard.in_a_row,
@@ -235,7 +248,9 @@ class Trainer:
             progress.close()
             writer.close()
             if self.checkpointer is not None:
-                self.checkpointer.wait()
+                self.mesh.board.phase = "checkpoint finish"
+                with self.mesh.board.collective("checkpoint finish", "checkpoint", tuple(range(self.mesh.world_size))):
+                    self.checkpointer.wait()
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
         if self.history and writer.path:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),

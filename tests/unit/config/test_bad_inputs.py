@@ -69,6 +69,12 @@ BAD = [
     ("model.attention=nosuch", "model.attention='nosuch' is unknown"),
     ("cluster.gpus=-8", "cluster.gpus=-8: must be an integer >= 0"),
     ("cluster.peak_tflops=nan", "cluster.peak_tflops=nan"),
+    ("reliability.hang_timeout_s=-5", "reliability.hang_timeout_s=-5.0: must be 0 (off) or a finite number >= 1"),
+    ("reliability.hang_timeout_s=0.1", "reliability.hang_timeout_s=0.1"),
+    ("debug.fault=explode", "debug.fault='explode': must be one of none, die, stall"),
+    ("debug.fault_at=lunch", "debug.fault_at='lunch': must be step or checkpoint"),
+    ("debug.fault_step=0", "debug.fault_step=0: must be an integer >= 1"),
+    ("debug.fault=die debug.fault_rank=1", "debug.fault_rank=1 is not a rank of this 1-rank job"),
 ]
 
 
@@ -78,7 +84,7 @@ def test_the_table_is_big_enough():
 
 @pytest.mark.parametrize("override,message", BAD, ids=[o for o, _ in BAD])
 def test_bad_input_is_rejected_with_its_key(make_config, pm, override, message):
-    problems = validate(make_config(override), 1, pm)
+    problems = validate(make_config(*override.split()), 1, pm)
     assert any(message in p for p in problems), problems
     key = override.split("=", 1)[0]
     assert any(key in p or "world size" in p for p in problems)  # the message names what to change

@@ -1,0 +1,81 @@
+"""Fault injection (``debug.*``): make one rank fail in a chosen way at a
+chosen step, to test (and show) how a job fails.
+
+Kinds (``debug.fault``):
+
+- ``die``: the rank is killed (SIGKILL), as by the out-of-memory killer;
+- ``stall``: its training thread stops for good; the process stays alive
+  (its watchdog thread keeps sending heartbeats), like a rank stuck in a
+  driver call or a dead-locked data loader;
+- ``freeze``: the whole process stops (SIGSTOP), like a node that hangs;
+- ``nan``: its loss becomes NaN (the global loss and gradient norm follow);
+- ``slow``: every micro-batch forward sleeps ``debug.slow_s`` from that step
+  on (a straggler);
+- ``corrupt``: one of its weights changes after that step's update (silent
+  data corruption, which the replica check catches).
+
+``debug.fault_at=checkpoint`` fires die, stall and freeze just before the
+checkpoint save after the step instead, so the other ranks are waiting
+inside the save's collectives.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any, List
+
+import torch
+
+from hpctrain.log import get_logger
+
+log = get_logger(__name__)
+
+
+class FaultInjector:
+    """The ``debug`` section, for this rank."""
+
+    def __init__(self, debug: Any, world_rank: int):
+        self.kind = str(debug.fault)
+        self.step = int(debug.fault_step)
+        self.at = str(debug.fault_at)
+        self.slow_s = float(debug.slow_s)
+        self.mine = self.kind != "none" and int(debug.fault_rank) == world_rank
+        self._slowed = False
+
+    def _fire(self, what: str) -> None:
+        log.warning("debug.fault=%s: injecting it now (%s)", self.kind, what)
+        for h in logging.getLogger("hpctrain").handlers:
+            h.flush()
+        if self.kind == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "stall":
+            while True:
+                time.sleep(3600)
+
+    def before_step(self, step: int, modules: List[torch.nn.Module]) -> None:
+        """At the start of ``step`` (1-based), before its forward."""
+        if not self.mine or step != self.step:
+            return
+        if self.kind == "slow" and not self._slowed:
+            self._slowed = True
+            for m in modules:
+                m.register_forward_pre_hook(lambda *_: time.sleep(self.slow_s))
+        elif self.kind in ("die", "stall", "freeze") and self.at == "step":
+            self._fire(f"step {step}")
+
+    def loss_scale(self, step: int) -> float:
+        """What this rank's summed loss is multiplied by (NaN for a nan fault)."""
+        return float("nan") if self.mine and self.kind == "nan" and step == self.step else 1.0
+
+    def after_update(self, step: int, params: List[torch.nn.Parameter]) -> None:
+        if self.mine and self.kind == "corrupt" and step == self.step and params:
+            with torch.no_grad():
+                params[0].view(-1)[0] += 1e-3
+
+    def before_checkpoint(self, step: int) -> None:
+        if self.mine and self.at == "checkpoint" and step == self.step and self.kind in ("die", "stall", "freeze"):
+            self._fire(f"before the checkpoint save after step {step}")
