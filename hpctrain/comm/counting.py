@@ -25,12 +25,13 @@ is what the hang watchdog reads.
 """
 from __future__ import annotations
 
+from time import monotonic
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
-from hpctrain.comm.watch import OpBoard, WatchedWork
+from hpctrain.comm.watch import OpBoard, Waiting, WatchedWork
 
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -95,12 +96,18 @@ class CountingCommunicator:
 
     def _run(self, name: str, call, async_op: bool) -> Work:
         """Issue collective ``name`` (numbered); a blocking one is recorded as a wait."""
-        board = self.board
-        seq = board.issue(name, self.group_name)
+        board, group = self.board, self.group_name
+        seq = board.issued.get(group, 0) + 1  # OpBoard.issue, inlined: this runs on every collective
+        board.issued[group] = seq
+        board.last_op = (name, group, seq)
         if async_op:
-            return WatchedWork(call(), board, name, self.group_name, seq, self.members)
-        with board.blocked(name, self.group_name, seq, self.members):
+            return WatchedWork(call(), board, name, group, seq, self.members)
+        outer = board.waiting
+        board.waiting = Waiting(name, group, seq, self.members, monotonic())
+        try:
             return call()
+        finally:
+            board.waiting = outer
 
     def _p2p(self, name: str, peer: int, call):
         board = self.board

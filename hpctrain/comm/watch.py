@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 
-@dataclass(frozen=True)
-class Waiting:
-    """One blocked call of this rank."""
+class Waiting(NamedTuple):
+    """One blocked call of this rank (a tuple: made on every blocking call)."""
 
     op: str
     group: str
@@ -87,8 +85,13 @@ class WatchedWork:
         self.inner, self.board, self.op, self.group, self.seq, self.members = inner, board, op, group, seq, members
 
     def wait(self) -> None:
-        with self.board.blocked(self.op, self.group, self.seq, self.members):
+        board = self.board
+        outer = board.waiting
+        board.waiting = Waiting(self.op, self.group, self.seq, self.members, time.monotonic())
+        try:
             self.inner.wait()
+        finally:
+            board.waiting = outer
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
