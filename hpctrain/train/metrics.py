@@ -49,16 +49,46 @@ def format_step(step: int, total: int, m: Dict[str, float]) -> str:
             f"| lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s")
 
 
+LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte", "srun")
+"""Process names (prefixes) of the launchers whose output the progress bar follows."""
+
+
+def launcher_stderr_is_terminal() -> Optional[bool]:
+    """Whether the launcher above this rank (mpiexec, srun: a parent within
+    four generations) writes its stderr to a terminal; None when there is no
+    such parent or /proc cannot tell. A launcher redirected to a file (``mpiexec
+    ... > log 2>&1``) still gives its ranks pipes or pseudo-terminals, so the
+    rank's own stderr cannot tell."""
+    pid = os.getppid()
+    for _ in range(4):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            if name.startswith(LAUNCHERS):
+                return os.readlink(f"/proc/{pid}/fd/2").startswith(("/dev/pts/", "/dev/tty"))
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
 def interactive_launch() -> bool:
-    """Is a person watching? stderr is a terminal, or an mpirun started from
-    one (Open MPI forwards rank output through pipes, so the rank cannot see
-    the terminal): TERM is set, and this is neither CI nor a batch job."""
+    """Is a person watching? stderr is a terminal; or the launcher above this
+    rank writes to one; or, where that cannot be seen, an mpirun with TERM
+    set (Open MPI forwards rank output through pipes). Never in CI or a batch job."""
     if sys.stderr.isatty():
         return True
     env = os.environ
+    if "CI" in env or ("SLURM_JOB_ID" in env and "SLURM_PTY_PORT" not in env):
+        return False
+    launcher = launcher_stderr_is_terminal()
+    if launcher is not None:
+        return launcher
     under_mpirun = "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env
-    batch = "SLURM_JOB_ID" in env and "SLURM_PTY_PORT" not in env
-    return under_mpirun and env.get("TERM", "dumb") not in ("", "dumb") and "CI" not in env and not batch
+    return under_mpirun and env.get("TERM", "dumb") not in ("", "dumb")
 
 
 class Progress:

@@ -175,3 +175,34 @@ def test_a_relaunch_of_the_same_experiment_finds_its_checkpoints(tmp_path):
     other = _run(["trainer.steps=2", "optim.lr=1e-3", *common, f"hydra.run.dir={tmp_path}/run3"], cwd=tmp_path)
     assert other.returncode == 0, other.stderr
     assert "no committed checkpoint" in other.stderr and len(list((tmp_path / "checkpoints").iterdir())) == 2
+
+
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_the_progress_bar_follows_the_launchers_terminal(tmp_path):
+    """``mpiexec ... > log`` from a terminal session (TERM set): no escape codes
+    in the log; the same launch on a terminal draws the bar."""
+    import pty
+
+    env = _env(TERM="xterm")
+    env.pop("CI", None)
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "hpctrain", "trainer.steps=3", f"hydra.run.dir={tmp_path}/a"]
+    with open(tmp_path / "log", "w") as log:
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=TIMEOUT)
+    text = (tmp_path / "log").read_text()
+    assert r.returncode == 0 and "step 3/3" in text and "\x1b[" not in text, text
+    main, sub = pty.openpty()
+    job = subprocess.Popen(cmd[:-1] + [f"hydra.run.dir={tmp_path}/b"], stdin=subprocess.DEVNULL, stdout=sub,
+                           stderr=sub, env=env)
+    os.close(sub)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other end closed
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    assert job.wait(timeout=TIMEOUT) == 0
+    assert b"\x1b[" in seen and b"3/3" in seen, seen

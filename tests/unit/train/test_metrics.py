@@ -1,11 +1,14 @@
 import io
 import sys
 
+from hpctrain.train import metrics
 from hpctrain.train.metrics import Progress, format_step, interactive_launch
 
 
 def test_interactive_launch_rules(monkeypatch):
+    """Where no launcher process can be seen (tests/launch/test_launchers.py runs real ones)."""
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a tty
+    monkeypatch.setattr(metrics, "launcher_stderr_is_terminal", lambda: None)
     for var in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "CI", "SLURM_JOB_ID", "SLURM_PTY_PORT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("TERM", "xterm")
