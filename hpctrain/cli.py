@@ -41,10 +41,10 @@ def _print_plugins() -> int:
     return 0
 
 
-def _fail(message: str, rank: int, code: int) -> int:
+def _fail(message: str, rank: int, code: int, prefix: str = "error") -> int:
     if rank == 0:
         for line in message.splitlines():
-            sys.stderr.write(f"hpctrain: error: {line}\n")
+            sys.stderr.write(f"hpctrain: {prefix}: {line}\n")
         sys.stderr.flush()
     return code
 
@@ -68,7 +68,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
     except HpctrainError as e:
         # Raised identically on every rank (validation is agreed over MPI;
         # a diverged run sees the same global loss everywhere).
-        code = _fail(str(e), rt.world_rank, e.exit_code)
+        code = _fail(str(e), rt.world_rank, e.exit_code, e.prefix)
         if e.on_every_rank and rt.world_size > 1:
             rt.mpi_comm.Barrier()  # rank 0 has written its line before any rank exits
         return code
@@ -94,6 +94,9 @@ def _hydra_main(argv: List[str], world) -> int:
     codes: List[int] = []
 
     def task(cfg) -> int:
+        # Runs on rank 0 of this process's world, or, under hydra/launcher=slurm,
+        # on every rank of the sweep point's own Slurm job (world is then None).
+        from hpctrain.bootstrap import get_runtime
         from hpctrain.checkpoint import default_checkpoint_dir
 
         run_dir = HydraConfig.get().runtime.output_dir
@@ -105,6 +108,11 @@ def _hydra_main(argv: List[str], world) -> int:
             world.bcast((_RUN, cfg_yaml, run_dir), root=0)
         code = _execute(cfg_yaml, run_dir)
         codes.append(code)
+        hc = HydraConfig.get()
+        if hc.mode.name == "MULTIRUN" and get_runtime().world_rank == 0:
+            from hpctrain.sweep import record_sweep_point
+
+            record_sweep_point(hc.sweep.dir, run_dir, hc.overrides.task, code)
         if code and HydraConfig.get().mode.name != "MULTIRUN":
             raise SystemExit(code)
         return code

@@ -7,6 +7,8 @@ class HpctrainError(Exception):
 
     exit_code = 2
     """The status every rank exits with (2: the job could not start as configured)."""
+    prefix = "error"
+    """How rank 0's line starts: ``hpctrain: <prefix>: ...``."""
     on_every_rank = False
     """Raised by every rank at the same point (a decision on agreed values): the
     ranks can meet once more before exiting, so rank 0's message is written

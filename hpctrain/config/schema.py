@@ -172,6 +172,10 @@ class TrainerConfig:
     """Rank-0 progress bar: auto (when a terminal is attached), on, off."""
     deterministic: bool = True
     """Use deterministic torch algorithms (needed for the equivalence tests)."""
+    max_time: Optional[str] = None
+    """Wall-clock budget of this launch: seconds or SLURM's [D-]HH:MM:SS; the run saves a checkpoint and stops (exit status 75; under SLURM the job is requeued) when less than max_time_margin_s plus one step is left. Under SLURM the job's own end time is a limit too. None: no limit."""
+    max_time_margin_s: float = 60.0
+    """Seconds kept free before trainer.max_time or the SLURM job's end, for the final save."""
 
 
 @dataclass

@@ -128,6 +128,13 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
+    from hpctrain.train.stopping import parse_duration
+    try:
+        if (parse_duration(t.max_time) or 0) < 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"trainer.max_time={t.max_time!r} is not a duration: give seconds (3600) or "
+                        "[D-]HH:MM:SS (01:00:00)")
     d = cfg.debug
     if d.fault != "none" and d.fault_rank >= world_size:
         problems.append(f"debug.fault_rank={d.fault_rank} is not a rank of this {world_size}-rank job; "

@@ -43,6 +43,7 @@ from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
+from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message
 from hpctrain.train.schedule import GradAccumulation, as_step_result
 
 # Axis transforms apply inside-out: tensor splits first, then sequence and
@@ -232,6 +233,10 @@ class Trainer:
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
+        saving = self.checkpointer is not None and bool(cfg.checkpoint.dir)
+        stops = StopRequests(cfg, is_main, catch_sigint=saving)
+        stops.install()
+        stopped = None  # (reason, checkpoint) when a signal or the clock ends the run early
         try:
             while self.step < total:
                 m = self.train_step()
@@ -242,15 +247,28 @@ class Trainer:
                     log_step(self.step, total, m)
                     writer.flush()
                 hook.hpctrain_on_step_end(trainer=self, step=self.step, metrics=m)
+                saved = None
                 if self.checkpointer is not None and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save_checkpoint()
+                    saved = self.save_checkpoint()
+                reason = stops.agree(self.mesh, self.device, m["step_time_s"])  # collective: the same on every rank
+                if reason and self.step < total:
+                    log_rank0("step %d: %s: saving and stopping", self.step, stops.describe(reason))
+                    if saving and saved is None:
+                        saved = self.save_checkpoint()
+                    stopped = (reason, saved)
+                    break
         finally:
+            stops.uninstall()
             progress.close()
             writer.close()
             if self.checkpointer is not None:
                 self.mesh.board.phase = "checkpoint finish"
                 with self.mesh.board.collective("checkpoint finish", "checkpoint", tuple(range(self.mesh.world_size))):
                     self.checkpointer.wait()
+        if stopped is not None:
+            reason, saved = stopped
+            requeued = requeue_if_slurm(reason) if is_main and saved else None
+            raise StopRequested(stop_message(self.step, stops.describe(reason), saved, requeued))
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
         if self.history and writer.path:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),

@@ -99,6 +99,11 @@ def test_multirun_sweep_under_mpi(tmp_path):
     r = _run(["--multirun", "trainer.steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}"], n=2)
     assert r.returncode == 0, r.stderr
     assert len(_metrics(tmp_path / "0")) == len(_metrics(tmp_path / "1")) == 2
+    # summary.jsonl: one line per point, with its overrides and last metrics
+    summary = [json.loads(l) for l in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    assert [(p["dir"], p["overrides"], p["exit_code"]) for p in summary] == [
+        ("0", ["trainer.steps=2", "optim.lr=0.001"], 0), ("1", ["trainer.steps=2", "optim.lr=0.003"], 0)]
+    assert summary[1]["last"] == _metrics(tmp_path / "1")[-1]
 
 
 def test_python_m_and_plugins_listing():

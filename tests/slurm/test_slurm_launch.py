@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,71 @@ def test_bad_layout_fails_fast_with_one_line(slurm, job_name, tmp_path):
     assert "Traceback" not in proc.stderr, _show(proc)
     assert not (run_dir / "metrics.jsonl").exists()
 
+
+
+def test_usr1_saves_requeues_and_the_job_resumes_bit_for_bit(slurm, job_name, tmp_path):
+    """``scancel --signal=USR1`` (what ``--signal=USR1@120`` sends) mid-run to
+    the template's 4-rank job: it commits a checkpoint, requeues itself,
+    resumes from it and ends with the per-step losses of an uninterrupted run."""
+    common = ["trainer.steps=12", "trainer.log_every=1", "trainer.progress=off"]
+    ref = slurm.run(["srun", "--mpi=pmix", "-n", "4", "--time=5", f"--job-name={job_name}", "--kill-on-bad-exit=1",
+                     "hpctrain-train", *common, f"hydra.run.dir={tmp_path}/ref"], job_name, cwd=tmp_path)
+    assert ref.returncode == 0, _show(ref)
+    proc = slurm.run(
+        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--time=5",
+         f"--job-name={job_name}", f"--chdir={tmp_path}", str(SBATCH), *common,
+         "debug.fault=slow", "debug.slow_s=0.5"],  # slow steps, so the signal lands mid-run
+        job_name, timeout=60, cwd=tmp_path)
+    job_id = proc.stdout.strip().split(";")[0]
+    assert proc.returncode == 0 and job_id.isdigit(), _show(proc)
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.5)
+    signalled = slurm.run(["scancel", "--signal=USR1", job_id], job_name, timeout=30)
+    assert signalled.returncode == 0, _show(signalled)
+    # Slurm holds a requeued job back for a while (its BeginTime, about 2
+    # minutes here); the test lets it start at once, as a busy queue would later
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        shown = slurm.run(["scontrol", "-o", "show", "job", job_id], job_name, timeout=30).stdout
+        if "Restarts=1" in shown and "JobState=PENDING" in shown:
+            # once the node has finished cleaning up after the first run (started
+            # earlier, the job fails at once)
+            nodes = slurm.run(["sinfo", "-h", "-o", "%T"], job_name, timeout=30).stdout
+            if "completing" not in nodes and "mix" not in nodes and "alloc" not in nodes:
+                slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], job_name, timeout=30)
+                break
+        if "Restarts=1" in shown and re.search(r"JobState=(RUNNING|COMPLETED)", shown):
+            break
+        time.sleep(0.5)
+    info = slurm.wait_job(job_id, job_name, timeout=240)
+    out = (tmp_path / f"{job_name}-{job_id}.out").read_text()
+    assert "JobState=COMPLETED" in info and "Restarts=1" in info, f"{info}\n{out}"
+    assert re.search(r"step \d+: SIGUSR1: saving and stopping", out), out
+    assert "committed" in out and "requeueing SLURM job" in out and "restarted (requeue number 1)" in out, out
+    assert "resumed from" in out, out
+    got, want = _metrics(run_dir), _metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, 13)), got
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_a_multirun_sweep_goes_to_slurm_one_job_per_point(slurm, job_name, tmp_path):
+    """``hpctrain-train --multirun hydra/launcher=slurm``: each point its own
+    2-rank Slurm job (srun through PMIx), its own directory, one summary."""
+    sweep = tmp_path / "sweep"
+    proc = slurm.run(
+        ["hpctrain-train", "--multirun", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2",
+         "hydra.launcher.timeout_min=5", f"hydra.launcher.name={job_name}", "optim.lr=1e-3,3e-3",
+         "trainer.steps=4", "trainer.progress=off", f"hydra.sweep.dir={sweep}"],
+        job_name, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, _show(proc)
+    for point in ("0", "1"):
+        _check_training(sweep / point, steps=4, world=2)
+    summary = [json.loads(line) for line in (sweep / "summary.jsonl").read_text().splitlines()]
+    assert sorted((p["dir"], p["exit_code"], p["last"]["step"]) for p in summary) == [("0", 0, 4), ("1", 0, 4)]
+    jobs = {p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
+    assert len(jobs) == 2, jobs  # two Slurm jobs (an array of two)

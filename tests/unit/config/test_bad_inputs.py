@@ -74,6 +74,8 @@ BAD = [
     ("debug.fault=explode", "debug.fault='explode': must be one of none, die, stall"),
     ("debug.fault_at=lunch", "debug.fault_at='lunch': must be step or checkpoint"),
     ("debug.fault_step=0", "debug.fault_step=0: must be an integer >= 1"),
+    ("trainer.max_time=soon", "trainer.max_time='soon' is not a duration"),
+    ("trainer.max_time_margin_s=-1", "trainer.max_time_margin_s=-1.0: must be a finite number of seconds >= 0"),
     ("debug.fault=die debug.fault_rank=1", "debug.fault_rank=1 is not a rank of this 1-rank job"),
 ]
 

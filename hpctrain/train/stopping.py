@@ -1,0 +1,170 @@
+"""Stopping early on purpose: signals and time limits end in a checkpoint.
+
+What asks a run to stop:
+
+- SIGUSR1: the warning a scheduler sends before the end (``#SBATCH
+  --signal=USR1@120``); under SLURM the job is then requeued;
+- SIGTERM: preemption, ``scancel``, a system shutdown (SLURM requeues a
+  preempted job itself when its preemption mode says so);
+- SIGINT: Ctrl-C at a terminal (only while checkpointing is configured;
+  otherwise Python's usual KeyboardInterrupt);
+- the clock: ``trainer.max_time`` seconds after the start, or the SLURM
+  job's end time, less ``trainer.max_time_margin_s`` and one step; under
+  SLURM the job is then requeued.
+
+A handler only records the signal, so a second signal during the save
+cannot tear the checkpoint. After every step all ranks agree (one small
+all-reduce over the world, MAX) on whether any rank was asked to stop, so
+they stop after the same step; they commit a checkpoint (when
+checkpointing is configured), and the run ends with ``StopRequested``
+(exit status 75, "try again"). Under SLURM, for the warning signal and the
+time limit, rank 0 first runs ``scontrol requeue <job>``: the job goes back
+to the queue with the same id, so the template's run directory is the same
+and ``checkpoint.resume=auto`` resumes from the newest good checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from hpctrain.comm.protocol import ReduceOp
+from hpctrain.errors import HpctrainError
+from hpctrain.log import get_logger, log_rank0
+from hpctrain.mesh import AXES, Mesh
+
+log = get_logger(__name__)
+
+EXIT_CODE = 75
+"""sysexits' EX_TEMPFAIL: stopped with a checkpoint; relaunching resumes."""
+
+#: reason codes, agreed with MAX: a signal outranks the clock
+_CLOCK, _SIGNALS = 1, {signal.SIGINT: 2, signal.SIGTERM: 3, signal.SIGUSR1: 4}
+_NAMES = {1: "the time limit", 2: "SIGINT", 3: "SIGTERM", 4: "SIGUSR1"}
+_REQUEUE = (1, 4)  # the warning signal and the clock: the job is not finished, put it back in the queue
+
+
+class StopRequested(HpctrainError):
+    """The run stopped after a step on a signal or the time limit (see the module docstring)."""
+
+    exit_code = EXIT_CODE
+    on_every_rank = True
+    prefix = "stopped"
+
+
+def parse_duration(text: Any) -> Optional[float]:
+    """Seconds from ``3600``, ``"90:00"`` (MM:SS), ``"01:30:00"`` or ``"1-00:00:00"`` (SLURM's forms); None for None/empty."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)|(\d+(?:\.\d*)?)", str(text).strip())
+    if not m:
+        raise ValueError(text)
+    if m.group(5) is not None:
+        return float(m.group(5))
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups()[:4])
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def slurm_end_time() -> Optional[float]:
+    """The running SLURM job's end (``time.time()`` seconds), or None outside SLURM or without a limit."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    end = os.environ.get("SLURM_JOB_END_TIME")  # Slurm >= 23.02 exports it
+    if end and end.isdigit():
+        return float(end)
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=30)
+        stamp = out.stdout.strip()
+        if out.returncode or not stamp or stamp in ("N/A", "NONE", "Unknown"):
+            return None
+        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+class StopRequests:
+    """This rank's record of signals, and the clock (rank 0's)."""
+
+    def __init__(self, cfg: Any, is_main: bool, catch_sigint: bool):
+        self.received: list = []
+        """Signals received, in order (a second one is recorded and otherwise ignored)."""
+        self.margin = float(cfg.trainer.max_time_margin_s)
+        self.deadline: Optional[float] = None
+        """``time.monotonic()`` by which the run must have stopped (rank 0; None: no limit)."""
+        self.deadline_from = ""
+        if is_main:
+            limits = []
+            max_time = parse_duration(cfg.trainer.max_time)
+            if max_time is not None:
+                limits.append((time.monotonic() + max_time, f"trainer.max_time={cfg.trainer.max_time}"))
+            end = slurm_end_time()
+            if end is not None:
+                limits.append((time.monotonic() + end - time.time(), "the SLURM job's time limit"))
+            if limits:
+                self.deadline, self.deadline_from = min(limits)
+        self._catch = [signal.SIGUSR1, signal.SIGTERM] + ([signal.SIGINT] if catch_sigint else [])
+        self._previous: Dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Catch the signals (main thread only; elsewhere the run keeps the defaults)."""
+        try:
+            for sig in self._catch:
+                self._previous[sig] = signal.signal(sig, self._record)
+        except ValueError:  # not the main thread (a test harness): keep the defaults
+            self.uninstall()
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+    def agree(self, mesh: Mesh, device: torch.device, step_s: float) -> int:
+        """The reason code every rank stops for after this step (0: go on). Collective."""
+        mine = max((_SIGNALS[s] for s in self.received), default=0)
+        if self.deadline is not None and time.monotonic() + step_s + self.margin >= self.deadline:
+            mine = max(mine, _CLOCK)
+        world = mesh.group(AXES)
+        if world.size == 1:
+            return mine
+        flag = torch.tensor([mine], dtype=torch.int32, device=device)
+        world.communicator().all_reduce(flag, ReduceOp.MAX)
+        return int(flag.item())
+
+    def describe(self, reason: int) -> str:
+        return self.deadline_from + " (less trainer.max_time_margin_s)" if reason == _CLOCK else _NAMES[reason]
+
+
+def requeue_if_slurm(reason: int) -> Optional[str]:
+    """Rank 0: put this SLURM job back in the queue for the warning signal and
+    the clock; what happened, for the log (None outside SLURM or for other reasons)."""
+    job = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
+    if not job or reason not in _REQUEUE:
+        return None
+    # said first: Slurm may end this job's processes as soon as the requeue is accepted
+    log_rank0("requeueing SLURM job %s (scontrol requeue); it resumes from the checkpoint when it starts again", job)
+    try:
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not requeue SLURM job {job} ({e}); resubmit it to resume"
+    if out.returncode:
+        return (f"SLURM did not requeue job {job} ({(out.stderr or out.stdout).strip()}; submit with --requeue); "
+                "resubmit it to resume")
+    return f"requeued SLURM job {job}: it resumes from this checkpoint when it starts again"
+
+
+def stop_message(step: int, why: str, saved: Optional[str], requeued: Optional[str]) -> str:
+    where = (f"checkpoint {saved} committed; relaunch with checkpoint.resume=auto to go on" if saved
+             else "no checkpoint (checkpoint.every is 0; set it to resume from here next time)")
+    return f"step {step}: stopped on {why}; {where}" + (f"; {requeued}" if requeued else "")

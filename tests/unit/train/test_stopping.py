@@ -1,0 +1,92 @@
+"""Stopping on a signal or the clock (hpctrain.train.stopping), in one
+process: a real signal sent to this process mid-run ends it after that step
+with a committed checkpoint, and a resumed run finishes with the same
+per-step losses, bit for bit, as one that was never stopped. Multi-rank and
+SLURM versions: tests/launch/test_stopping.py, tests/slurm."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from hpctrain import hookimpl
+from hpctrain.config import compose_resolved
+from hpctrain.run import reference_trainer
+from hpctrain.train.stopping import EXIT_CODE, StopRequested, parse_duration
+
+RUN = ("trainer.steps=6", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.seq_len=32",
+       "trainer.progress=off", "trainer.log_every=100")
+
+
+def test_durations_in_seconds_and_slurm_forms():
+    assert parse_duration(None) is None and parse_duration(90) == 90.0 and parse_duration("90") == 90.0
+    assert parse_duration("02:30") == 150.0 and parse_duration("01:00:05") == 3605.0
+    assert parse_duration("1-00:00:00") == 86400.0
+    with pytest.raises(ValueError):
+        parse_duration("soon")
+
+
+class SignalAt:
+    """A plugin that sends this process ``sig`` (twice: the second lands during the save) at the end of ``step``."""
+
+    def __init__(self, step: int, sig: int):
+        self.step, self.sig = step, sig
+
+    @hookimpl
+    def hpctrain_on_step_end(self, trainer, step, metrics):
+        if step == self.step:
+            os.kill(os.getpid(), self.sig)
+
+    @hookimpl
+    def hpctrain_on_checkpoint(self, trainer, path):
+        os.kill(os.getpid(), self.sig)
+
+
+def _losses(history):
+    return [m["loss"] for m in history]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact(pm, tmp_path, sig):
+    whole = reference_trainer(compose_resolved(RUN, pm), pm).fit()
+    ckpt = tmp_path / "ckpt"
+    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"), pm)
+    plugin = SignalAt(3, sig)
+    pm.register(plugin)
+    try:
+        trainer = reference_trainer(cfg, pm)
+        with pytest.raises(StopRequested) as stopped:
+            trainer.fit()
+    finally:
+        pm.unregister(plugin)
+    assert stopped.value.exit_code == EXIT_CODE
+    assert f"step 3: stopped on {signal.Signals(sig).name}" in str(stopped.value)
+    assert sorted(p.name for p in ckpt.glob("*.h5")) == ["step_00000003.h5"]
+    assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)  # handlers put back
+    first = trainer.history
+    rest = reference_trainer(cfg, pm).fit()
+    assert [m["step"] for m in first + rest] == list(range(1, 7))
+    assert _losses(first + rest) == _losses(whole)  # bit for bit
+
+
+def test_without_checkpointing_sigint_is_still_a_keyboard_interrupt(pm):
+    plugin = SignalAt(2, signal.SIGINT)
+    pm.register(plugin)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reference_trainer(compose_resolved(RUN, pm), pm).fit()
+    finally:
+        pm.unregister(plugin)
+
+
+def test_the_clock_stops_the_run_before_max_time(pm, tmp_path):
+    """A margin as large as max_time: the first step already leaves too little time."""
+    ckpt = tmp_path / "ckpt"
+    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.every=100", "trainer.max_time=00:01:00",
+                                  "trainer.max_time_margin_s=60"), pm)
+    trainer = reference_trainer(cfg, pm)
+    with pytest.raises(StopRequested) as stopped:
+        trainer.fit()
+    assert "step 1: stopped on trainer.max_time=00:01:00" in str(stopped.value)
+    assert [p.name for p in ckpt.glob("*.h5")] == ["step_00000001.h5"]
