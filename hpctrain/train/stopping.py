@@ -153,14 +153,13 @@ def requeue_if_slurm(reason: int) -> Optional[str]:
     if not job or reason not in _REQUEUE:
         return None
     # said first: Slurm may end this job's processes as soon as the requeue is accepted
-    log_rank0("requeueing SLURM job %s (scontrol requeue); it resumes from the checkpoint when it starts again", job)
+    log_rank0("asking Slurm to requeue job %s (scontrol requeue)", job)
     try:
         out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
         return f"could not requeue SLURM job {job} ({e}); resubmit it to resume"
     if out.returncode:
-        return (f"SLURM did not requeue job {job} ({(out.stderr or out.stdout).strip()}; submit with --requeue); "
-                "resubmit it to resume")
+        return f"SLURM did not requeue job {job} ({(out.stderr or out.stdout).strip()}); resubmit it to resume"
     return f"requeued SLURM job {job}: it resumes from this checkpoint when it starts again"
 
 

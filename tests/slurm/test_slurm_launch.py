@@ -118,11 +118,11 @@ def test_usr1_saves_requeues_and_the_job_resumes_bit_for_bit(slurm, job_name, tm
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         shown = slurm.run(["scontrol", "-o", "show", "job", job_id], job_name, timeout=30).stdout
-        if "Restarts=1" in shown and "JobState=PENDING" in shown:
-            # once the node has finished cleaning up after the first run (started
-            # earlier, the job fails at once)
-            nodes = slurm.run(["sinfo", "-h", "-o", "%T"], job_name, timeout=30).stdout
-            if "completing" not in nodes and "mix" not in nodes and "alloc" not in nodes:
+        if "Restarts=1" in shown and "JobState=PENDING" in shown and "Reason=BeginTime" in shown:
+            # once nothing is completing on the node (started earlier, the job fails at once)
+            completing = slurm.run(["squeue", "-h", "-t", "CG", "-o", "%i"], job_name, timeout=30).stdout.strip()
+            if not completing:
+                time.sleep(3)
                 slurm.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], job_name, timeout=30)
                 break
         if "Restarts=1" in shown and re.search(r"JobState=(RUNNING|COMPLETED)", shown):
@@ -132,7 +132,7 @@ def test_usr1_saves_requeues_and_the_job_resumes_bit_for_bit(slurm, job_name, tm
     out = (tmp_path / f"{job_name}-{job_id}.out").read_text()
     assert "JobState=COMPLETED" in info and "Restarts=1" in info, f"{info}\n{out}"
     assert re.search(r"step \d+: SIGUSR1: saving and stopping", out), out
-    assert "committed" in out and "requeueing SLURM job" in out and "restarted (requeue number 1)" in out, out
+    assert "committed" in out and "asking Slurm to requeue job" in out and "restarted (requeue number 1)" in out, out
     assert "resumed from" in out, out
     got, want = _metrics(run_dir), _metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(1, 13)), got
@@ -155,3 +155,18 @@ def test_a_multirun_sweep_goes_to_slurm_one_job_per_point(slurm, job_name, tmp_p
     assert sorted((p["dir"], p["exit_code"], p["last"]["step"]) for p in summary) == [("0", 0, 4), ("1", 0, 4)]
     jobs = {p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
     assert len(jobs) == 2, jobs  # two Slurm jobs (an array of two)
+
+
+def test_the_jobs_time_limit_stops_the_run_with_a_checkpoint(slurm, job_name, tmp_path):
+    """srun --time=1: a minute; with a 55 s margin the first step already
+    leaves too little, so the run saves and stops (exit status 75). The end
+    time comes from Slurm (SLURM_JOB_END_TIME or squeue), not from the config."""
+    ckpt = tmp_path / "ckpt"
+    proc = slurm.run(
+        ["srun", "--mpi=pmix", "-n", "2", "--time=1", f"--job-name={job_name}", "--kill-on-bad-exit=1",
+         "hpctrain-train", "trainer.steps=50", "trainer.max_time_margin_s=55", f"checkpoint.dir={ckpt}",
+         "checkpoint.every=100", f"hydra.run.dir={tmp_path}/run"],
+        job_name, cwd=tmp_path)
+    assert proc.returncode == 75, _show(proc)
+    assert "stopped on the SLURM job's time limit" in proc.stderr, _show(proc)
+    assert len(list(ckpt.glob("step_*.h5"))) == 1

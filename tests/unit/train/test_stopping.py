@@ -2,7 +2,7 @@
 process: a real signal sent to this process mid-run ends it after that step
 with a committed checkpoint, and a resumed run finishes with the same
 per-step losses, bit for bit, as one that was never stopped. Multi-rank and
-SLURM versions: tests/launch/test_stopping.py, tests/slurm."""
+SLURM versions: tests/launch/test_stop_and_relaunch.py, tests/slurm."""
 from __future__ import annotations
 
 import os
@@ -28,7 +28,9 @@ def test_durations_in_seconds_and_slurm_forms():
 
 
 class SignalAt:
-    """A plugin that sends this process ``sig`` (twice: the second lands during the save) at the end of ``step``."""
+    """A plugin that sends this process ``sig`` at the end of ``step``, and
+    again in the middle of the checkpoint save that follows (between the
+    save's start and its write)."""
 
     def __init__(self, step: int, sig: int):
         self.step, self.sig = step, sig
@@ -37,10 +39,14 @@ class SignalAt:
     def hpctrain_on_step_end(self, trainer, step, metrics):
         if step == self.step:
             os.kill(os.getpid(), self.sig)
+            ckpt = trainer.checkpointer
+            write = ckpt._write_and_commit
 
-    @hookimpl
-    def hpctrain_on_checkpoint(self, trainer, path):
-        os.kill(os.getpid(), self.sig)
+            def interrupted_write(*args, **kwargs):
+                os.kill(os.getpid(), self.sig)
+                return write(*args, **kwargs)
+
+            ckpt._write_and_commit = interrupted_write
 
 
 def _losses(history):
@@ -90,3 +96,17 @@ def test_the_clock_stops_the_run_before_max_time(pm, tmp_path):
         trainer.fit()
     assert "step 1: stopped on trainer.max_time=00:01:00" in str(stopped.value)
     assert [p.name for p in ckpt.glob("*.h5")] == ["step_00000001.h5"]
+
+
+def test_the_slurm_jobs_end_time_is_a_limit(pm, monkeypatch):
+    """Slurm >= 23.02 exports the job's end; without it squeue is asked (tests/slurm)."""
+    import time
+
+    from hpctrain.train.stopping import StopRequests
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_END_TIME", str(int(time.time()) + 600))
+    stops = StopRequests(compose_resolved(RUN + ("trainer.max_time=3600",), pm), is_main=True, catch_sigint=False)
+    assert stops.deadline_from == "the SLURM job's time limit"
+    assert 590 < stops.deadline - time.monotonic() <= 600
+    assert StopRequests(compose_resolved(RUN, pm), is_main=False, catch_sigint=False).deadline is None  # rank 0 decides
