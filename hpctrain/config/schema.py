@@ -50,6 +50,8 @@ class ModelConfig:
     """Core attention implementation (a name a plugin can provide, e.g. ring attention)."""
     ffn: str = "swiglu"
     """Feed-forward implementation per block ("swiglu" built in; "moe" from a plugin)."""
+    recompute: str = "none"
+    """Activation recomputation: none; selective (the attention core is recomputed in backward); full (each block keeps only its input and runs its forward again in backward)."""
 
 
 @dataclass

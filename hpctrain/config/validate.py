@@ -11,7 +11,7 @@ layout it proposes passes the same checks as training.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 from hpctrain.config.ranges import range_problems
 from hpctrain.data.sequence import valid_seq_lens
@@ -33,11 +33,8 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
     """
     from hpctrain.model.shapes import ModelShape
 
-    try:
-        sizes = resolve_sizes(sizes, world_size, order)
-    except ConfigError as e:
-        return [str(e)]  # everything below depends on the layout
     problems: List[str] = []
+    sizes, resolved = given_sizes(sizes, world_size, order, problems)
     try:
         ModelShape.from_config(model)
     except ConfigError as e:
@@ -48,6 +45,8 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
     splitters = [(a, sizes[a]) for a in ("dp", "ep") if a == "dp" or sizes[a] > 1]
     if mb < 1 or gbs < 1:
         problems.append("trainer.global_batch_size and trainer.micro_batch_size must be positive")
+    elif not resolved:
+        pass  # the batch split needs the data-parallel size, which the world size does not give
     elif gbs % (math.prod(n for _, n in splitters) * mb):
         m = math.prod(n for _, n in splitters) * mb
         lo = max(m, (gbs // m) * m)  # the nearest multiples at or below and above
@@ -67,6 +66,19 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
             f"two of {2 * cp} equal chunks); use trainer.seq_len="
             + " or ".join(str(n) for n in valid_seq_lens(trainer.seq_len, cp)))
     return problems
+
+
+def given_sizes(sizes: Mapping[str, int], world_size: int, order: str,
+                problems: List[str]) -> Tuple[Dict[str, int], bool]:
+    """(the resolved sizes, True); or, when they do not multiply to the world
+    size, the problem appended and (the sizes as given with ``dp=-1`` read as
+    1, False), so that every per-axis check still runs and a layout's
+    violations are reported together."""
+    try:
+        return resolve_sizes(sizes, world_size, order), True
+    except ConfigError as e:
+        problems.append(str(e))
+        return {a: max(1, int(sizes.get(a, 1))) for a in AXES}, False
 
 
 def _divisors(n: int) -> str:
@@ -113,15 +125,13 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain.data.sources import check_data_config
     from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 
-    out_of_range = range_problems(cfg)
-    if out_of_range:  # the checks below would divide by these
-        return out_of_range
     t, p = cfg.trainer, cfg.parallel
-    try:
-        sizes = resolve_sizes({a: p[a] for a in AXES}, world_size, p.order)
-    except ConfigError as e:
-        return [str(e)]  # everything below depends on the layout
-    problems = check_layout(sizes, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
+    given = {a: p[a] for a in AXES}
+    problems = check_layout(given, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
+    sizes, _ = given_sizes(given, world_size, p.order, [])  # check_layout has reported a bad product
+    from hpctrain.model.recompute import RECOMPUTE
+    if cfg.model.recompute not in RECOMPUTE:
+        problems.append(f"model.recompute={cfg.model.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if t.precision not in PRECISIONS:
         problems.append(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
     if cfg.reliability.nonfinite not in ("stop", "skip"):
@@ -208,9 +218,14 @@ def _writable(path: str, key: str) -> List[str]:
 
 
 def validate(cfg: Any, world_size: int, pm=None) -> List[str]:
-    """All problems (core first, then plugins'); empty when the run can start."""
+    """All problems (core first, then plugins'), each with its fix, all at
+    once; empty when the run can start. Out-of-range values come alone: the
+    other checks would divide by them."""
+    out_of_range = range_problems(cfg)
+    if out_of_range:
+        return out_of_range
     problems = _core_checks(cfg, world_size, pm)
-    if pm is not None and not problems:
+    if pm is not None:
         for found in pm.hook.hpctrain_validate(cfg=cfg, world_size=world_size):
-            problems += list(found or [])
+            problems += [p for p in (found or []) if p not in problems]
     return problems

@@ -13,8 +13,10 @@ so an auxiliary loss is scaled like the main loss and reaches backward on
 the rank (pipeline stage) that computed it. The logged ``loss`` stays the
 language-model loss, comparable across models and layouts; a plugin reports
 its auxiliary values through ``hpctrain_step_metrics``. Outside a
-``collect_aux_losses`` block (inference, activation recomputation in
-backward) ``add_aux_loss`` does nothing.
+``collect_aux_losses`` block (inference) ``add_aux_loss`` does nothing;
+activation recomputation replays a forward with a throwaway collector
+(``replaying``), and a part that keeps statistics asks
+``hpctrain.model.recompute.recomputing()`` to count each forward once.
 
 The collector is found through a context variable: dynamic scope, like
 ``torch.autocast``, so a part needs no reference to the model that runs it.
@@ -67,8 +69,21 @@ def add_aux_loss(name: str, value: torch.Tensor) -> None:
 
 def collecting() -> bool:
     """Whether a training forward is collecting auxiliary losses now (a part
-    keeps per-step statistics only then, not in inference or recomputation)."""
+    builds its auxiliary losses only then, not in inference)."""
     return _ACTIVE.get() is not None
+
+
+@contextlib.contextmanager
+def replaying(collected: bool) -> Iterator[None]:
+    """While activation recomputation re-runs a forward in backward: parts see
+    ``collecting()`` as the original forward did (so they rebuild the same
+    graph, auxiliary losses included), but what they add goes to a collector
+    nobody reads: the original forward's losses already joined the objective."""
+    token = _ACTIVE.set(AuxLosses() if collected else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager

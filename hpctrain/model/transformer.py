@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 
 
@@ -66,13 +67,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
         self.wo.param_init = {"weight": "normal_scaled"}
         self.core = core
+        self.recompute_core = False
+        """Selective recomputation: the core keeps only q, k, v for backward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = recomputed(self.core, *qkv) if self.recompute_core else self.core(*qkv)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -95,8 +99,15 @@ class Block(nn.Module):
         self.attn = Attention(shape, attention_core)
         self.ffn_norm = RMSNorm(shape.d_model, eps)
         self.ffn = ffn
+        self.recompute = False
+        """Full recomputation: the block keeps only its inputs for backward."""
 
     def forward(self, x, cos, sin):
+        if self.recompute:
+            return recomputed(self._forward, x, cos, sin)
+        return self._forward(x, cos, sin)
+
+    def _forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.ffn(self.ffn_norm(x))
 

@@ -26,11 +26,12 @@ bf16 autocast), e = activation bytes (4 fp32, 2 bf16):
   FFN norm: input (r h), rsqrt, y (r h), its output (e h; two autocast casts);
   SwiGLU gate and up outputs (2 e f), silu output (e f), product (e f).
   fp32 total: 8h + 2kv + 4f + a + 2 elements per token.
-Selective recompute of OUR block recomputes the pointwise parts (the norms'
-internals and the silu output): no matrix multiply is redone. Flash attention
-already keeps no s x s matrix, so recomputing the attention core would save
-only the log-sum-exp. Full recompute keeps the block input plus, once per
-stage, one block's activations while it is recomputed.
+Selective recompute (``model.recompute=selective``) recomputes the attention
+core, as in the paper: its inputs q, k, v stay saved (the checkpoint keeps
+them) and its output stays as the output projection's input, so with flash
+attention, which keeps no s x s matrix, only the log-sum-exp is dropped.
+Full recompute keeps the block input plus, once per stage, one block's
+activations while it is recomputed.
 """
 from __future__ import annotations
 
@@ -105,21 +106,21 @@ def saved_tensors(arch: Arch, precision: str, seq_len: int) -> List[SavedTensor]
     kv, f = arch.kv_dim, arch.ffn_hidden * arch.top_k
     table = [
         SavedTensor("block_input", h, "resid", "rep"),
-        SavedTensor("attn_norm_rsqrt", 1, "fp32", "rep", True),
-        SavedTensor("attn_norm_scaled", h, "resid", "rep", True),
+        SavedTensor("attn_norm_rsqrt", 1, "fp32", "rep"),
+        SavedTensor("attn_norm_scaled", h, "resid", "rep"),
         SavedTensor("qkv_input", h * d.attn_casts, "act", "rep"),
         SavedTensor("q_rope", h, "act", "split"),
         SavedTensor("k_rope", kv, "act", "kv"),
         SavedTensor("v", kv, "act", "kv"),
-        SavedTensor("attn_logsumexp", a, "fp32", "split"),
+        SavedTensor("attn_logsumexp", a, "fp32", "split", True),
         SavedTensor("attn_output", h, "act", "split"),
         SavedTensor("ffn_residual_input", h, "resid", "rep"),
-        SavedTensor("ffn_norm_rsqrt", 1, "fp32", "rep", True),
-        SavedTensor("ffn_norm_scaled", h, "resid", "rep", True),
+        SavedTensor("ffn_norm_rsqrt", 1, "fp32", "rep"),
+        SavedTensor("ffn_norm_scaled", h, "resid", "rep"),
         SavedTensor("ffn_input", h * d.ffn_casts, "act", "rep"),
         SavedTensor("gate_output", f, "act", "split"),
         SavedTensor("up_output", f, "act", "split"),
-        SavedTensor("silu_output", f, "act", "split", True),
+        SavedTensor("silu_output", f, "act", "split"),
         SavedTensor("down_input", f, "act", "split"),
     ]
     if arch.is_moe:  # router probabilities and the dispatched token copies (first order)

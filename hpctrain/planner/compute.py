@@ -4,8 +4,8 @@ Two countings, kept apart on purpose:
 
 - Hardware FLOPs: what the GPUs execute. Per micro-batch a block costs its
   forward F, a backward of 2F, plus the recomputed part (F under full
-  recompute, the attention core under Korthikanti's selective recompute;
-  our selective recompute redoes only pointwise work, counted as 0). The
+  recompute, the attention core under selective recompute, as Korthikanti
+  et al. and ``model.recompute=selective`` define it). The
   output projection runs forward + backward only. For the GPT family with full
   recompute this sums to Narayanan et al. 2021's
   F_iter = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), which ``gemm_flops_per_iteration``
@@ -31,9 +31,9 @@ def recompute_flops_per_token(arch: Arch, seq_len: int, recompute: str) -> float
     """Extra forward FLOPs per token per block that the recompute mode redoes."""
     if recompute == "full":
         return arch.layer_forward_flops_per_token(seq_len)
-    if recompute == "selective" and arch.family == "gpt":
+    if recompute == "selective":
         return arch.attention_core_flops_per_token(seq_len)
-    return 0.0  # our selective recompute is pointwise only
+    return 0.0
 
 
 def training_flops_per_token(arch: Arch, seq_len: int, recompute: str, layers: int = -1,

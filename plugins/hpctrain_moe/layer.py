@@ -26,6 +26,7 @@ from torch import nn
 
 from hpctrain.comm.differentiable import all_gather_along, copy_to_region, reduce_from_region
 from hpctrain.model.aux import add_aux_loss, collecting
+from hpctrain.model.recompute import recomputing
 
 from hpctrain_moe.capacity import expert_capacity, keep_mask
 from hpctrain_moe.config import MoEConfig
@@ -99,6 +100,8 @@ class MoE(nn.Module):
         if cfg.z_loss_coef:
             add_aux_loss("moe.z_loss", cfg.z_loss_coef * z)
         dropped = (~keep).sum() if keep is not None else torch.zeros((), device=local_counts.device)
+        if recomputing():  # the original forward counted this micro-batch
+            return
         self.stats.add(local_counts, dropped, float(routing.experts.numel()), balance, z,
                        1.0 if self.regions.counts_tokens else 0.0, 1.0 if self.regions.counts_values else 0.0)
 

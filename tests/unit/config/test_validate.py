@@ -93,3 +93,25 @@ def test_plugin_validation_hook_runs(make_config, pm):
 def test_batch_smaller_than_one_micro_batch_per_rank(make_config, pm):
     (p,) = _problems(make_config, pm, "trainer.global_batch_size=4", "trainer.micro_batch_size=2")
     assert "use a multiple of 8 (e.g. 8 or 16)" in p
+
+
+def test_a_layout_reports_every_violation_at_once(make_config, pm):
+    """At 8 ranks, a five-axis layout wrong in seven ways: one line for each,
+    core and plugins alike, each with its fix (not only the first)."""
+    problems = _problems(make_config, pm, "model=tiny-moe", "model.n_layers=2", "trainer.seq_len=34",
+                         "parallel.tp=3", "parallel.cp=2", "parallel.ep=3", "parallel.pp=3", "parallel.zero.stage=2",
+                         "model.recompute=sometimes", world=8)
+    expected = [
+        "world size 8 is not divisible by tp(3) * cp(2) * ep(3) * pp(3) = 54",  # no dp fills the world
+        "parallel.tp=3 does not divide model.n_heads=4",           # tensor parallelism: heads
+        "parallel.tp=3 and model.n_kv_heads=2",                    # ... key/value heads
+        "trainer.seq_len=34 is not divisible by 2 x parallel.cp = 4",  # context parallelism's zigzag chunks
+        "model.recompute='sometimes' is not one of none, selective, full",
+        "parallel.ep=3 does not divide model.moe.num_experts=4",   # the MoE plugin
+        "parallel.zero.stage=2 with parallel.pp=3",                # the pipeline plugin on ZeRO
+    ]
+    for want in expected:
+        assert sum(want in p for p in problems) == 1, (want, problems)
+    assert any("model.n_layers=2" in p and "3" in p for p in problems), problems  # 2 blocks on 3 stages
+    for p in problems:
+        assert " use " in p or " set " in p or " choose " in p or "one of" in p or "launch" in p, p

@@ -73,3 +73,29 @@ def test_fp32_layer_formula_is_exact_for_later_layers(tiny_model):
     tokens = torch.zeros(2, cfg.trainer.seq_len, dtype=torch.long)
     measured = measure_saved(model, tokens, tokens)
     assert measured["layer1"] == act.layer_bytes(Arch.from_model_config(cfg.model), "fp32", 2, cfg.trainer.seq_len)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_bytes_per_layer_with_recompute(tiny_model, precision, recompute):
+    """``model.recompute`` keeps what the planner's formula says, per layer:
+    selective drops the attention core's log-sum-exp (the checkpoint keeps q,
+    k, v), full keeps only the block input. Layer 1 is compared (layer 0 is
+    charged the shared RoPE tables); in fp32 the match is to the byte, which
+    also tells selective from none (a difference of 4 bytes per head and
+    token)."""
+    from hpctrain.model.recompute import set_recompute
+
+    model, cfg = tiny_model
+    mb, s = 2, cfg.trainer.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (mb, s), generator=torch.Generator().manual_seed(0))
+    set_recompute(model, recompute)
+    try:
+        measured = measure_saved(model, tokens, tokens, autocast=precision == "bf16")
+    finally:
+        set_recompute(model, "none")
+    predicted = act.layer_bytes(Arch.from_model_config(cfg.model), precision, mb, s, recompute=recompute)
+    got = measured["layer1"]
+    assert abs(got - predicted) <= ACTIVATION_TOLERANCE * got, (got, predicted)
+    if precision == "fp32":
+        assert got == predicted
