@@ -6,9 +6,10 @@
 
 Arguments are the same Hydra overrides ``hpctrain-train`` takes (the config
 is composed the same way, plugins' sections included). Explicit
-``parallel.<axis>=N`` or ``trainer.micro_batch_size=N`` pin that value, and
-``--pin`` does the same for knobs whose plugins have not declared their keys
-yet (ZeRO stage, recompute, schedule, vpp); the planner searches the rest.
+``parallel.<axis>=N``, ``trainer.micro_batch_size=N``, ``parallel.zero.stage=N``,
+``model.recompute=...``, ``parallel.pipeline.schedule=...`` or
+``parallel.pipeline.vpp=N`` pin that value (``--pin zero=1`` and friends are
+the same); the planner searches the rest.
 Without ``trainer.precision`` it plans bf16 (what GPU runs use; the presets'
 peaks are bf16 peaks).
 
@@ -38,40 +39,52 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
-                   help="fix a knob that has no core config key yet: zero=0..3, recompute=none|selective|full, "
+                   help="fix a knob (the same as its config key): zero=0..3, recompute=none|selective|full, "
                         "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N (repeatable)")
     return p
 
 
-def _knob_pins(pairs: Sequence[str]) -> Dict[str, Any]:
-    """--pin zero=1 --pin recompute=selective -> {"zero": 1, "recompute": "selective"}."""
+def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """--pin zero=1 --pin recompute=selective -> {"zero": 1, "recompute": "selective"}.
+    ``shown``: how each pair was given, for the error (default ``--pin <pair>``)."""
     from hpctrain.errors import ConfigError
     from hpctrain.planner.activations import RECOMPUTE
     from hpctrain.planner.schedules import SCHEDULES
 
     allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
     out: Dict[str, Any] = {}
-    for pair in pairs:
+    for i, pair in enumerate(pairs):
         key, _, value = pair.partition("=")
         options = allowed.get(key, ())
         bad_vpp = key == "vpp" and not (value.isdigit() and int(value) > 0)
         if key not in allowed or (options and value not in options) or bad_vpp:
-            raise ConfigError(f"--pin {pair}: use zero=0..3, recompute={'|'.join(RECOMPUTE)}, "
+            given = shown[i] if shown else f"--pin {pair}"
+            raise ConfigError(f"{given}: use zero=0..3, recompute={'|'.join(RECOMPUTE)}, "
                               f"schedule={'|'.join(SCHEDULES)} or vpp=<positive integer>")
         out[key] = int(value) if key in ("zero", "vpp") else value
     return out
 
 
-def _pins(overrides: Sequence[str]) -> Dict[str, int]:
-    """Values the user fixed explicitly: parallel.<axis>=N, trainer.micro_batch_size=N."""
+def _pins(overrides: Sequence[str]) -> Dict[str, Any]:
+    """Values the user fixed explicitly: parallel.<axis>=N, trainer.micro_batch_size=N,
+    and the knobs' own keys (parallel.zero.stage, model.recompute,
+    parallel.pipeline.schedule, parallel.pipeline.vpp), checked as --pin checks them."""
+    from hpctrain.planner.report import PLUGIN_KEYS
+
     keys = {f"parallel.{a}": a for a in ("tp", "pp", "cp", "ep", "dp")}
     keys["trainer.micro_batch_size"] = "micro_batch"
-    pins: Dict[str, int] = {}
+    knob_of = {key: knob for knob, key in PLUGIN_KEYS.items()}
+    pins: Dict[str, Any] = {}
+    knobs: List[str] = []
+    shown: List[str] = []
     for o in overrides:
         key, _, value = o.partition("=")
         if key in keys and value.lstrip("-").isdigit() and not (key == "parallel.dp" and value == "-1"):
             pins[keys[key]] = int(value)
-    return pins
+        elif key in knob_of:
+            knobs.append(f"{knob_of[key]}={value}")
+            shown.append(o)
+    return {**pins, **_knob_pins(knobs, shown)}
 
 
 def _compose(overrides: List[str], pm) -> Any:

@@ -5,7 +5,7 @@ and virtual stages (vpp), the ZeRO stage, the recompute mode and the
 micro-batch size. The mesh and batch part is checked by
 ``hpctrain.config.validate.check_layout``, the same function training calls,
 so a proposed layout passes the same checks with the same messages. On top
-of it the planner applies the rules the parallel plugins need (roadmap):
+of it the planner applies the rules the parallel plugins need:
 
 - tp is a power of two that fits in one node (TP all-reduces run per layer,
   so they stay on NVLink) and divides the attention heads and the FFN width;

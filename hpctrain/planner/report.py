@@ -2,13 +2,12 @@
 
 Builds strings and dicts only; ``cli`` prints them.
 
-Overrides: the mesh sizes and micro-batch size use core keys. The ZeRO
-stage, recompute mode and pipeline schedule belong to plugins that are on
-the roadmap, not yet in the core schema; ``PLUGIN_KEYS`` names the keys they
-are expected to declare (one place to change when they land). An override is
-emitted only when it differs from the default, and ``unknown_keys`` lists
-those the installed config schema does not have, so the user sees exactly
-what today's ``hpctrain-train`` would refuse.
+Overrides: the mesh sizes and micro-batch size use core keys, the recompute
+mode ``model.recompute``; the ZeRO stage and pipeline schedule belong to
+their plugins (``PLUGIN_KEYS``). An override of a knob is emitted only when
+it differs from the default, and ``unknown_keys`` lists those the installed
+config schema does not have (a plugin not installed), so the user sees
+exactly what ``hpctrain-train`` would refuse.
 """
 from __future__ import annotations
 
@@ -128,7 +127,7 @@ def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[
                  if v > 0) or "nothing") + " (seconds: the collectives alone, before overlap)",
              "run it with:", "  " + launch_line(cluster, overrides)]
     if not_in_schema:
-        lines.append("note: not in this installation's config schema yet (their plugins are on the roadmap): "
+        lines.append("note: not in this installation's config schema (their plugins are not installed): "
                      + ", ".join(not_in_schema))
     if train_problems:
         lines.append("note: hpctrain-train with the installed plugins would refuse it today:")

@@ -15,6 +15,14 @@ priority are formed over the whole micro-batch (counts all-reduced, the
 expert choices all-gathered along the sequence), and (b) every weight goes
 through ``copy_to_region`` (forward identity, backward all-reduce), so each
 rank's gradient is the sum over all the micro-batch's tokens.
+
+Under context parallelism (``sequence``: the cp group) each rank holds
+zigzag chunks of every sequence: the balance statistics are all-reduced
+over cp as well, the capacity priority runs over the gathered choices put
+back in position order, and since the data axes average gradients over cp,
+the auxiliary losses are scaled by cp (each rank's tokens then get the
+gradient of the one-process loss). The losses' values, counted once, are
+cp rank 0's.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch
 from torch import nn
 
 from hpctrain.comm.differentiable import all_gather_along, copy_to_region, reduce_from_region
+from hpctrain.data.sequence import cp_positions
 from hpctrain.model.aux import add_aux_loss, collecting
 from hpctrain.model.recompute import recomputing
 
@@ -49,6 +58,8 @@ class MoERegions:
     sequence parallelism hold the same tokens: only tp rank 0's count)."""
     counts_values: bool = True
     """Whether this rank adds the micro-batch's loss values to the statistics (tp rank 0)."""
+    sequence: Any = None
+    """The cp group when context parallelism splits each sequence over it (zigzag chunks)."""
 
 
 class MoE(nn.Module):
@@ -70,35 +81,53 @@ class MoE(nn.Module):
         return copy_to_region(weight, group) if group is not None else weight
 
     def _keep(self, experts: torch.Tensor, batch: int) -> torch.Tensor:
-        """The assignments within capacity, decided over the whole micro-batch."""
-        group = self.regions.token_split
+        """The assignments within capacity, decided over the whole micro-batch
+        in the true token order: this rank's choices are gathered along the
+        sequence (over the tp shard, then over the cp ranks' zigzag chunks,
+        put back in position order), and this rank keeps its own part."""
+        split, seq = self.regions.token_split, self.regions.sequence
         n, k = experts.shape
-        whole = experts
-        if group is not None:  # the priority order runs over the micro-batch's sequence
-            whole = all_gather_along(experts.view(batch, n // batch, k), group, dim=1).reshape(-1, k)
-        cap = expert_capacity(whole.shape[0], k, self.cfg.num_experts, float(self.cfg.capacity_factor))
-        keep = keep_mask(whole, self.cfg.num_experts, cap)
-        if group is not None:
+        whole = experts.view(batch, n // batch, k)
+        if split is not None:
+            whole = all_gather_along(whole, split, dim=1)
+        if seq is not None:
+            per_rank = whole.shape[1]
+            order = torch.cat([cp_positions(r, seq.size, per_rank * seq.size) for r in range(seq.size)])
+            gathered = all_gather_along(whole, seq, dim=1)
+            whole = torch.empty_like(gathered)
+            whole[:, order.to(whole.device)] = gathered  # rank-major -> position order
+        cap = expert_capacity(whole.shape[0] * whole.shape[1], k, self.cfg.num_experts,
+                              float(self.cfg.capacity_factor))
+        keep = keep_mask(whole.reshape(-1, k), self.cfg.num_experts, cap).view(batch, -1, k)
+        if seq is not None:
+            mine = cp_positions(seq.rank, seq.size, keep.shape[1]).to(keep.device)
+            keep = keep[:, mine]
+        if split is not None:
             s = n // batch
-            keep = keep.view(batch, -1, k)[:, group.rank * s:(group.rank + 1) * s].reshape(n, k)
-        return keep
+            keep = keep[:, split.rank * s:(split.rank + 1) * s]
+        return keep.reshape(n, k)
 
     def _balance(self, routing, keep: Optional[torch.Tensor], n: int) -> None:
         """The auxiliary losses of this micro-batch and its statistics."""
-        cfg, group = self.cfg, self.regions.token_split
+        cfg = self.cfg
         local_counts = assignment_counts(routing.experts, cfg.num_experts)
         counts, prob_sum, lse_sq, tokens = local_counts, routing.balance_probs.sum(0), routing.lse.pow(2).sum(), n
-        if group is not None:  # the whole micro-batch's statistics on every rank of the split
-            counts = reduce_from_region(local_counts, group)
-            prob_sum = reduce_from_region(prob_sum, group)
-            lse_sq = reduce_from_region(lse_sq, group)
-            tokens = n * group.size
+        for group in (self.regions.token_split, self.regions.sequence):
+            if group is not None:  # the whole micro-batch's statistics on every rank that holds part of it
+                counts = reduce_from_region(counts, group)
+                prob_sum = reduce_from_region(prob_sum, group)
+                lse_sq = reduce_from_region(lse_sq, group)
+                tokens = tokens * group.size
         balance = balance_loss(counts, prob_sum, tokens, cfg.top_k)
         z = z_loss(lse_sq, tokens)
+        # Each cp rank backpropagates the whole micro-batch's loss through its own
+        # tokens, and the data axes then *average* over cp: scale by cp so that the
+        # gradients sum over the sequence as in one process (tp sums by itself).
+        scale = self.regions.sequence.size if self.regions.sequence is not None else 1
         if cfg.aux_loss_coef:
-            add_aux_loss("moe.aux_loss", cfg.aux_loss_coef * balance)
+            add_aux_loss("moe.aux_loss", cfg.aux_loss_coef * scale * balance)
         if cfg.z_loss_coef:
-            add_aux_loss("moe.z_loss", cfg.z_loss_coef * z)
+            add_aux_loss("moe.z_loss", cfg.z_loss_coef * scale * z)
         dropped = (~keep).sum() if keep is not None else torch.zeros((), device=local_counts.device)
         if recomputing():  # the original forward counted this micro-batch
             return

@@ -110,12 +110,17 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 def _regions(mesh: Any, cfg: Any) -> MoERegions:
-    if mesh is None or mesh.size("tp") == 1:
+    if mesh is None:
         return MoERegions()
+    sequence = mesh.group("cp") if mesh.size("cp") > 1 else None
+    first_cp = mesh.rank("cp") == 0
+    if mesh.size("tp") == 1:
+        return MoERegions(sequence=sequence, counts_values=first_cp)
     first = mesh.rank("tp") == 0
     if bool(cfg.parallel.sequence_parallel):
-        return MoERegions(token_split=mesh.group("tp"), counts_tokens=True, counts_values=first)
-    return MoERegions(counts_tokens=first, counts_values=first)
+        return MoERegions(token_split=mesh.group("tp"), counts_tokens=True, counts_values=first and first_cp,
+                          sequence=sequence)
+    return MoERegions(counts_tokens=first, counts_values=first and first_cp, sequence=sequence)
 
 
 @hookimpl

@@ -1,24 +1,21 @@
 """Parity with one process, for every parallel feature's multi-rank tests.
 
-``record(trainer, steps)`` trains ``steps`` steps and returns, per step, the
-logged loss and gradient norm and the gradient of every parameter as a
-*logical* tensor: after the gradient sync and before clipping, each rank's
-pieces (``ShardSpec.pieces``, padding left out) are gathered to every rank
-and assembled; pieces that several ranks hold must agree. The same call on
+``record(trainer, steps)`` (``hpctrain.parity.record``, gathered to every
+rank) trains ``steps`` steps and returns, per step, the logged loss and
+gradient norm and the gradient of every parameter as a logical tensor;
+pieces that several ranks hold must agree exactly. The same call on
 ``hpctrain.run.reference_trainer(cfg)`` (one process inside this rank) gives
-the reference; ``assert_parity`` compares the two.
+the reference; ``assert_parity`` compares the two elementwise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 import torch
 from mpi4py import MPI
 
-from hpctrain import hookimpl
-
-Box = Tuple[Tuple[int, int], ...]
+from hpctrain.parity import StepRecord
+from hpctrain.parity import record as _record
 
 
 def data_parallel(model, mesh, cfg, pm):
@@ -35,72 +32,12 @@ def data_parallel(model, mesh, cfg, pm):
     return model
 
 
-@dataclass
-class StepRecord:
-    loss: float
-    grad_norm: float
-    grads: Dict[str, torch.Tensor] = field(default_factory=dict)
-    """Logical gradient by logical name (parameters without a gradient are absent)."""
-
-
-class _GradTap:
-    """Collects this rank's gradient pieces once the gradient sync is done
-    (``trylast``: after every plugin's ``hpctrain_after_backward``), from
-    whoever owns the gradients (the parameters, or a ZeRO optimizer's shards)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.pieces: List[Tuple[str, Tuple[int, ...], Box, torch.Tensor]] = []
-
-    @hookimpl(trylast=True)
-    def hpctrain_after_backward(self, model, mesh):
-        from hpctrain.train.grad_norm import gradient_pairs
-
-        self.pieces = []
-        for grad, spec in gradient_pairs(self.trainer.params, self.trainer.optimizer):
-            for piece in spec.pieces(mesh.coords, mesh.sizes):
-                self.pieces.append((spec.logical_name, spec.global_shape, piece.box,
-                                    piece.take(grad).detach().to("cpu", torch.float32).clone()))
-
-
-def assemble(pieces, comm=None, check_replicas: bool = True) -> Dict[str, torch.Tensor]:
-    """Logical tensors from every rank's (name, shape, box, values); with
-    ``comm`` (an mpi4py communicator) the pieces of all its ranks."""
-    everyone = comm.allgather(pieces) if comm is not None else [pieces]
-    out: Dict[str, torch.Tensor] = {}
-    filled: Dict[str, torch.Tensor] = {}
-    for rank, found in enumerate(everyone):
-        for name, shape, box, values in found:
-            if name not in out:
-                out[name] = torch.zeros(shape)
-                filled[name] = torch.zeros(shape, dtype=torch.bool)
-            where = tuple(slice(a, b) for a, b in box)
-            if check_replicas and bool(filled[name][where].any()):
-                held = out[name][where][filled[name][where]]
-                new = values[filled[name][where]]
-                assert torch.equal(held, new), f"{name} {box}: rank {rank}'s replica differs from another rank's"
-            out[name][where] = values
-            filled[name][where] = True
-    for name, mask in filled.items():
-        assert bool(mask.all()), f"{name}: the ranks' pieces do not cover the logical tensor"
-    return out
-
-
 def record(trainer, steps: int, comm=None) -> List[StepRecord]:
-    """Train ``steps`` steps; the loss, norm and logical gradients of each.
-    ``comm`` (default the MPI world) gathers the pieces; a reference trainer
-    (one process in this rank) passes ``MPI.COMM_SELF``."""
-    comm = comm or MPI.COMM_WORLD
-    tap = _GradTap(trainer)
-    trainer.pm.register(tap)
-    try:
-        out = []
-        for _ in range(steps):
-            m = trainer.train_step()
-            out.append(StepRecord(m["loss"], m["grad_norm"], assemble(tap.pieces, comm)))
-        return out
-    finally:
-        trainer.pm.unregister(tap)
+    """``hpctrain.parity.record`` to every rank; replicas of a piece must agree exactly."""
+    out = _record(trainer, steps, comm)
+    for step, r in enumerate(out, start=1):
+        assert not r.replica_diffs, f"step {step}: replicas of one piece differ: {r.replica_diffs}"
+    return out
 
 
 _REFERENCES: Dict[Tuple[Tuple[str, ...], int], List["StepRecord"]] = {}

@@ -2,7 +2,7 @@
 the same per-step losses and the same gradient of every parameter (expert
 weights assembled from the ep ranks that hold them), dropless at ep 2 and 4,
 with data parallelism and tensor parallelism (sequence parallelism on and
-off) around it, with shared experts, and with the sigmoid router (whose
+off) and context parallelism around it, with shared experts, and with the sigmoid router (whose
 selection biases move after every step from the world's loads). With a
 capacity the same assignments are dropped as in one process; a router that
 sends every token to one expert trains (three of four ep ranks receive no
@@ -152,6 +152,18 @@ def test_capacity_with_sequence_parallel_tensor_parallelism(world, pm):
     trainer = _check(pm, ("model.moe.capacity_factor=0.75",), "parallel.ep=2", "parallel.tp=2",
                      "parallel.sequence_parallel=true")
     assert trainer.metrics["moe.dropped_fraction"] > 0
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("capacity", [None, 0.75], ids=["dropless", "capacity"])
+def test_ep2_with_context_parallelism(world, pm, capacity):
+    """cp 2 splits every sequence into zigzag chunks: the balance loss (not
+    linear in the tokens) is formed from the whole micro-batch's statistics,
+    and a capacity's priority order runs over the true positions."""
+    model = () if capacity is None else (f"model.moe.capacity_factor={capacity}",)
+    trainer = _check(pm, model, "parallel.ep=2", "parallel.cp=2", "parallel.dp=-1")
+    if capacity is not None:
+        assert trainer.metrics["moe.dropped_fraction"] > 0
 
 
 def _force_expert_zero(trainer):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+import subprocess
 import time
 from pathlib import Path
 
@@ -170,3 +172,32 @@ def test_the_jobs_time_limit_stops_the_run_with_a_checkpoint(slurm, job_name, tm
     assert proc.returncode == 75, _show(proc)
     assert "stopped on the SLURM job's time limit" in proc.stderr, _show(proc)
     assert len(list(ckpt.glob("step_*.h5"))) == 1
+
+
+def test_the_planners_command_for_eight_cpu_ranks_runs_as_printed(slurm, job_name, tmp_path):
+    """hpctrain-plan for the cpu-8 cluster preset prints an srun line; that
+    line, split as a shell would and run unchanged, trains on 8 ranks with
+    the planned layout. (The job name, time limit and run directory come
+    from srun's and hpctrain's environment variables, not from the line.)"""
+    plan = subprocess.run(["hpctrain-plan", "cluster=cpu-8", "model=tiny", "trainer.steps=3", "trainer.log_every=1"],
+                          env=slurm.env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, _show(plan)
+    lines = plan.stdout.splitlines()
+    command = lines[lines.index("run it with:") + 1].strip()
+    assert command.startswith("srun --nodes=1 --ntasks-per-node=8 --mpi=pmix hpctrain-train "), command
+    layout = {k: int(v) for k, v in re.findall(r"\bparallel\.(tp|cp|ep|dp|pp)=(\d+)", command)}
+    assert math.prod(layout.values()) == 8, command
+
+    run_dir = tmp_path / "run"
+    env = dict(slurm.env, SLURM_JOB_NAME=job_name, SLURM_TIMELIMIT="5", HPCTRAIN_RUN_DIR=str(run_dir))
+    try:
+        proc = subprocess.run(shlex.split(command), env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=slurm.timeout)
+    except subprocess.TimeoutExpired as e:
+        slurm.cancel(job_name)
+        pytest.fail(f"{command} did not finish in {slurm.timeout:.0f} s:\n{e.stdout or ''}\n{e.stderr or ''}")
+    assert proc.returncode == 0, _show(proc)
+    _check_training(run_dir, steps=3, world=layout["dp"])
+    log = (run_dir / "train.log").read_text()
+    for axis, n in layout.items():
+        assert re.search(rf"layout .*\b{axis}={n}\b", log), (axis, n, log)

@@ -68,3 +68,20 @@ def test_plugin_sections_fold_into_the_schema():
     assert inst.parallel.zero.stage == 0 and inst.extra.every == 3 and inst.parallel.dp == -1
     cfg = compose(["parallel.zero.stage=2", "extra.every=5"], pm)
     assert cfg.parallel.zero.stage == 2 and cfg.extra.every == 5
+
+
+@pytest.mark.parametrize("preset,sizes,model", [
+    ("3d", {"tp": 2, "cp": 1, "ep": 1, "dp": -1, "pp": 2}, "tiny"),
+    ("4d", {"tp": 2, "cp": 2, "ep": 1, "dp": -1, "pp": 2}, "tiny"),
+    ("5d-moe", {"tp": 2, "cp": 1, "ep": 2, "dp": -1, "pp": 2}, "tiny-moe"),
+])
+def test_layout_presets_compose_and_validate_at_eight_ranks(make_config, pm, preset, sizes, model):
+    from hpctrain.config.validate import validate
+
+    cfg = make_config(f"parallel={preset}")
+    assert {a: cfg.parallel[a] for a in sizes} == sizes
+    assert cfg.parallel.zero.stage == 1 and cfg.parallel.pipeline.schedule == "1f1b"
+    assert cfg.model.name == model
+    assert validate(cfg, 8, pm) == []
+    if preset == "5d-moe":  # a model= on the command line still wins over the preset's
+        assert make_config(f"parallel={preset}", "model=tiny").model.name == "tiny"

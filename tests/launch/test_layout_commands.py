@@ -1,0 +1,59 @@
+"""The README's five-axis commands, launched as users launch them: the 3D
+preset trains under ``mpiexec -n 8 hpctrain-train parallel=3d``, and
+``hpctrain-parity`` says it trains what one process trains (exit 0, an OK
+line), while a layout the validator refuses ends with its one-line errors
+and exit status 2 (the broken-plugin case is tests/mpi/test_parity_command.py)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = shutil.which("mpiexec.openmpi") or shutil.which("mpiexec")
+TIMEOUT = 300
+BIN = Path(sys.executable).parent
+SMALL = ["trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32"]
+
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_mpi_yield_when_idle="1")
+    return env
+
+
+def _launch(n, exe, *args, cwd=None):
+    return subprocess.run([MPIEXEC, "-n", str(n), str(BIN / exe), *args], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT, cwd=cwd)
+
+
+def test_readme_3d_run_trains(tmp_path):
+    r = _launch(8, "hpctrain-train", "parallel=3d", "trainer.steps=2", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    log = (tmp_path / "train.log").read_text()
+    assert "layout tp=2 * cp=1 * ep=1 * dp=2 * pp=2" in log, log
+
+
+def test_parity_command_passes_the_3d_preset():
+    r = _launch(8, "hpctrain-parity", "--steps", "2", "parallel=3d", "model.n_layers=4", *SMALL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1].startswith("OK: every step within tolerance"), r.stdout
+    assert [line.split()[0] for line in lines[-3:-1]] == ["1", "2"], r.stdout
+    assert "tp 2 x dp 2 x pp 2 (8 ranks) against one process" in r.stderr, r.stderr
+
+
+def test_parity_command_refuses_a_bad_layout_once():
+    r = _launch(2, "hpctrain-parity", "parallel.tp=3", "parallel.cp=3", *SMALL)
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert any("parallel.tp=3 does not divide model.n_heads=4" in e for e in errors), r.stderr
+    assert any("world size 2 is not divisible" in e for e in errors), r.stderr
+    assert len(errors) == len(set(errors)) and "Traceback" not in r.stderr, r.stderr
