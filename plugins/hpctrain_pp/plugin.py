@@ -100,10 +100,6 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         problems.append(f"parallel.zero.stage={stage} with parallel.pp={pp} and model.tie_embeddings=true: the "
                         "tied embedding's gradient is summed between the first and last stage after the data-"
                         "parallel reduction, which ZeRO leaves sharded; use parallel.zero.stage=0 or untie it")
-    if stage and stage >= 2:
-        problems.append(f"parallel.zero.stage={stage} with parallel.pp={pp}: ZeRO-2/3 reduce-scatter each "
-                        "micro-batch's gradients, which a pipeline's interleaved backwards cannot do; use "
-                        "parallel.zero.stage=1 (as DeepSpeed and Megatron-LM do with pipelines)")
     return problems or None
 
 

@@ -19,9 +19,11 @@ gradient between steps (accumulated over micro-batches, reduce-scattered
 after the last) and the reduce-scatter's output C r; stages 2 and 3 keep
 only the output. On top of that, *in flight*: stages 2 and 3 hold the
 gradient buffers of buckets being reduced (bounded by the two largest flat
-groups, r bytes each), and stage 3 the gathered units (the two largest:
-the one in use and the one prefetched; all of them without
-``reshard_after_forward``). Activations are not counted.
+groups, r bytes each; under a pipeline, whose micro-batches' backwards
+interleave, the whole P r until the step's last backward), and stage 3 the gathered units (the two largest:
+the one in use and the one prefetched; under a pipeline also the stage's
+last unit, kept gathered for its backward while the next micro-batch's
+forward gathers; all of them without ``reshard_after_forward``). Activations are not counted.
 """
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ def expected(setup: Any) -> ZeroMemory:
     U = sum(p.numel() for p in setup.unsharded)
     master = 4 * C if setup.stage in (1, 2) and p_size < 4 else 0
     buckets = _two_largest(fg.total * r_size for fg in flats) if setup.stage >= 2 else 0
+    if setup.stage >= 2 and setup.mesh.size("pp") > 1:  # accumulated whole, reduce-scattered once per step
+        buckets = P * r_size
     if setup.stage == 1:
         params, grads = P * p_size, P * r_size + C * r_size
     elif setup.stage == 2:
@@ -93,6 +97,8 @@ def expected(setup: Any) -> ZeroMemory:
     if setup.stage == 3:
         units = [sum(fg.total for fg in setup.unit_flats[u.name]) * p_size for u in setup.units]
         gathered = _two_largest(units) if z.reshard_after_forward else sum(units)
+        if z.reshard_after_forward and setup.mesh.size("pp") > 1 and len(units) > 2:
+            gathered = units[-1] + _two_largest(units[:-1])  # the last unit, kept for its backward, meets the next forward
     return ZeroMemory(params + 4 * U, grads + 4 * U, optimizer + 8 * U, buckets + gathered)
 
 

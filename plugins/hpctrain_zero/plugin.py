@@ -223,7 +223,8 @@ def hpctrain_after_materialize(model: nn.Module, mesh: Any, cfg: Any) -> None:
     numels = {id(p): n for fg in setup.flats for p, n in zip(fg.params, fg.numels)}
     groups = {id(p): fg.group.communicator() for fg in setup.flats for p in fg.params}
     engine = grad_sync.GradSync(lambda p: groups.get(id(p)), 0, reduce_scatter=True, keep_grads=False,
-                                every_microbatch=z.stage >= 2, dtype=dtype_of(z.reduce_dtype),
+                                every_microbatch=z.stage >= 2 and mesh.size("pp") == 1,
+                                dtype=dtype_of(z.reduce_dtype),
                                 release_buffers=z.stage >= 2, max_in_flight=1, device=setup.device)
     params = [p for fg in setup.flats for p in fg.params]
     engine.attach(params, buckets=[fg.params for fg in reversed(setup.flats)], numel_of=lambda p: numels[id(p)])
@@ -327,6 +328,8 @@ def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
     setup.engine.finish()
     if setup.stage == 0:
         return
+    if setup.gatherer is not None:  # units a pipeline stage still holds gathered: back to their shards first
+        setup.gatherer.release_all()
     for bucket, fg in zip(setup.engine.buckets, reversed(setup.flats)):
         if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
             across = fg.replicas.communicator()
@@ -343,5 +346,3 @@ def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
             if grad.dtype != shard.dtype or grad.device != shard.device:  # fp32 master, or on the host (offload=cpu)
                 grad = grad.to(device=shard.device, dtype=shard.dtype)
             shard.grad = grad if bucket.used_anywhere[i] else None
-    if setup.gatherer is not None:
-        setup.gatherer.release_all()

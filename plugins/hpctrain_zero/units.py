@@ -25,7 +25,13 @@ class Unit:
 
 
 def model_units(model: nn.Module) -> List[Unit]:
-    """The units of ``model`` (a ``Transformer``, possibly one pipeline stage's part)."""
+    """The units of ``model`` (a ``Transformer``, possibly one pipeline stage's
+    part, or an interleaved pipeline's chunks: each chunk's units in turn,
+    named ``chunks.<c>.<unit>``, since the schedule calls the chunks directly)."""
+    chunks = getattr(model, "chunks", None)
+    if isinstance(chunks, nn.ModuleList):
+        return [Unit(f"chunks.{c}.{u.name}", u.modules, u.params, [f"chunks.{c}.{d}" for d in u.depends])
+                for c, chunk in enumerate(chunks) for u in model_units(chunk)]
     found: List[Unit] = []
     if getattr(model, "tok_embeddings", None) is not None:
         found.append(Unit("embed", [model.tok_embeddings]))

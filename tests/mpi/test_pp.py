@@ -100,3 +100,23 @@ def test_pp2_with_tensor_parallelism(world, pm, schedule):
 @pytest.mark.parametrize("schedule", AROUND)
 def test_pp2_with_zero1(world, pm, schedule):
     _check(pm, FOUR, "parallel.pp=2", "parallel.zero.stage=1", f"parallel.pipeline.schedule={schedule}")
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage, schedule", [(2, "1f1b"), (2, "interleaved"), (3, "gpipe"), (3, "1f1b"),
+                                             (3, "interleaved"), (3, "zb-h1")])
+def test_pp2_with_zero23(world, pm, stage, schedule):
+    """ZeRO-2/3 under a pipeline: gradients accumulate whole through the step
+    (the stages' backwards interleave) and are reduce-scattered once after the
+    last; stage 3 gathers each unit, interleaved chunks' units included. The
+    bytes held after the steps are the plugin's formula (in flight: at most)."""
+    from hpctrain_zero.memory import measured
+    from hpctrain_zero.plugin import setup_of
+
+    vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
+    trainer = _check(pm, FOUR, "parallel.pp=2", f"parallel.zero.stage={stage}",
+                     f"parallel.pipeline.schedule={schedule}", *vpp)
+    setup = setup_of(trainer.model)
+    want, seen = setup.memory, measured(setup, trainer.model, trainer.optimizer)
+    assert (seen.params, seen.grads, seen.optimizer) == (want.params, want.grads, want.optimizer)
+    assert 0 < seen.in_flight <= want.in_flight
