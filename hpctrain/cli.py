@@ -49,6 +49,17 @@ def _fail(message: str, rank: int, code: int, prefix: str = "error") -> int:
     return code
 
 
+def crash(rt) -> int:
+    """An unexpected exception on this rank: its traceback, each line marked
+    with the rank, then MPI_Abort, so no other rank waits in a collective."""
+    tb = traceback.format_exc()
+    sys.stderr.write("".join(f"[rank {rt.world_rank}] {line}\n" for line in tb.rstrip().splitlines()))
+    sys.stderr.flush()
+    if rt.world_size > 1:
+        rt.mpi_comm.Abort(1)
+    return 1
+
+
 def _execute(cfg_yaml: str, run_dir: str) -> int:
     """Run one job on this rank from rank 0's resolved config."""
     from hpctrain.bootstrap import get_runtime
@@ -73,12 +84,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
             rt.mpi_comm.Barrier()  # rank 0 has written its line before any rank exits
         return code
     except Exception:
-        tb = traceback.format_exc()
-        sys.stderr.write("".join(f"[rank {rt.world_rank}] {line}\n" for line in tb.rstrip().splitlines()))
-        sys.stderr.flush()
-        if rt.world_size > 1:
-            rt.mpi_comm.Abort(1)
-        return 1
+        return crash(rt)
 
 
 def _hydra_main(argv: List[str], world) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from typing import List, Optional
 
 from hpctrain.errors import ConfigError, HpctrainError
@@ -130,7 +129,7 @@ def check(args: argparse.Namespace, pm=None) -> int:
 
 def main(argv: Optional[List[str]] = None, pm=None) -> int:
     from hpctrain.bootstrap import init_runtime, shutdown
-    from hpctrain.cli import _fail
+    from hpctrain.cli import _fail, crash
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -142,12 +141,7 @@ def main(argv: Optional[List[str]] = None, pm=None) -> int:
     except HpctrainError as e:  # validation is agreed over every rank: all raise it together
         return _fail(str(e), rt.world_rank, e.exit_code, e.prefix)
     except Exception:  # one rank's failure must not leave the others waiting in a collective
-        tb = traceback.format_exc()
-        sys.stderr.write("".join(f"[rank {rt.world_rank}] {line}\n" for line in tb.rstrip().splitlines()))
-        sys.stderr.flush()
-        if rt.world_size > 1:
-            rt.mpi_comm.Abort(1)
-        return 1
+        return crash(rt)
     finally:
         shutdown()
 

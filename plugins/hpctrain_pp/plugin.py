@@ -12,10 +12,13 @@ trainer the executor (``executor.PipelineSchedule``) for the rank's program
 
 Validation, before any collective: the schedule can run with the step's
 micro-batches (m = global batch / (micro-batch x dp x ep) >= pp; a
-multiple of pp for interleaved), the blocks split as asked, and ZeRO stays
-at stage 0 or 1 (stages 2 and 3 reduce-scatter every micro-batch's
-gradients, which needs each micro-batch's backward to be one pass over the
-whole model; DeepSpeed and Megatron-LM pair pipelines with stage 1 too).
+multiple of pp for interleaved) and the blocks split as asked.
+
+Tied embeddings: the first and last stage each hold a copy and sum their
+gradients after the data axes' reduction (``hpctrain_after_backward``);
+under ZeRO (``parallel.zero.stage`` >= 1) the ZeRO plugin sums them over
+its gradient shards instead (the copy is its own flat group at both ends,
+so rank r's shards cover the same elements), and this plugin leaves them.
 """
 from __future__ import annotations
 
@@ -28,6 +31,9 @@ from torch import nn
 from hpctrain.config import plugin_section
 from hpctrain import hookimpl
 from hpctrain.log import log_rank0
+
+TIES_SUMMED_BY_ZERO = "_hpctrain_ties_summed_by_zero"
+"""Set on the staged model when ZeRO sums the tied embedding's gradient shards."""
 from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp.config import PipelineConfig
@@ -95,11 +101,6 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         stage_layers(pc.layers, cfg.model.n_layers, pp * pc.vpp)
     except ValueError as e:
         problems.append(str(e))
-    stage = OmegaConf.select(cfg, "parallel.zero.stage", default=0)
-    if stage and cfg.model.tie_embeddings:
-        problems.append(f"parallel.zero.stage={stage} with parallel.pp={pp} and model.tie_embeddings=true: the "
-                        "tied embedding's gradient is summed between the first and last stage after the data-"
-                        "parallel reduction, which ZeRO leaves sharded; use parallel.zero.stage=0 or untie it")
     return problems or None
 
 
@@ -127,7 +128,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
             set_spec(prm, spec.on("pp", holders))
     log_rank0("pipeline: pp=%d, schedule %s%s, blocks per stage %s", p, pc.schedule,
               f" (vpp {v})" if v > 1 else "", [len(x) for x in layers])
-    return chunks[0] if v == 1 else PipelineChunks(chunks)
+    staged = chunks[0] if v == 1 else PipelineChunks(chunks)
+    if tied and OmegaConf.select(cfg, "parallel.zero.stage", default=0):
+        setattr(staged, TIES_SUMMED_BY_ZERO, True)
+    return staged
 
 
 @hookimpl
@@ -151,7 +155,7 @@ def hpctrain_step_schedule(cfg: Any, mesh: Any) -> Optional[PipelineSchedule]:
 def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
     """After the data axes' reduction (trylast: the dp or ZeRO plugin has
     finished), sum tied embedding gradients between the first and last stage."""
-    if mesh.size("pp") > 1:
+    if mesh.size("pp") > 1 and not getattr(model, TIES_SUMMED_BY_ZERO, False):
         sum_tied_gradients(model, mesh.pp_ends())
 
 

@@ -144,7 +144,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
             if group.size == 1:
                 unsharded.append(p)
                 continue
-            by_group.setdefault(group.name, (group, []))[1].append(p)
+            # a copy held by two pipeline stages (tied embeddings) is a flat group of its own, cut alike at
+            # both ends, so the ends can sum their gradient shards element for element
+            key = group.name + ("@tied" if _tied_across_stages(p) else "")
+            by_group.setdefault(key, (group, []))[1].append(p)
         unit_flats[unit.name] = [FlatGroup(f"{unit.name}@{name}", ps, *_shard_groups(mesh, group, z))
                                  for name, (group, ps) in by_group.items()]
         flats += unit_flats[unit.name]
@@ -153,6 +156,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
         _shard_parameters(model, flats, units)
     setattr(model, STATE_ATTR, ZeroSetup(z, mesh, units, flats, unit_flats, shapes, unsharded))
     return model
+
+
+def _tied_across_stages(p: nn.Parameter) -> bool:
+    return len(dict(get_spec(p).held_on).get("pp", ())) > 1
 
 
 def _shard_groups(mesh: Any, group: Any, z: ZeroConfig) -> Tuple[Any, Tuple[int, ...], Optional[Any]]:
@@ -346,3 +353,7 @@ def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
             if grad.dtype != shard.dtype or grad.device != shard.device:  # fp32 master, or on the host (offload=cpu)
                 grad = grad.to(device=shard.device, dtype=shard.dtype)
             shard.grad = grad if bucket.used_anywhere[i] else None
+            if _tied_across_stages(p):  # the embedding's shard plus the output projection's (the same elements)
+                if shard.grad is None:
+                    shard.grad = torch.zeros_like(shard)
+                mesh.pp_ends().communicator().all_reduce(shard.grad, ReduceOp.SUM)

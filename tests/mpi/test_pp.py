@@ -1,8 +1,8 @@
 """Pipeline parallelism trains the model of one process: every schedule at
 pp 2 and 4 gives the same per-step losses and the same gradient of every
 parameter (each assembled from the stage that holds it), and so do
-interleaving, an uneven split, tied embeddings, and pp with dp, tp and
-ZeRO-1 around it.
+interleaving, an uneven split, tied embeddings (with ZeRO too), and pp
+with dp, tp and ZeRO 1-3 around it.
 
 Tolerances (fp32), as for data parallelism: a pipeline changes only where
 each micro-batch's backward runs and how gradients are summed over
@@ -75,6 +75,16 @@ def test_tied_embeddings(world, pm, schedule):
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     _check(pm, FOUR + ("model.tie_embeddings=true",), "parallel.pp=2", f"parallel.pipeline.schedule={schedule}",
            *vpp)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage, schedule", [(1, "1f1b"), (2, "zb-h1"), (3, "interleaved")])
+def test_tied_embeddings_with_zero(world, pm, stage, schedule):
+    """Under ZeRO the two copies' gradients are summed over the shards: the
+    copy is a flat group of its own at both ends, cut alike."""
+    vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
+    _check(pm, FOUR + ("model.tie_embeddings=true",), "parallel.pp=2", f"parallel.zero.stage={stage}",
+           f"parallel.pipeline.schedule={schedule}", *vpp)
 
 
 # zb-h1 as well: its weight pass writes .grad by hand and marks it ready

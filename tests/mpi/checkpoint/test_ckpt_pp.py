@@ -51,3 +51,22 @@ def test_pp2_resumes_at_pp4(saved_at_pp2, straight):
     trainer = build_trainer(*MODEL, "parallel.pp=4", f"checkpoint.resume={saved_at_pp2}")
     assert trainer.step == 2
     assert losses(trainer, 2) == pytest.approx(straight[2:], rel=1e-6)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_tied_embeddings_under_zero3_resume_in_one_process(module_dir):
+    """pp 2 x dp 2 with ZeRO-3 and tied embeddings: both ends hold the
+    table's shards; the file holds it once and one process continues."""
+    tied = (*MODEL, "model.tie_embeddings=true")
+    straight = losses(reference_trainer(config(*BASE, *tied)), 4)
+    trainer = build_trainer(*tied, "parallel.pp=2", "parallel.zero.stage=3", f"checkpoint.dir={module_dir}",
+                            "checkpoint.every=100")
+    assert losses(trainer, 2) == pytest.approx(straight[:2], rel=1e-6)
+    path = trainer.save_checkpoint(f"{module_dir}/tied-zero3.h5")
+    MPI.COMM_WORLD.Barrier()
+    with h5py.File(path, "r") as f:
+        assert "tok_embeddings.weight" in f["/model"] and "output.weight" not in f["/model"]
+    alone = reference_trainer(config(*BASE, *tied))
+    alone_checkpointer().load(alone, path)
+    assert alone.step == 2
+    assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
