@@ -5,6 +5,14 @@ under ``mpiexec -n N python -m pytest --with-mpi tests/mpi`` and are marked
 ``@pytest.mark.mpi(min_size=N)``; scripts/test.sh runs them at 2, 4 and 8
 ranks. Every rank runs the whole session, so fixtures that touch the
 filesystem agree on one path through MPI.
+
+At 8 ranks (and more) only the tests written for 8 ranks and those marked
+``every_size`` run: 8 oversubscribed ranks cost about four times what 4 do on
+a 2-core CI machine, and a test written for 2 or 4 ranks has already run at
+2 and 4 (at 8 the same code gets only a larger dp). Mark ``every_size`` what
+the world size changes (collectives, resharding, shard padding, emulated
+nodes, tp = the world). ``HPCTRAIN_TEST_EVERY_SIZE=1`` runs every test at
+every size.
 """
 from __future__ import annotations
 
@@ -61,3 +69,26 @@ def make_config(pm):
 
 
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+#: from this world size on, tests written for fewer ranks run only when marked ``every_size``
+LARGE_WORLD = 8
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "every_size: a test written for fewer ranks that also runs at 8 and more (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--with-mpi", default=False) or os.environ.get("HPCTRAIN_TEST_EVERY_SIZE") == "1":
+        return
+    size = _world().Get_size()
+    if size < LARGE_WORLD:
+        return
+    for item in items:
+        mpi = item.get_closest_marker("mpi")
+        written_for = mpi.kwargs.get("min_size", 1) if mpi is not None else None
+        if written_for is not None and written_for < LARGE_WORLD and item.get_closest_marker("every_size") is None:
+            skip = pytest.mark.skip(reason=f"written for {written_for} ranks: runs below {LARGE_WORLD}, "
+                                           f"at {size} only if marked every_size")
+            item.add_marker(skip)

@@ -5,6 +5,8 @@ import torch
 
 from hpctrain.bootstrap import _topology, get_runtime, init_torch_distributed
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 @pytest.mark.mpi(min_size=2)
 def test_runtime_matches_mpi(world):

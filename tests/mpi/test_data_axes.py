@@ -55,7 +55,7 @@ def _run(world, pm, dp, ep, backend):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("backend", ["torch", "mpi"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mpi", marks=pytest.mark.every_size)])  # ep 8 at 8 ranks
 def test_dp_times_ep_trains_like_one_process(world, pm, one_process, backend):
     n = world.Get_size()
     layouts = _layouts(n) if backend == "torch" else _layouts(n)[-1:]  # keeps the 8-rank session short

@@ -101,7 +101,10 @@ def _train(cfg, pm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [
+    # dp 8 accumulating through tiny buckets, and 4 emulated nodes for hier, also at 8 ranks
+    pytest.param(c, marks=pytest.mark.every_size) if c in ("tiny_buckets_accumulation", "hier_backend") else c
+    for c in CASES])
 def test_dp_trains_like_one_process(case, reference, world, make_config, pm):
     from hpctrain.plugins import capabilities
 

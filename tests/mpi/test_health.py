@@ -14,6 +14,8 @@ import torch
 from hpctrain.train.health import ReplicasDiverged
 from parity import world_trainer
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100")
 

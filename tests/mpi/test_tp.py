@@ -38,6 +38,7 @@ def _check(pm, model, *layout):
     return trainer
 
 
+@pytest.mark.every_size  # tp = the world: 8 heads at 8 ranks
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_tp_trains_like_one_process(world, pm, sequence_parallel):
@@ -131,6 +132,7 @@ def _comm_theory(n, layers, h, tokens, microbatches, sequence_parallel):
     return microbatches * (layers * per_layer + norms + ends + loss) + step_totals
 
 
+@pytest.mark.every_size  # tp = the world: 8 heads at 8 ranks
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_comm_bytes_tp_equals_theory(world, pm, sequence_parallel):
@@ -154,6 +156,7 @@ def _planner_probe():
     return module
 
 
+@pytest.mark.every_size  # tp = the world: 8 heads at 8 ranks
 @pytest.mark.mpi(min_size=2)
 def test_sequence_parallel_activations_match_the_planner(world, pm):
     """Bytes saved for backward per block on each rank (saved-tensor hooks)

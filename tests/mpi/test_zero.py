@@ -108,6 +108,7 @@ def _formula(stage, n, units, unsharded=0, p=4, r=4, reshard=True):
     return params, grads, optim, in_flight
 
 
+@pytest.mark.every_size  # shard padding depends on the world size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_memory_log_is_the_zero_formula_to_the_byte(world, pm, stage):
@@ -131,6 +132,7 @@ def test_memory_log_is_the_zero_formula_to_the_byte(world, pm, stage):
     assert seen.in_flight <= want[3]
 
 
+@pytest.mark.every_size  # shard padding depends on the world size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_planner_predicts_the_bytes_zero_holds(world, pm, stage):
@@ -190,6 +192,7 @@ def test_bf16_parameters_with_fp32_masters_and_reduction(world, pm, one_process)
             assert trainer.optimizer.state[p]["master"].dtype == torch.float32
 
 
+@pytest.mark.every_size  # 8 ranks are 4 emulated nodes
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_hierarchical_sharding_within_emulated_nodes(world, pm, one_process, stage):

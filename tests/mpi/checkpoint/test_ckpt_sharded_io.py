@@ -17,7 +17,7 @@ from hpctrain_h5ckpt.options import IOOptions
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.writer import write_file
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.every_size]  # the world size changes what is tested
 SHAPE = (12, 8)
 LOGICAL = {name: (np.arange(math.prod(SHAPE), dtype=np.float32).reshape(SHAPE) * (k + 1) - 7.5)
            for k, name in enumerate(("/model/rows", "/model/flat", "/model/cols"))}

@@ -36,7 +36,7 @@ from hpctrain import hookimpl
 from hpctrain.plugins import get_manager
 from hpctrain.shard import SPEC_ATTR, Block, ShardSpec, get_spec, replicated_spec, set_spec
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.every_size]  # the world size changes what is tested
 
 NAME = "split_kinds"
 VOCAB = 250

@@ -20,7 +20,7 @@ from hpctrain.train.trainer import Trainer
 from hpctrain_h5ckpt import options
 from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.every_size]  # the world size changes what is tested
 
 
 def test_every_smaller_layout_loads_the_logical_tensors(shared_tmp):

@@ -11,6 +11,8 @@ from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 from hpctrain.plugins import get_manager
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 def _in_step(comm):
     t = torch.ones(3)

@@ -67,6 +67,8 @@ from hpctrain.mesh import Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.run import backend_factory
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 BACKENDS = ["torch", "mpi", "hier"]
 GROUP_AXES = {"world": ("tp", "dp"), "tp": "tp", "dp": "dp"}
 U32 = 2.0 ** -24

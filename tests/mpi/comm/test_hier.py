@@ -16,6 +16,8 @@ from hpctrain.mesh import Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.run import backend_factory
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 @pytest.mark.mpi(min_size=4)
 def test_world_group_is_two_level(comms):

@@ -17,6 +17,8 @@ from comm_reference import (
 )
 from hpctrain.comm.protocol import P2POp
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 def _done(work, variant):
     if variant == "async":

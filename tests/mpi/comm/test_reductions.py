@@ -16,6 +16,8 @@ from comm_reference import (
 )
 from hpctrain.comm.protocol import CompletedWork, ReduceOp
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 def _wait(work, async_op):
     if async_op:

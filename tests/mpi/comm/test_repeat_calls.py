@@ -18,6 +18,8 @@ from comm_reference import all_inputs, assert_reduced, reduce_reference
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 REPEATING = ["mpi", "hier"]  # hier's inner backends are mpi here
 
 

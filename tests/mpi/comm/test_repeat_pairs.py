@@ -24,6 +24,8 @@ from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 from hpctrain.plugins import get_manager
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 REPEATING = ["mpi", "hier"]  # hier's inner backends are mpi here
 
 

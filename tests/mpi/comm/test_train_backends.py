@@ -15,6 +15,8 @@ from mpi4py import MPI
 from conftest import compose_config
 from hpctrain.run import prepare_run, reference_trainer
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 # fp32: the only difference from one process is the order in which the
 # per-rank gradient sums are added (~1e-7 relative per step); 1e-5 leaves
 # room for 6 Adam steps amplifying it.

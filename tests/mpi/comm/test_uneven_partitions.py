@@ -21,6 +21,8 @@ from hpctrain.comm.protocol import ReduceOp
 from hpctrain.run import build_mesh
 from hpctrain.plugins import get_manager
 
+pytestmark = pytest.mark.every_size  # the world size changes what is tested
+
 
 def _check_every_group(mesh):
     for name, group in sorted(mesh.groups.items()):
