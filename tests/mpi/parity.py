@@ -9,7 +9,8 @@ the reference; ``assert_parity`` compares the two elementwise.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
@@ -55,9 +56,10 @@ def shared_reference(overrides: Tuple[str, ...], steps: int) -> List["StepRecord
     return _REFERENCES[key]
 
 
-def world_trainer(pm, *overrides: str):
+def world_trainer(pm, *overrides: str, rank_nodes: Optional[Sequence[int]] = None):
     """A Trainer on the whole MPI world for these overrides (CPU), the config
-    validated as a run validates it."""
+    validated as a run validates it. ``rank_nodes`` (the node of every world
+    rank) emulates a node layout for this trainer alone."""
     from hpctrain.bootstrap import with_device
     from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
@@ -66,6 +68,8 @@ def world_trainer(pm, *overrides: str):
 
     cfg = compose_resolved(overrides, pm)
     rt = with_device("cpu")
+    if rank_nodes is not None:
+        rt = dataclasses.replace(rt, rank_nodes=tuple(rank_nodes))
     assert validate(cfg, rt.world_size, pm) == []
     configure_torch(cfg, rt)
     return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)

@@ -87,6 +87,25 @@ def test_tied_embeddings_with_zero(world, pm, stage, schedule):
            f"parallel.pipeline.schedule={schedule}", *vpp)
 
 
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("stage, schedule", [(2, "1f1b"), (3, "interleaved")])
+def test_tied_embeddings_with_hierarchical_zero(world, pm, stage, schedule):
+    """``shard_group=node`` with tied embeddings, pp 2 x dp 4 on 4 emulated
+    nodes of 2 ranks: each stage's dp group spans 2 nodes, ZeRO cuts its
+    flat groups over a node's 2 ranks and replicates them across the nodes,
+    and the two ends' tied-table shards still meet element for element."""
+    from hpctrain_zero.plugin import setup_of
+
+    vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
+    model = FOUR + ("model.tie_embeddings=true",)
+    layout = ("parallel.pp=2", f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
+              f"parallel.pipeline.schedule={schedule}", *vpp)
+    trainer = world_trainer(pm, *BASE, *model, *layout, rank_nodes=[r // 2 for r in range(world.Get_size())])
+    flats = setup_of(trainer.model).flats
+    assert flats and all(fg.group.size == 2 and fg.replicas.size == 2 for fg in flats)
+    assert_parity(record(trainer, STEPS), one_process(*model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+
+
 # zb-h1 as well: its weight pass writes .grad by hand and marks it ready
 # with the gradient-sync engine (views under dp, copy-in under ZeRO-1), and
 # under tp its B and W both run tp's custom autograd functions

@@ -199,21 +199,11 @@ def test_hierarchical_sharding_within_emulated_nodes(world, pm, one_process, sta
     """``shard_group=node`` with nodes of 2 ranks (4 ranks: 2 nodes of 2):
     chunks are cut over a node's 2 ranks and replicated on the other nodes;
     the model trains like one process (the parity tolerances above)."""
-    from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
-    from hpctrain.mesh import AXES, Mesh
-    from hpctrain.run import backend_factory, configure_torch
-    from hpctrain.train.trainer import Trainer
     from hpctrain_zero.plugin import setup_of
 
     n = world.Get_size()
-    cfg = compose_resolved(BASE + (f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node"), pm)
-    rt = with_device("cpu")
-    configure_torch(cfg, rt)
-    mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, n, cfg.parallel.order,
-                rank_nodes=[r // 2 for r in range(n)])
-    mesh.attach_backends(backend_factory(cfg, pm, rt.device))
-    trainer = Trainer(cfg, mesh, pm, rt.device)
+    trainer = world_trainer(pm, *BASE, f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
+                            rank_nodes=[r // 2 for r in range(n)])
     for fg in setup_of(trainer.model).flats:
         assert fg.group.size == 2 and fg.replicas.size == n // 2 and fg.chunk == fg.total // 2
     assert_parity(record(trainer, STEPS), one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
