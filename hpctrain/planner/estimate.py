@@ -15,7 +15,9 @@ bucketed (``comm.bucket_mb``) and overlaps the backward of the last
 micro-batch (ZeRO 0/1), each micro-batch's backward (ZeRO 2) or each forward
 and backward (ZeRO 3), except one bucket each time (the first gather or the
 last reduction has no compute left to hide behind); the ZeRO 1/2 parameter
-all-gather after the optimizer step is exposed. Pipeline p2p is
+all-gather after the optimizer step is exposed. Under a pipeline, whose
+micro-batches' backwards interleave, ZeRO 2/3 accumulate the stage's whole
+gradient (counted in buffers) and reduce-scatter it once per step, as ZeRO 1. Pipeline p2p is
 counted un-overlapped, 2 (m v + p - 1) transfers. The optimizer step itself
 (memory bound) and pointwise kernels are not modelled: predictions are
 optimistic, and calibration narrows the gap.
@@ -144,7 +146,9 @@ def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, first: bool, las
     return dense, expert, tensors
 
 
-def _stage_memory(arch: Arch, lay: Layout, work: Workload, m: int, stage: int) -> Memory:
+def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
+    """Bytes per GPU on pipeline stage ``stage`` (0 .. pp - 1)."""
+    m = lay.microbatches(work.global_batch)
     first, last = stage == 0, stage == lay.pp - 1
     dense, expert, tensors = _stage_params(arch, lay, first, last)
     sb = work.state_bytes
@@ -161,9 +165,17 @@ def _stage_memory(arch: Arch, lay: Layout, work: Workload, m: int, stage: int) -
     if lay.recompute == "full":  # one block rematerialised during its backward
         buffers += act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute="none", **kw)
     layer_params = arch.layer_params_per_rank(lay.tp, lay.ep)
-    if lay.zero == 3:  # the gathered current + prefetched block, and one block's full gradient
-        buffers += 2 * layer_params * sb.weights + layer_params * sb.grads
-        buffers += act.autocast_weight_copy_bytes(2 * layer_params, work.precision)
+    # under a pipeline the micro-batches' backwards interleave, so ZeRO-2/3 accumulate the stage's whole
+    # gradient through the step (reduce-scattered once, after the last backward)
+    whole_grads = lay.zero >= 2 and lay.pp > 1
+    if whole_grads:
+        buffers += (dense + expert) * sb.grads
+    if lay.zero == 3:
+        # the gathered current + prefetched block (under a pipeline also the stage's last block, kept for
+        # its backward while the next micro-batch's forward gathers); one block's full gradient
+        gathered = (3 if lay.pp > 1 else 2) * layer_params
+        buffers += gathered * sb.weights + (0 if whole_grads else layer_params * sb.grads)
+        buffers += act.autocast_weight_copy_bytes(gathered, work.precision)
     else:
         buffers += act.autocast_weight_copy_bytes(dense + expert, work.precision)
     return Memory(states.weights, states.grads, states.optimizer, activations, buffers, stage)
@@ -171,8 +183,7 @@ def _stage_memory(arch: Arch, lay: Layout, work: Workload, m: int, stage: int) -
 
 def memory_per_gpu(arch: Arch, lay: Layout, work: Workload) -> Memory:
     """Bytes per GPU on the fuller of the first and last pipeline stage."""
-    m = lay.microbatches(work.global_batch)
-    return max((_stage_memory(arch, lay, work, m, s) for s in sorted({0, lay.pp - 1})), key=lambda mem: mem.total)
+    return max((stage_memory(arch, lay, work, s) for s in sorted({0, lay.pp - 1})), key=lambda mem: mem.total)
 
 
 def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
@@ -286,10 +297,20 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             exposed += rs_hidden + ag
             wire += (grads + weights) * bus_factor("all_gather", n)
             seconds += rs + ag
-        elif lay.zero == 2:
+        elif lay.zero == 2 and lay.pp == 1:
             exposed += m * rs_hidden + ag
             wire += (m * grads + weights) * bus_factor("all_gather", n)
             seconds += m * rs + ag
+        elif lay.zero == 2:  # under a pipeline: one reduce-scatter per step, as stage 1
+            exposed += rs_hidden + ag
+            wire += (grads + weights) * bus_factor("all_gather", n)
+            seconds += rs + ag
+        elif lay.pp > 1:  # forward and backward gathers every micro-batch, the reduce-scatter in the last backward
+            exposed += m * max(one("all_gather", weights), ag - t_f)
+            exposed += (m - 1) * max(one("all_gather", weights), ag - t_b)
+            exposed += max(one("reduce_scatter", grads), ag + rs - t_b)
+            wire += (m * 2 * weights + grads) * bus_factor("all_gather", n)
+            seconds += m * 2 * ag + rs
         else:  # forward gather, backward gather + reduce-scatter, every micro-batch
             exposed += m * (max(one("all_gather", weights), ag - t_f) + max(one("reduce_scatter", grads), ag + rs - t_b))
             wire += m * (2 * weights + grads) * bus_factor("all_gather", n)

@@ -17,10 +17,8 @@ of it the planner applies the rules the parallel plugins need:
   behind attention compute, and they multiply the candidates for nothing;
 - ep divides the number of experts (1 for a dense model);
 - pp divides the layers (equal stages), vpp divides the layers per stage;
-- ZeRO stages 2 and 3 are not proposed with pp > 1: the plugin runs them,
-  but under a pipeline a stage's gradients stay whole through the step
-  (reduce-scattered once after the last backward), which the memory model
-  here, with sharded gradients, does not count;
+- every ZeRO stage goes with every pipeline; under a pipeline ZeRO-2/3 keep
+  a stage's whole gradient through the step (the estimate counts it);
 - sequence parallelism is on whenever tp > 1 (it only removes replicated
   activations; Megatron-LM's practice).
 """
@@ -170,9 +168,5 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
                 reject(why)
                 continue
             for zero in choices("zero", list(ZERO_STAGES)):
-                if zero >= 2 and pp > 1:
-                    reject("ZeRO stages 2 and 3 with pipeline parallelism hold whole gradients through the step, "
-                           "which this memory model does not count; not proposed")
-                    continue
                 for recompute in choices("recompute", list(RECOMPUTE)):
                     yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp)

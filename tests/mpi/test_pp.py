@@ -138,9 +138,21 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     """ZeRO-2/3 under a pipeline: gradients accumulate whole through the step
     (the stages' backwards interleave) and are reduce-scattered once after the
     last; stage 3 gathers each unit, interleaved chunks' units included. The
-    bytes held after the steps are the plugin's formula (in flight: at most)."""
+    bytes held after the steps are the plugin's formula (in flight: at most).
+
+    The planner's memory for this rank's stage agrees: its model states to
+    the byte (the tiny model's flat groups need no padding here); its buffers
+    are the whole gradient plus, at stage 3, three gathered blocks (the
+    current, the prefetched and the stage's last, kept for its backward),
+    where the plugin gathers its actual units (the embedding and the head
+    are smaller than a block): an upper bound within one block."""
     from hpctrain_zero.memory import measured
     from hpctrain_zero.plugin import setup_of
+
+    from hpctrain.planner.arch import Arch
+    from hpctrain.planner.estimate import Workload, stage_memory
+    from hpctrain.planner.layouts import Layout
+    from hpctrain.planner.memory import HPCTRAIN
 
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     trainer = _check(pm, FOUR, "parallel.pp=2", f"parallel.zero.stage={stage}",
@@ -149,3 +161,17 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     want, seen = setup.memory, measured(setup, trainer.model, trainer.optimizer)
     assert (seen.params, seen.grads, seen.optimizer) == (want.params, want.grads, want.optimizer)
     assert 0 < seen.in_flight <= want.in_flight
+
+    cfg = trainer.cfg
+    arch = Arch.from_model_config(cfg.model)
+    lay = Layout(tp=1, cp=1, ep=1, dp=world.Get_size() // 2, pp=2, micro_batch=cfg.trainer.micro_batch_size,
+                 zero=stage, schedule=schedule, vpp=len(vpp) + 1)
+    planned = stage_memory(arch, lay, Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, "fp32", HPCTRAIN),
+                           trainer.mesh.coords["pp"])
+    assert not setup.unsharded
+    assert (planned.weights, planned.grads, planned.optimizer) == (want.params, want.grads, want.optimizer)
+    block = 4 * arch.layer_params_per_rank(1, 1)
+    if stage == 2:
+        assert planned.buffers == want.in_flight  # the whole gradient
+    else:
+        assert want.in_flight <= planned.buffers <= want.in_flight + block
