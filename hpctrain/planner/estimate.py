@@ -306,6 +306,7 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             wire += (grads + weights) * bus_factor("all_gather", n)
             seconds += rs + ag
         elif lay.pp > 1:  # forward and backward gathers every micro-batch, the reduce-scatter in the last backward
+            # (the plugin skips the backward gather of the stage's last block, kept gathered: a slight over-count)
             exposed += m * max(one("all_gather", weights), ag - t_f)
             exposed += (m - 1) * max(one("all_gather", weights), ag - t_b)
             exposed += max(one("reduce_scatter", grads), ag + rs - t_b)
