@@ -72,22 +72,45 @@ def parse_duration(text: Any) -> Optional[float]:
     return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
 
 
-def slurm_end_time() -> Optional[float]:
-    """The running SLURM job's end (``time.time()`` seconds), or None outside SLURM or without a limit."""
+SQUEUE_TRIES = 3
+"""squeue asks the controller, which a busy cluster may not answer at once; tries before giving up."""
+
+
+def slurm_end_time(retry_wait_s: float = 1.0) -> Optional[float]:
+    """The running SLURM job's end (``time.time()`` seconds), or None outside SLURM or without a limit.
+
+    Slurm >= 23.02 exports ``SLURM_JOB_END_TIME``; before it squeue is asked,
+    ``SQUEUE_TRIES`` times (a controller under load can time out). When no
+    try answers, a warning says so: the run then stops only on
+    ``trainer.max_time`` or a signal."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return None
     end = os.environ.get("SLURM_JOB_END_TIME")  # Slurm >= 23.02 exports it
     if end and end.isdigit():
         return float(end)
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=30)
+    why = ""
+    for attempt in range(SQUEUE_TRIES):
+        if attempt:
+            time.sleep(retry_wait_s * attempt)
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+            continue
         stamp = out.stdout.strip()
-        if out.returncode or not stamp or stamp in ("N/A", "NONE", "Unknown"):
-            return None
-        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+        if out.returncode == 0 and stamp in ("N/A", "NONE", "Unknown"):
+            return None  # no time limit
+        if out.returncode == 0 and stamp:
+            try:
+                return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+            except ValueError:
+                why = f"unexpected end time {stamp!r}"
+                break
+        why = (out.stderr.strip() or f"exit status {out.returncode}, no output").splitlines()[-1]
+    log.warning("could not read SLURM job %s's end time from squeue (%s); the run stops on trainer.max_time "
+                "or a signal only: set trainer.max_time or #SBATCH --signal=USR1@120", job, why)
+    return None
 
 
 class StopRequests:

@@ -5,8 +5,10 @@ per-step losses, bit for bit, as one that was never stopped. Multi-rank and
 SLURM versions: tests/launch/test_stop_and_relaunch.py, tests/slurm."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import time
 
 import pytest
 
@@ -110,3 +112,47 @@ def test_the_slurm_jobs_end_time_is_a_limit(pm, monkeypatch):
     assert stops.deadline_from == "the SLURM job's time limit"
     assert 590 < stops.deadline - time.monotonic() <= 600
     assert StopRequests(compose_resolved(RUN, pm), is_main=False, catch_sigint=False).deadline is None  # rank 0 decides
+
+
+def _fake_squeue(tmp_path, monkeypatch, script: str):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\n" + script)
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+
+
+def test_squeue_is_asked_again_when_the_controller_does_not_answer(tmp_path, monkeypatch):
+    """Slurm < 23.02 (Debian 12's 22.05): the end time comes from squeue,
+    which fails while the controller is busy; the second try answers."""
+    from hpctrain.train.stopping import slurm_end_time
+
+    calls = tmp_path / "calls"
+    _fake_squeue(tmp_path, monkeypatch, f"""echo x >> {calls}
+if [ $(wc -l < {calls}) -lt 2 ]; then echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1; fi
+echo 2030-01-02T03:04:05
+""")
+    assert slurm_end_time(retry_wait_s=0) == time.mktime((2030, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert len(calls.read_text().splitlines()) == 2
+
+
+def test_an_unreadable_end_time_is_warned_about(tmp_path, monkeypatch, caplog):
+    from hpctrain.train.stopping import SQUEUE_TRIES, slurm_end_time
+
+    _fake_squeue(tmp_path, monkeypatch, "echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1\n")
+    with caplog.at_level(logging.WARNING):
+        assert slurm_end_time(retry_wait_s=0) is None
+    assert "could not read SLURM job 42's end time from squeue (slurm_load_jobs error: Socket timed out)" in caplog.text
+    assert "set trainer.max_time" in caplog.text
+    assert SQUEUE_TRIES > 1
+
+
+def test_a_job_without_a_time_limit_has_no_end(tmp_path, monkeypatch, caplog):
+    from hpctrain.train.stopping import slurm_end_time
+
+    _fake_squeue(tmp_path, monkeypatch, "echo NONE\n")
+    with caplog.at_level(logging.WARNING):
+        assert slurm_end_time(retry_wait_s=0) is None
+    assert "could not read" not in caplog.text
