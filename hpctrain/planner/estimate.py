@@ -293,18 +293,14 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             exposed += max(one("all_reduce", grads), t("all_reduce", grads) - t_b)
             wire += grads * bus_factor("all_reduce", n)
             seconds += t("all_reduce", grads)
-        elif lay.zero == 1:
+        elif lay.zero == 1 or (lay.zero == 2 and lay.pp > 1):  # ZeRO-2 under a pipeline: one reduce-scatter per step
             exposed += rs_hidden + ag
             wire += (grads + weights) * bus_factor("all_gather", n)
             seconds += rs + ag
-        elif lay.zero == 2 and lay.pp == 1:
+        elif lay.zero == 2:
             exposed += m * rs_hidden + ag
             wire += (m * grads + weights) * bus_factor("all_gather", n)
             seconds += m * rs + ag
-        elif lay.zero == 2:  # under a pipeline: one reduce-scatter per step, as stage 1
-            exposed += rs_hidden + ag
-            wire += (grads + weights) * bus_factor("all_gather", n)
-            seconds += rs + ag
         elif lay.pp > 1:  # forward and backward gathers every micro-batch, the reduce-scatter in the last backward
             # (the plugin skips the backward gather of the stage's last block, kept gathered: a slight over-count)
             exposed += m * max(one("all_gather", weights), ag - t_f)

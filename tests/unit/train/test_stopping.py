@@ -102,8 +102,6 @@ def test_the_clock_stops_the_run_before_max_time(pm, tmp_path):
 
 def test_the_slurm_jobs_end_time_is_a_limit(pm, monkeypatch):
     """Slurm >= 23.02 exports the job's end; without it squeue is asked (tests/slurm)."""
-    import time
-
     from hpctrain.train.stopping import StopRequests
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
@@ -141,12 +139,13 @@ echo 2030-01-02T03:04:05
 def test_an_unreadable_end_time_is_warned_about(tmp_path, monkeypatch, caplog):
     from hpctrain.train.stopping import SQUEUE_TRIES, slurm_end_time
 
-    _fake_squeue(tmp_path, monkeypatch, "echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1\n")
+    calls = tmp_path / "calls"
+    _fake_squeue(tmp_path, monkeypatch, f"echo x >> {calls}; echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1\n")
     with caplog.at_level(logging.WARNING):
         assert slurm_end_time(retry_wait_s=0) is None
     assert "could not read SLURM job 42's end time from squeue (slurm_load_jobs error: Socket timed out)" in caplog.text
     assert "set trainer.max_time" in caplog.text
-    assert SQUEUE_TRIES > 1
+    assert len(calls.read_text().splitlines()) == SQUEUE_TRIES > 1
 
 
 def test_a_job_without_a_time_limit_has_no_end(tmp_path, monkeypatch, caplog):
