@@ -38,7 +38,8 @@ class RankState:
     heard: float = 0.0
     """``time.monotonic()`` on rank 0 when its last heartbeat arrived."""
     gone: Optional[str] = None
-    """None while connected; "done" or "error" after a goodbye; "died" when the connection broke."""
+    """None while connected; "done" or "error" after a goodbye ("unwatched": its watchdog failed, it trains
+    on); "died" when the connection broke."""
 
     def waited(self, now: float) -> float:
         return self.waiting[4] + (now - self.heard) if self.waiting else 0.0
@@ -101,6 +102,9 @@ def _describe(s: RankState, now: float, silent: bool) -> str:
     if s.gone == "died":
         return (f"{_where(s)} died in step {s.step} ({s.phase}): its process ended without finishing (killed, out of "
                 "memory, or crashed; its own output may say why)")
+    if s.gone == "unwatched":
+        return (f"{_where(s)}, unwatched since its watchdog failed in step {s.step} ({s.phase}), has not come to the "
+                "collective")
     if s.gone is not None:
         return f"{_where(s)} left the job in step {s.step} ({s.phase}) with an error (see its output)"
     if silent:

@@ -14,7 +14,19 @@ heartbeat. Rank 0 judges (``hpctrain.train.hang``) and, on a verdict,
 writes one ``hpctrain: error:`` line naming the stuck or dead rank, its op
 and sequence number and who waits for it, tells every rank, and aborts the
 job (``MPI_Abort``, exit status 5): within the timeout plus two intervals
-of the fault, under twice the timeout. Rank 1 watches rank 0 the same way.
+of the fault, under twice the timeout. Rank 1 watches rank 0 the same way;
+rank 0's heartbeats carry its own step and op, so rank 1 can say where
+rank 0 was if it dies.
+
+The channel is open to anyone who can reach rank 0's node, so it is
+guarded (``hpctrain.train.watchdog_wire``): rank 0 listens only on the
+address it advertises (``hpctrain.bootstrap.advertised_address``), every
+connection proves a per-job secret broadcast over MPI before anything it
+says is believed, and speaks for the rank it proved only. A connection that
+fails the proof, sends something malformed or oversized, or says nothing
+for ``HELLO_DEADLINE_S`` is closed and logged once at rank 0; the job goes
+on. If a watchdog thread itself fails, its rank says so in one line and the
+job goes on without hang detection rather than stopping a healthy run.
 
 The other ranks stay quiet: an exception that follows from the fault
 (a broken gloo connection) is not printed once the verdict is known
@@ -22,24 +34,31 @@ The other ranks stay quiet: an exception that follows from the fault
 """
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hpctrain.bootstrap import MASTER_ADDR_ENV, advertised_address
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import HpctrainError
 from hpctrain.log import get_logger
 from hpctrain.train.hang import RankState, Verdict, diagnose
+from hpctrain.train.watchdog_wire import (MAX_LINE, LineReader, WireError, check_message, new_nonce, new_secret,
+                                          proof_matches, rank_proof, send, zero_proof)
 
 log = get_logger(__name__)
 
 EXIT_CODE = 5
+HELLO_DEADLINE_S = 30.0
+"""Seconds a new connection has to prove the job's secret."""
+MAX_PENDING = 64
+"""Connections that have not proved the secret yet, at most; more are refused."""
+MAX_LOGGED_REFUSALS = 20
+"""Refused connections logged one by one; later ones are counted."""
 
 
 class WatchdogUnreachable(HpctrainError):
@@ -54,33 +73,16 @@ class JobStopped(HpctrainError):
     exit_code = EXIT_CODE
 
 
-def _send(sock: socket.socket, message: Dict[str, Any]) -> bool:
-    try:
-        sock.sendall((json.dumps(message) + "\n").encode())
-        return True
-    except OSError:
-        return False
+class _Peer:
+    """One connection to rank 0's watchdog: a stranger until it proves the secret."""
 
-
-class _Lines:
-    """Newline-separated JSON messages from one socket."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock, self.buf = sock, b""
-
-    def read(self):
-        """The messages available now; None when the peer closed the connection."""
-        try:
-            data = self.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return []
-        except OSError:
-            return None
-        if not data:
-            return None
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        return [json.loads(line) for line in lines if line]
+    def __init__(self, conn: socket.socket, addr: Any):
+        self.conn, self.reader = conn, LineReader(conn)
+        self.addr = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+        self.challenge = new_nonce()
+        self.since = time.monotonic()
+        self.rank: Optional[int] = None
+        """The rank it proved to be (None until then)."""
 
 
 class Watchdog:
@@ -94,39 +96,57 @@ class Watchdog:
         self.board = board or OpBoard()
         self.verdict: Optional[str] = None
         """The message of the verdict that stops the job, once known on this rank."""
+        self.refused: List[str] = []
+        """Rank 0: every refused connection, as ``"<address>: <reason>"``."""
+        self.endpoint: Optional[Tuple[str, int]] = None
+        """The address and port rank 0 listens on (every rank, once started)."""
         self._known = threading.Event()
         self._stop = threading.Event()
         self._host = socket.gethostname()
-        if self.rank == 0:
-            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind(("", 0))
-            self._listener.listen(max(self.size, 128))
-            endpoint = (advertised_address(), self._listener.getsockname()[1])
-        else:
-            endpoint = None
-        endpoint = mpi_comm.bcast(endpoint, root=0)
+        self._peers: Dict[socket.socket, _Peer] = {}
         problem = None
         if self.rank == 0:
-            self._thread = threading.Thread(target=self._serve, name="hpctrain-watchdog", daemon=True)
-        else:
+            secret: Optional[bytes] = new_secret()
+            addr = advertised_address()
+            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                self._sock = socket.create_connection(tuple(endpoint), timeout=60)
-                self._sock.settimeout(None)
-                _send(self._sock, self._state("hello"))
+                self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._listener.bind((addr, 0))
+                self._listener.listen(128)
+                endpoint: Optional[Tuple[str, int]] = (addr, self._listener.getsockname()[1])
             except OSError as e:
-                problem = f"rank {self.rank} cannot reach rank 0 at {endpoint[0]}:{endpoint[1]} ({e})"
+                self._listener.close()
+                problem = (f"rank 0 cannot listen on {addr} ({e.strerror or e}), the address it would tell the other "
+                           "ranks to use")
+                endpoint = None
+            self._secret = secret
+            self._thread = threading.Thread(target=self._serve, name="hpctrain-watchdog", daemon=True)
+            if endpoint is not None:
+                self._thread.start()  # before the others connect: they wait for its challenge
+                log.info("hang watchdog: rank 0 listens on %s:%d (timeout %g s)", endpoint[0], endpoint[1],
+                         self.timeout)
+        else:
+            secret, endpoint = None, None
+        # the secret travels over MPI only: never the environment, a file or a command line
+        endpoint, secret = mpi_comm.bcast((endpoint, secret), root=0)
+        self.endpoint = None if endpoint is None else tuple(endpoint)
+        if self.rank != 0:
+            self._secret = secret
             self._thread = threading.Thread(target=self._client, name="hpctrain-watchdog", daemon=True)
+            if endpoint is not None:
+                problem = self._join(tuple(endpoint))
         # every rank has connected (or all stop together) before anyone trains
         problems = [p for p in mpi_comm.allgather(problem) if p]
         if problems:
-            if self.rank == 0:
-                self._listener.close()
+            self._stop.set()
+            if self.rank == 0 and self._thread.is_alive():
+                self._thread.join(timeout=5)
             raise WatchdogUnreachable(
                 f"hang watchdog: {problems[0]}" + (f" and {len(problems) - 1} more rank(s)" if len(problems) > 1 else "")
                 + f"; set {MASTER_ADDR_ENV} to an address of rank 0's node that the other nodes reach, "
                 "or turn the watchdog off with reliability.hang_timeout_s=0")
-        self._thread.start()
+        if self.rank != 0:
+            self._thread.start()
 
     # -- what a rank says about itself ------------------------------------------------
     def _state(self, kind: str, **extra: Any) -> Dict[str, Any]:
@@ -148,69 +168,185 @@ class Watchdog:
 
     # -- rank 0 ---------------------------------------------------------------------------
     def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        try:
+            self._serve_loop()
+        except Exception as e:  # a fault of the watchdog itself must not stop a healthy job
+            self._give_up(f"rank 0's watchdog failed ({type(e).__name__}: {e})")
+
+    def _serve_loop(self) -> None:
+        self._sel = selectors.DefaultSelector()
         self._listener.setblocking(False)
-        sel.register(self._listener, selectors.EVENT_READ)
-        states: Dict[int, RankState] = {0: RankState(0)}
-        readers: Dict[socket.socket, _Lines] = {}
-        rank_of: Dict[socket.socket, int] = {}
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        self._states: Dict[int, RankState] = {0: RankState(0)}
+        self._by_rank: Dict[int, _Peer] = {}
         next_beat = 0.0
         while not self._stop.is_set():
             before = time.monotonic()
-            ready = sel.select(timeout=min(self.interval, 0.5))
+            ready = self._sel.select(timeout=min(self.interval, 0.5))
             if time.monotonic() - before > 2 * self.interval + 0.5:
-                for s in states.values():  # this process itself was not running (stopped): the silence was ours
+                for s in self._states.values():  # this process itself was not running (stopped): the silence was ours
                     s.heard = time.monotonic()
             for key, _ in ready:
                 if key.fileobj is self._listener:
-                    try:
-                        conn, _ = self._listener.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(False)
-                    readers[conn] = _Lines(conn)
-                    sel.register(conn, selectors.EVENT_READ)
-                    continue
-                conn = key.fileobj
-                messages = readers[conn].read()
-                now = time.monotonic()
-                for m in messages or []:
-                    r = m["rank"]
-                    rank_of[conn] = r
-                    s = states.setdefault(r, RankState(r))
-                    self._update(s, m, now)
-                    if m["t"] == "bye":
-                        s.gone = m.get("why", "done")
-                if messages is None:
-                    sel.unregister(conn)
-                    conn.close()
-                    r = rank_of.get(conn)
-                    if r is not None and states[r].gone is None:
-                        states[r].gone = "died"
+                    self._accept()
+                elif key.fileobj in self._peers:
+                    self._receive(self._peers[key.fileobj])
             now = time.monotonic()
-            self._update(states[0], self._state("hb"), now)
+            for peer in [p for p in self._peers.values() if p.rank is None and now - p.since > HELLO_DEADLINE_S]:
+                self._refuse(peer, f"it did not prove the job's secret within {HELLO_DEADLINE_S:g} s")
+            here = self._state("hb")
+            self._update(self._states[0], here, now)
             for r in range(1, self.size):  # a rank that never connected counts as silent from the start
-                states.setdefault(r, RankState(r, heard=now))
+                self._states.setdefault(r, RankState(r, heard=now))
             if now >= next_beat:
                 next_beat = now + self.interval
-                for conn in list(readers):
-                    if conn in rank_of:
-                        _send(conn, {"t": "hb"})
+                for peer in self._by_rank.values():
+                    send(peer.conn, {"t": "beat", "zero": here})
             if self._stop.is_set():
                 break
-            verdict = diagnose(states, now, self.timeout)
+            verdict = diagnose(self._states, now, self.timeout)
             if verdict is not None:
-                self._act(verdict, [c for c in readers if c in rank_of])
+                self._act(verdict, [p.conn for p in self._by_rank.values()])
                 return
-        for conn in readers:
-            _send(conn, {"t": "bye"})
-            conn.close()
+        self._close_all()
+
+    def _accept(self) -> None:
+        try:
+            conn, addr = self._listener.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        strangers = sorted((p for p in self._peers.values() if p.rank is None), key=lambda p: p.since)
+        if len(strangers) >= MAX_PENDING:  # the oldest stranger makes room: a flood cannot lock the ranks out
+            self._refuse(strangers[0], f"more than {MAX_PENDING} connections were waiting to prove the job's secret")
+        peer = _Peer(conn, addr)
+        self._peers[conn] = peer
+        self._sel.register(conn, selectors.EVENT_READ)
+        send(conn, {"t": "challenge", "nonce": peer.challenge})
+
+    def _receive(self, peer: _Peer) -> None:
+        try:
+            messages = peer.reader.read()
+        except WireError as e:
+            self._refuse(peer, f"it sent {e}")
+            return
+        now = time.monotonic()
+        if messages is None:
+            if peer.rank is None:
+                self._refuse(peer, "it closed the connection without proving the job's secret")
+                return
+            self._forget(peer)
+            s = self._states[peer.rank]
+            if s.gone is None:
+                s.gone = "died"
+            return
+        for m in messages:
+            if peer.rank is None:
+                problem = self._admit(peer, m, now)
+            elif m["t"] not in ("hb", "bye") or m["rank"] != peer.rank:
+                problem = f"rank {peer.rank}'s connection sent a {m['t']!r} message for rank {m.get('rank', '?')}"
+            else:
+                problem = None
+                s = self._states[peer.rank]
+                self._update(s, m, now)
+                if m["t"] == "bye":
+                    s.gone = m["why"]
+            if problem:
+                self._refuse(peer, problem)
+                return
+
+    def _admit(self, peer: _Peer, m: Dict[str, Any], now: float) -> Optional[str]:
+        """Check a stranger's first message; None when it proved to be a rank of this job."""
+        if m["t"] != "hello":
+            return f"it sent a {m['t']!r} message before proving the job's secret"
+        r = m["rank"]
+        if not proof_matches(rank_proof(self._secret, peer.challenge, r), m["mac"]):
+            return f"a hello for rank {r} without the job's secret"
+        if not 0 < r < self.size:
+            return f"a hello for rank {r}, which is not a rank of this job"
+        if r in self._by_rank:
+            return f"a hello for rank {r}, which is already connected"
+        peer.rank = r
+        self._by_rank[r] = peer
+        self._update(self._states.setdefault(r, RankState(r)), m, now)
+        send(peer.conn, {"t": "welcome", "mac": zero_proof(self._secret, m["nonce"], r)})
+        return None
+
+    def _forget(self, peer: _Peer) -> None:
+        self._peers.pop(peer.conn, None)
+        if peer.rank is not None and self._by_rank.get(peer.rank) is peer:
+            del self._by_rank[peer.rank]
+        try:
+            self._sel.unregister(peer.conn)
+        except (KeyError, ValueError):
+            pass
+        peer.conn.close()
+
+    def _refuse(self, peer: _Peer, reason: str) -> None:
+        """Close a connection that cannot be believed; one log line (the job goes on)."""
+        self._forget(peer)
+        self.refused.append(f"{peer.addr}: {reason}")
+        n = len(self.refused)
+        if n <= MAX_LOGGED_REFUSALS:
+            log.warning("hang watchdog: refused the connection from %s: %s; the job goes on", peer.addr, reason)
+        elif n == MAX_LOGGED_REFUSALS + 1:
+            log.warning("hang watchdog: refused more connections; further ones are counted, not logged")
+
+    def _close_all(self) -> None:
+        """Tell every rank that rank 0 leaves the channel, then close it.
+
+        Closing a socket with unread data in it sends a reset, which can
+        overtake the ``leave`` on its way; so rank 0 half-closes, reads
+        what the ranks still send until they close (at most a second), and
+        only then closes."""
+        ranks = [p for p in self._peers.values() if p.rank is not None]
+        for peer in list(self._peers.values()):
+            if peer.rank is None:
+                self._forget(peer)
+        for peer in ranks:
+            send(peer.conn, {"t": "leave"})
+            try:
+                peer.conn.shutdown(socket.SHUT_WR)
+            except OSError:
+                self._forget(peer)
+        deadline = time.monotonic() + 1.0
+        open_ = {p.conn: p for p in ranks if p.conn in self._peers}
+        while open_ and time.monotonic() < deadline:
+            for key, _ in self._sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                peer = open_.get(key.fileobj)
+                if peer is None:
+                    continue
+                try:
+                    ended = not peer.conn.recv(MAX_LINE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    ended = True
+                if ended:
+                    del open_[peer.conn]
+                    self._forget(peer)
+        for peer in list(self._peers.values()):
+            self._forget(peer)
         self._listener.close()
+        if len(self.refused) > MAX_LOGGED_REFUSALS:
+            log.warning("hang watchdog: %d connections were refused in all", len(self.refused))
+
+    def _give_up(self, why: str) -> None:
+        """The watchdog thread failed: say so once, release the other ranks, let the job go on."""
+        log.warning("hang watchdog: %s; the job goes on without hang detection", why)
+        try:
+            if self.rank == 0:
+                self._close_all()
+            else:
+                send(self._sock, self._state("bye", why="unwatched"))
+                self._sock.close()
+        except Exception:  # noqa: BLE001 - nothing more to save here
+            pass
 
     def _act(self, verdict: Verdict, conns) -> None:
         self._report(verdict.message)
         for conn in conns:
-            _send(conn, {"t": "verdict", "message": verdict.message})
+            send(conn, {"t": "verdict", "message": verdict.message})
         self._abort()
 
     def _report(self, message: str) -> None:
@@ -224,12 +360,43 @@ class Watchdog:
         time.sleep(0.2)  # let the verdict reach the other ranks before the launcher tears the job down
         try:
             self.comm.Abort(EXIT_CODE)
-        finally:
-            os._exit(EXIT_CODE)
+        except Exception:  # noqa: BLE001 - leave anyway
+            pass
+        os._exit(EXIT_CODE)
 
     # -- every other rank -------------------------------------------------------------------
+    def _join(self, endpoint: Tuple[str, int]) -> Optional[str]:
+        """Connect to rank 0 and prove the secret (both ways); the problem, or None."""
+        where = f"rank 0 at {endpoint[0]}:{endpoint[1]}"
+        try:
+            self._sock = socket.create_connection(endpoint, timeout=60)
+        except OSError as e:
+            return f"rank {self.rank} cannot reach {where} ({e})"
+        self._reader = LineReader(self._sock)
+        try:
+            challenge = self._reader.read_one(60)
+            if challenge["t"] != "challenge":
+                raise WireError(f"a {challenge['t']!r} message instead of a challenge")
+            nonce = new_nonce()
+            send(self._sock, self._state("hello", nonce=nonce, mac=rank_proof(self._secret, challenge["nonce"],
+                                                                              self.rank)))
+            welcome = self._reader.read_one(60)
+            if welcome["t"] != "welcome" or not proof_matches(zero_proof(self._secret, nonce, self.rank),
+                                                              welcome["mac"]):
+                raise WireError("an answer without the job's secret (another process holds the port?)")
+        except WireError as e:
+            self._sock.close()
+            return f"rank {self.rank} could not join the watchdog of {where}: it got {e}"
+        return None
+
     def _client(self) -> None:
-        reader = _Lines(self._sock)
+        try:
+            self._client_loop()
+        except Exception as e:  # a fault of the watchdog itself must not stop a healthy job
+            self._give_up(f"rank {self.rank}'s watchdog failed ({type(e).__name__}: {e})")
+
+    def _client_loop(self) -> None:
+        reader = self._reader
         self._sock.setblocking(False)
         sel = selectors.DefaultSelector()
         sel.register(self._sock, selectors.EVENT_READ)
@@ -241,7 +408,7 @@ class Watchdog:
             # on schedule, or early (half an interval) when a new step began, so rank 0 knows the step
             if now >= next_beat or (self.board.step != sent_step and now >= next_beat - self.interval / 2):
                 next_beat, sent_step = now + self.interval, self.board.step
-                _send(self._sock, self._state("hb"))
+                send(self._sock, self._state("hb"))
             ready = sel.select(timeout=min(self.interval, 0.5))
             if time.monotonic() - now > 2 * self.interval + 0.5:
                 heard = time.monotonic()  # this process itself was not running (stopped): the silence was ours
@@ -259,14 +426,16 @@ class Watchdog:
                     self._rank0_lost(diagnose({0: zero}, heard, self.timeout))
                 return
             for m in messages:
-                if m["t"] == "verdict":
+                if m["t"] == "beat":
+                    self._update(zero, check_message(m["zero"]), heard)
+                elif m["t"] == "verdict":
                     self.verdict = m["message"]
                     self._known.set()
                     # rank 0 aborts the job; if its abort does not reach us, leave anyway
                     if self._stop.wait(10 * self.interval + 5):
                         return
                     os._exit(EXIT_CODE)
-                if m["t"] == "bye":
+                elif m["t"] == "leave":
                     return
 
     def _rank0_lost(self, verdict: Verdict) -> None:
@@ -290,7 +459,7 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)  # it may be sending a heartbeat on the same socket
         if self.rank != 0:
-            _send(self._sock, self._state("bye", why=why))
+            send(self._sock, self._state("bye", why=why))
             try:
                 self._sock.close()
             except OSError:

@@ -141,9 +141,10 @@ def test_a_slowed_rank_is_named_as_a_straggler(tmp_path):
     assert all(x["straggler.slowest_rank"] == 3 for x in _metrics(tmp_path))
 
 
-def test_a_heartbeat_address_the_ranks_cannot_reach_is_one_clear_line(tmp_path):
+def test_a_heartbeat_address_that_is_not_rank_0s_is_one_clear_line(tmp_path):
+    """Rank 0 listens only on the address it advertises (not on every interface)."""
     code, out, _ = _launch(["trainer.steps=2"], tmp_path, n=2, HPCTRAIN_MASTER_ADDR="0.0.0.1")
     assert code == 2, out
     [line] = _one_error(out)
-    assert "rank 1 cannot reach rank 0 at 0.0.0.1" in line and "HPCTRAIN_MASTER_ADDR" in line, line
+    assert "rank 0 cannot listen on 0.0.0.1" in line and "HPCTRAIN_MASTER_ADDR" in line, line
     assert "reliability.hang_timeout_s=0" in line and "Traceback" not in out
