@@ -12,6 +12,11 @@ the inputs and targets, and the micro-batch carries those positions for
 RoPE. So the global batch at a step is the same tokens whatever the layout,
 and a resumed run continues the same stream on any layout (the cursor is one
 integer).
+
+A window a token file can no longer supply (it shrank under the job) is
+``ShortRead`` at once, or, for the trainer's cursor (``defer_short_reads``),
+filled with token 0 and counted in ``short_reads`` for the ranks to agree on
+before the update (``raise_if_short``; why: ``hpctrain.data.tokenfile``).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 
 from hpctrain.data.sources import TokenSource
+from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 
 
 class SampleOrder:
@@ -45,12 +51,20 @@ class SampleOrder:
         epoch, pos = divmod(index, self.num_windows)
         return int(self._perm(epoch)[pos]) * self.seq_len
 
-    def sample(self, index: int) -> np.ndarray:
+    def sample(self, index: int, short: Optional[List[ShortRead]] = None) -> np.ndarray:
+        """Sample ``index``'s tokens. A window the file can no longer supply raises
+        ``ShortRead``, or, given a ``short`` list, is appended there and comes back as zeros."""
         start = self.window_start(index)
-        return np.asarray(self.source.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        try:
+            return np.asarray(self.source.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        except ShortRead as e:
+            if short is None:
+                raise
+            short.append(e)
+            return np.zeros(self.seq_len + 1, dtype=np.int64)
 
-    def batch(self, indices: range) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
+    def batch(self, indices: range, short: Optional[List[ShortRead]] = None) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.sample(i, short) for i in indices]))
 
 
 class MicroBatch(NamedTuple):
@@ -73,11 +87,15 @@ class DataCursor:
     ``sample_rank``/``sample_size``: this rank's place among the ranks that
     split the samples (dp x ep). ``positions``: the token positions this rank
     keeps of every sample (context parallelism), or None for all.
+    ``defer_short_reads``: a window the token file can no longer supply is
+    zeros and counted in ``short_reads`` (the caller agrees on it over the
+    ranks and calls ``raise_if_short`` before using the step), instead of
+    ``ShortRead`` from ``next_step``.
     """
 
     def __init__(self, order: SampleOrder, global_batch_size: int, micro_batch_size: int,
                  sample_rank: int, sample_size: int, consumed_samples: int = 0,
-                 positions: Optional[torch.Tensor] = None):
+                 positions: Optional[torch.Tensor] = None, defer_short_reads: bool = False):
         if global_batch_size % (sample_size * micro_batch_size):
             raise ValueError("global batch must be divisible by dp * ep * micro batch (validated earlier)")
         self.order = order
@@ -87,6 +105,9 @@ class DataCursor:
         self.sample_size = sample_size
         self.consumed_samples = consumed_samples
         self.positions = positions
+        self.defer_short_reads = defer_short_reads
+        self.short_reads = 0
+        """1 when a window of the last step could not be read whole (deferred), else 0."""
 
     @property
     def num_microbatches(self) -> int:
@@ -101,14 +122,25 @@ class DataCursor:
         """This rank's micro-batches for the next step; advances the cursor."""
         idx = self.local_indices()
         mbs = []
+        short: Optional[List[ShortRead]] = [] if self.defer_short_reads else None
         for k in range(0, len(idx), self.micro_batch_size):
-            window = self.order.batch(idx[k:k + self.micro_batch_size])
+            window = self.order.batch(idx[k:k + self.micro_batch_size], short)
             inputs, targets = window[:, :-1], window[:, 1:]
             if self.positions is not None:
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
             mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), self.positions))
         self.consumed_samples += self.global_batch_size
+        self.short_reads = int(bool(short))
         return mbs
+
+    def raise_if_short(self, ranks: int, step: int) -> None:
+        """``TokenFileChanged`` when ``ranks`` (the agreed count of ranks whose
+        ``short_reads`` was 1 at ``step``) is not 0; called by every rank alike."""
+        if ranks:
+            tokens = self.order.source.tokens
+            describe = getattr(tokens, "changed_message", None)
+            raise TokenFileChanged(describe(step, ranks) if describe else
+                                   f"{self.order.source.name}: step {step} could not read its data on {ranks} rank(s)")
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples}

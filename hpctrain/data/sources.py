@@ -1,9 +1,11 @@
-"""Token sources: the embedded corpus, or a memory-mapped ``.bin`` token file.
+"""Token sources: the embedded corpus, or a ``.bin`` token file.
 
 A token file is a flat array of uint16 or uint32 token ids with a JSON
 sidecar (``<name>.json``: dtype, vocab_size, num_tokens) written by
-``hpctrain-prepare``. It is opened with ``np.memmap``, so every rank maps the
-same file and reads only the windows it samples.
+``hpctrain-prepare``. Every rank opens the same file and reads only the
+windows it samples, with positioned reads (``hpctrain.data.tokenfile``: a
+file that shrinks under the job is an agreed error, not SIGBUS). Validation
+checks its size against the sidecar and the dtype before step 1.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from hpctrain.data.embedded import generate_corpus
+from hpctrain.data.tokenfile import TokenFile, refill_advice, size_problem
 from hpctrain.errors import ConfigError
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -23,11 +26,11 @@ TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 @dataclass
 class TokenSource:
     name: str
-    tokens: np.ndarray  # 1-D, any unsigned int dtype
+    tokens: Any  # 1-D, any unsigned int dtype: an ndarray, or a TokenFile read window by window
     vocab_size: int
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return len(self.tokens)
 
 
 def embedded_source(num_bytes: int, seed: int) -> TokenSource:
@@ -40,24 +43,68 @@ def sidecar_path(bin_path: str) -> str:
 
 
 def read_sidecar(bin_path: str) -> Optional[dict]:
+    """The sidecar's fields, or None without one; ValueError if it is not a JSON object."""
     path = sidecar_path(bin_path)
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        meta = json.load(f)
+    if not isinstance(meta, dict):
+        raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+    return meta
 
 
 def token_file_source(path: str, dtype: Optional[str] = None) -> TokenSource:
-    meta = read_sidecar(path) or {}
+    try:
+        meta = read_sidecar(path) or {}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.path={path}: its sidecar {sidecar_path(path)} cannot be read ({e}); "
+                          f"{refill_advice(path)}") from None
     dtype = dtype or meta.get("dtype")
     if dtype not in TOKEN_DTYPES:
         raise ConfigError(
             f"token file {path}: dtype unknown ({dtype!r}); set data.dtype=uint16 or uint32, "
             f"or write it with hpctrain-prepare (which records it in {sidecar_path(path)})"
         )
-    tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
-    vocab = int(meta.get("vocab_size") or (int(tokens.max()) + 1))
+    # the sidecar's count, not the size now: every rank gets the same sample order (validation
+    # has checked that the two agree; a file that shrinks later fails at the step that reads past its end)
+    tokens = TokenFile(path, TOKEN_DTYPES[dtype], meta.get("num_tokens"))
+    vocab = int(meta.get("vocab_size") or (tokens.max() + 1))
     return TokenSource(name=path, tokens=tokens, vocab_size=vocab)
+
+
+def _token_file_problems(data: Any, seq_len: int, model_vocab: int) -> list:
+    """At most one line per problem of a token file that exists: its sidecar,
+    dtype and size (``hpctrain.data.tokenfile.size_problem``), then what the
+    run needs of it."""
+    path, side = data.path, sidecar_path(data.path)
+    try:
+        meta = read_sidecar(path) or {}
+    except (OSError, ValueError) as e:
+        return [f"data.path={path}: its sidecar {side} cannot be read ({e}); {refill_advice(path)}"]
+    if data.dtype and meta.get("dtype") and data.dtype != meta["dtype"]:
+        return [f"data.dtype={data.dtype} but the sidecar {side} of data.path={path} says {meta['dtype']}; "
+                "leave data.dtype unset (null) to use the sidecar's"]
+    dtype = data.dtype or meta.get("dtype")
+    if dtype not in TOKEN_DTYPES:
+        return [f"data.path={path}: token dtype unknown; set data.dtype=uint16 or uint32"]
+    count = meta.get("num_tokens")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+        return [f"data.path={path}: its sidecar {side} has num_tokens={count!r}, not a token count; "
+                f"re-run hpctrain-prepare <input.txt> {path}"]
+    size = os.path.getsize(path)
+    wrong = size_problem(f"data.path={path}", path, size, np.dtype(TOKEN_DTYPES[dtype]), count, f"its sidecar {side}")
+    if wrong:
+        return [wrong]
+    problems = []
+    n = count if count is not None else size // np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if n < seq_len + 1:
+        problems.append(f"data.path={path} has {n} tokens, fewer than trainer.seq_len+1={seq_len + 1}")
+    vocab = meta.get("vocab_size")
+    if vocab is not None and vocab > model_vocab:
+        problems.append(f"data.path={path} has vocab_size {vocab} > model.vocab_size={model_vocab}; "
+                        f"set model.vocab_size={vocab}")
+    return problems
 
 
 def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
@@ -76,18 +123,7 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
         elif not os.path.isfile(data.path):
             problems.append(f"data.path={data.path} does not exist; make it with: hpctrain-prepare <input.txt> {data.path}")
         else:
-            meta = read_sidecar(data.path) or {}
-            dtype = data.dtype or meta.get("dtype")
-            if dtype not in TOKEN_DTYPES:
-                problems.append(f"data.path={data.path}: token dtype unknown; set data.dtype=uint16 or uint32")
-            else:
-                n = os.path.getsize(data.path) // np.dtype(TOKEN_DTYPES[dtype]).itemsize
-                if n < seq_len + 1:
-                    problems.append(f"data.path={data.path} has {n} tokens, fewer than trainer.seq_len+1={seq_len + 1}")
-                vocab = meta.get("vocab_size")
-                if vocab is not None and vocab > model_vocab:
-                    problems.append(f"data.path={data.path} has vocab_size {vocab} > model.vocab_size={model_vocab}; "
-                                    f"set model.vocab_size={vocab}")
+            problems += _token_file_problems(data, seq_len, model_vocab)
     else:
         problems.append(f"data.source={data.source!r} is not one of: embedded, tokens")
     return problems

@@ -14,12 +14,15 @@ over the world, which every rank enters whether it holds gradients or not
 (a pipeline stage with no loss, a rank whose experts got no tokens): no
 lazily created groups, no rank-dependent set of collectives. Ranks that
 compute the same loss (tensor parallel) add both its sum and its tokens, so
-the mean is unchanged.
+the mean is unchanged. A fourth value counts the ranks whose data for the
+step could not be read (a token file that shrank under the job,
+``hpctrain.data.tokenfile``): it rides in the same all-reduce, so every rank
+learns of a rank-local read failure before the update at no extra collective.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -70,20 +73,39 @@ def _covers(box: Tuple[Tuple[int, int], ...], shape: Sequence[int]) -> bool:
     return all(a == 0 and b == n for (a, b), n in zip(box, shape)) and len(box) == len(shape)
 
 
-def reduce_step(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,
-                device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(global gradient norm, global mean loss), fp32 scalars, from one
-    all-reduce over the world that every rank enters."""
+class StepTotals(NamedTuple):
+    grad_norm: torch.Tensor
+    """The global gradient norm (fp32 scalar)."""
+    loss: torch.Tensor
+    """The global mean loss per token (fp32 scalar)."""
+    short_reads: int
+    """Ranks whose data for the step came back short (the same count on every rank)."""
+
+
+def reduce_totals(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,
+                  device: torch.device, short_reads: int = 0) -> StepTotals:
+    """The step's global numbers from one float64 all-reduce over the world
+    that every rank enters; ``short_reads`` is this rank's 0 or 1
+    (``DataCursor.short_reads``)."""
     values = torch.stack([
         local_square_sum(pairs, mesh.coords, mesh.sizes, device),
         loss_sum.detach().to(device=device, dtype=torch.float64).reshape(()),
         torch.tensor(float(tokens), dtype=torch.float64, device=device),
+        torch.tensor(float(short_reads), dtype=torch.float64, device=device),
     ])
     mesh.group(AXES).communicator().all_reduce(values, ReduceOp.SUM)
-    square, loss, count = values.tolist()
+    square, loss, count, short = values.tolist()
     norm = torch.tensor(math.sqrt(max(square, 0.0)), dtype=torch.float32)
     mean = torch.tensor(loss / count if count else float("nan"), dtype=torch.float32)
-    return norm, mean
+    return StepTotals(norm, mean, int(round(short)))
+
+
+def reduce_step(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,
+                device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(global gradient norm, global mean loss), fp32 scalars: ``reduce_totals``
+    for callers without a data cursor."""
+    totals = reduce_totals(pairs, loss_sum, tokens, mesh, device)
+    return totals.grad_norm, totals.loss
 
 
 @torch.no_grad()

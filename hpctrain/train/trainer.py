@@ -36,7 +36,7 @@ from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.plugins import axis_plugin, parallelize_caller
-from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_step
+from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.model.transformer import Transformer
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
@@ -74,7 +74,8 @@ class Trainer:
         self.schedule = pm.hook.hpctrain_step_schedule(cfg=cfg, mesh=mesh) or GradAccumulation()
         order = SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed)
         self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
-                                 positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len))
+                                 positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len),
+                                 defer_short_reads=True)  # agreed in reduce_totals (hpctrain.data.tokenfile)
         self.metrics: Dict[str, float] = {}
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
@@ -166,7 +167,9 @@ class Trainer:
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
         loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
-        grad_norm, loss = reduce_step(pairs, loss_sum, result.tokens, mesh, self.device)
+        grad_norm, loss, short_reads = reduce_totals(pairs, loss_sum, result.tokens, mesh, self.device,
+                                                     self.cursor.short_reads)
+        self.cursor.raise_if_short(short_reads, self.step + 1)  # every rank alike, before the update
         loss_value, norm_value = float(loss), float(grad_norm)
         # global values: every rank decides the same (raises to stop the run)
         update = self.guard.update_allowed(self.step + 1, loss_value, norm_value)

@@ -128,7 +128,7 @@ def _comm_theory(n, layers, h, tokens, microbatches, sequence_parallel):
     head = 3 * f * A if sequence_parallel else 2 * f * A  # its input: gathered, gathered again + reduce-scattered
     ends = 2 * f * A + head  # embedding: output summed forward, gradient handed back (all-reduce, or RS + AG)
     loss = 3 * 2 * f * 4 * tokens  # max, sum of exponentials, target logit: one fp32 per token each
-    step_totals = 2 * f * 3 * 8  # the step's loss-and-norm fp64 all-reduce (tp is the whole world here)
+    step_totals = 2 * f * 4 * 8  # the step's totals, a 4-element fp64 all-reduce (tp is the whole world here)
     return microbatches * (layers * per_layer + norms + ends + loss) + step_totals
 
 

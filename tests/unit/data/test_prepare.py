@@ -5,6 +5,7 @@ import pytest
 
 from hpctrain.data.prepare import main, prepare
 from hpctrain.data.sources import check_data_config, token_file_source
+from hpctrain.data.tokenfile import TokenFile
 
 
 def test_prepare_round_trip(tmp_path):
@@ -16,7 +17,7 @@ def test_prepare_round_trip(tmp_path):
     meta = json.loads((tmp_path / "data" / "tokens.json").read_text())
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 256 and meta["num_tokens"] == n
     source = token_file_source(str(out))
-    assert isinstance(source.tokens, np.memmap)
+    assert isinstance(source.tokens, TokenFile) and len(source) == n  # read window by window, not mapped
     assert bytes(source.tokens[:14].astype(np.uint8)) == b"hello, cluster"
 
 
