@@ -86,7 +86,11 @@ class BackgroundSaver:
                 write(staged)
             except BaseException as e:  # re-raised in the training thread by wait() / wait_staged()
                 self._error = e
-                log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
+                if not getattr(e, "on_every_rank", False):
+                    log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
+                elif self.rank == 0:  # the same agreed failure on every rank: said once
+                    log.warning("background checkpoint save (%s) failed; the run stops at its next save or at the "
+                                "end: %s", what, e)
 
         self._thread = threading.Thread(target=run, name=f"hpctrain-ckpt-{what}", daemon=True)
         try:

@@ -35,10 +35,10 @@ from typing import Any, Deque, List, Optional, Tuple
 
 from hpctrain.log import get_logger, log_rank0
 
-from hpctrain_h5ckpt import snapshot, store, writer
+from hpctrain_h5ckpt import lock, snapshot, space, store, writer
 from hpctrain_h5ckpt.staging import HostBuffers, Stager
 from hpctrain_h5ckpt.asyncsave import BackgroundSaver, threads_supported
-from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.errors import CheckpointDirInUse, CheckpointError, CheckpointSaveFailed
 from hpctrain_h5ckpt.layout import Plan, PlanError, gather_plan
 from hpctrain_h5ckpt.options import IOOptions
 from hpctrain_h5ckpt.reader import CheckpointReader
@@ -69,8 +69,13 @@ class SaveStats:
 
 class H5Checkpointer:
     def __init__(self, comm: Any, opts: IOOptions, directory: Optional[str], keep: int, async_save: bool,
-                 staging: str = "overlap"):
+                 staging: str = "overlap", lock_now: bool = False, run_dir: Optional[str] = None):
+        """``lock_now``: take the directory's lock at once (a run that saves
+        periodically or resumes); otherwise at the first save. Collective."""
         self.comm, self.opts, self.directory, self.keep = comm, opts, directory, keep
+        self.run_dir = run_dir
+        self._lock: Optional[lock.DirLock] = None
+        self._locked = False
         self.overlap = staging == "overlap"
         self.rank = comm.Get_rank()
         self._bg: Optional[BackgroundSaver] = None
@@ -86,13 +91,46 @@ class H5Checkpointer:
         self._hooked: List[Any] = []
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
-        if self.rank == 0 and self.directory:  # no save of this job is running yet
-            for path in store.orphans(self.directory):
-                try:
-                    os.remove(path)
-                    log.warning("removed %s, left by a save that did not finish", path)
-                except OSError:
-                    pass
+        if lock_now:
+            self._ensure_lock()
+
+    # -- the directory's lock --------------------------------------------------
+    def _ensure_lock(self) -> None:
+        """Take the directory's lock once (collective: rank 0 takes it, every
+        rank learns the outcome); then remove what crashed saves left, which
+        only the holder can tell from a live run's files."""
+        if self._locked or not self.directory:
+            return
+        problem = None
+        if self.rank == 0:
+            try:
+                self._lock = lock.acquire(self.directory, self.run_dir)
+            except lock.DirInUse as e:
+                problem = (f"checkpoint.dir {os.path.abspath(self.directory)} is in use by {e}: two runs in one "
+                           "directory resume from and overwrite each other's checkpoints; wait for that run to "
+                           "end, or give this run its own checkpoint.dir")
+            except OSError as e:
+                problem = f"checkpoint.dir {os.path.abspath(self.directory)}: cannot take its lock ({e})"
+            else:
+                for path in store.orphans(self.directory):  # no save of another run can be in flight here
+                    try:
+                        os.remove(path)
+                        log.warning("removed %s, left by a save that did not finish", path)
+                    except OSError:
+                        pass
+        problem = self.comm.bcast(problem, root=0)
+        if problem:
+            raise CheckpointDirInUse(problem)
+        self._locked = True
+
+    def close(self) -> None:
+        """The run is over: wait for a background save, then let go of the directory."""
+        try:
+            self.wait()
+        finally:
+            if self._lock is not None:
+                lock.release(self._lock)
+                self._lock = None
 
     # -- saving ----------------------------------------------------------------
     def save(self, trainer: Any, path: Optional[str] = None) -> str:
@@ -104,6 +142,8 @@ class H5Checkpointer:
                 raise CheckpointError("no checkpoint directory: set checkpoint.dir")
             path = os.path.join(self.directory, store.checkpoint_name(step))
         final = os.path.abspath(path)
+        if self.directory and os.path.dirname(final) == os.path.abspath(self.directory):
+            self._ensure_lock()
         if self.rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         if self._static is None or self._static[0] is not trainer.cfg:
@@ -113,7 +153,11 @@ class H5Checkpointer:
             plan = self._plan(view)  # collective: also orders rank 0's makedirs before the file is opened
         except PlanError as e:
             raise CheckpointError(f"checkpoint {final}: {e}") from e
-        attrs = self.comm.bcast(view.attrs if self.rank == 0 else None, root=0)
+        needed = space.needed_bytes(plan, self.opts.alignment)
+        attrs, short = self.comm.bcast((view.attrs, self._room_problem(final, needed))
+                                       if self.rank == 0 else None, root=0)
+        if short:
+            raise CheckpointSaveFailed(f"checkpoint step {step} not saved: {short}; older checkpoints are untouched")
         stager = Stager(view, plan.owned_by(self.rank), self._buffers)
         if self._bg is not None and self.overlap:
             self._hook_optimizer(trainer.optimizer)
@@ -132,8 +176,9 @@ class H5Checkpointer:
             owned, error = staged
             errors = self.comm.allgather(error)
             if any(errors):
-                writer.raise_failures(final, "copying to host memory", errors)
-            self._write_and_commit(plan, owned, attrs, final, stats)
+                raise CheckpointSaveFailed(f"checkpoint step {step} not saved: copying to host memory failed: "
+                                           f"{writer.summarize_failures(errors)}")
+            self._write_and_commit(plan, owned, attrs, final, stats, needed)
 
         if self._bg is None:
             write(stage())
@@ -153,6 +198,11 @@ class H5Checkpointer:
                       "copied %.1f MB to host); writing %s in the background", step, stats.blocking_s, waited,
                       stats.host_bytes / 1e6, os.path.basename(final))
         return final
+
+    @staticmethod
+    def _room_problem(final: str, needed: int) -> Optional[str]:
+        """Rank 0, before the file is opened: a full disk stops the run without touching the directory."""
+        return space.shortage(os.path.dirname(final), needed)
 
     def before_update(self) -> None:
         """Called by the trainer right before the optimizer step: wait until an
@@ -194,16 +244,25 @@ class H5Checkpointer:
         self._cached_plan = (signature, plan)
         return plan
 
-    def _write_and_commit(self, plan: Plan, owned: writer.Owned, attrs: dict, final: str, stats: SaveStats) -> None:
+    def _write_and_commit(self, plan: Plan, owned: writer.Owned, attrs: dict, final: str, stats: SaveStats,
+                          needed: int) -> None:
         t0 = time.perf_counter()
         tmp = store.tmp_path(final)
         try:
             writer.write_file(tmp, plan, owned, attrs, self.comm, self.opts)
-        except CheckpointError:
-            if self.rank == 0 and os.path.exists(tmp):
-                os.remove(tmp)  # nothing committed; older checkpoints are untouched
-            self.comm.Barrier()  # every rank raises only once the .tmp is gone
-            raise
+        except CheckpointError as e:
+            message = None
+            if self.rank == 0:
+                try:
+                    os.remove(tmp)  # nothing committed; older checkpoints are untouched
+                except FileNotFoundError:
+                    pass
+                # measured once the partial file is gone: did the file system run out of room?
+                short = space.shortage(os.path.dirname(final), needed)
+                message = (f"checkpoint step {stats.step} not saved: {short or e}; older checkpoints are "
+                           "untouched")
+            message = self.comm.bcast(message, root=0)  # every rank raises only once the .tmp is gone
+            raise CheckpointSaveFailed(message) from e
         error = None
         if self.rank == 0:
             try:
@@ -232,7 +291,8 @@ class H5Checkpointer:
     def resolve(self, resume: str) -> Optional[str]:
         """"auto": the newest committed checkpoint in the directory (older ones
         are kept as fallbacks for load); another directory: the same there;
-        a file: exactly that file."""
+        a file: exactly that file. Takes the directory's lock first (collective)."""
+        self._ensure_lock()
         if resume == "auto":
             found = store.candidates(self.directory) if (self.rank == 0 and self.directory) else []
             if self.rank == 0:
@@ -255,7 +315,8 @@ class H5Checkpointer:
     def _say_what_auto_found(self, found: List[str]) -> None:
         where = os.path.abspath(self.directory) if self.directory else "(no checkpoint.dir)"
         if not found:
-            log_rank0("checkpoint.resume=auto: no committed checkpoint (step_*.h5) in %s: starting from step 0", where)
+            log_rank0("checkpoint.resume=auto: no committed checkpoint (step_*.h5) in %s: starting from step 0%s",
+                      where, self._siblings_note())
             return
         steps = [store.step_of(os.path.basename(p)) for p in found]
         log_rank0("checkpoint.resume=auto: %d checkpoint(s) in %s (steps %s); trying the newest, step %d",
@@ -264,6 +325,38 @@ class H5Checkpointer:
         if latest and os.path.abspath(latest) != os.path.abspath(found[0]):
             log.warning("checkpoint.resume=auto: 'latest' names %s, older than %s; the newest committed "
                         "checkpoint wins", os.path.basename(latest), os.path.basename(found[0]))
+
+    def _siblings_note(self) -> str:
+        """The directories beside this one made for the same model (the default
+        directory is ``<model>-<hash of the experiment's settings>``), with their
+        newest step: a changed setting (a new global batch size) gives a new
+        directory, and the user should know the old one is there."""
+        if not self.directory:
+            return ""
+        here = os.path.abspath(self.directory)
+        parent, name = os.path.split(here)
+        prefix = name.rsplit("-", 1)[0] + "-" if "-" in name else None
+        if prefix is None:
+            return ""
+        try:
+            names = sorted(os.listdir(parent))
+        except OSError:
+            return ""
+        found = []
+        for other in names:
+            path = os.path.join(parent, other)
+            if other == name or not other.startswith(prefix) or not os.path.isdir(path):
+                continue
+            newest = store.committed(path)
+            if newest:
+                found.append(f"{other} (step {store.step_of(newest[0])})")
+        if not found:
+            return ""
+        return (f". Checkpoints of the same model with other experiment settings (model, data, optimizer, batch, "
+                f"sequence, seed or precision) are beside it in {parent}: {', '.join(found[:5])}"
+                + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+                + "; to continue one of them, set checkpoint.resume=<its path> (checkpoint.allow_batch_change=true "
+                "if only the global batch changed)")
 
     def load(self, trainer: Any, path: str) -> str:
         self.wait()

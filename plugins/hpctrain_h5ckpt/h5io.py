@@ -111,10 +111,18 @@ def _none_spaces(dset: h5py.Dataset):
 
 
 def write_box(dset: h5py.Dataset, box: Box, arr: np.ndarray, dxpl: Optional[Any] = None) -> None:
-    arr = np.require(arr, dtype=dset.dtype, requirements="C")
-    if tuple(arr.shape) != box_shape(box):
-        raise ValueError(f"{dset.name}: data of shape {arr.shape} for hyperslab {box}")
-    mspace, fspace = _spaces(dset, box)
+    """Write one box; with a collective ``dxpl`` the call is collective, and
+    a failure before it still joins it (with nothing), so the other ranks
+    are never left inside MPI-IO."""
+    try:
+        arr = np.require(arr, dtype=dset.dtype, requirements="C")
+        if tuple(arr.shape) != box_shape(box):
+            raise ValueError(f"{dset.name}: data of shape {arr.shape} for hyperslab {box}")
+        mspace, fspace = _spaces(dset, box)
+    except Exception:
+        if dxpl is not None:
+            write_none(dset, dxpl)
+        raise
     dset.id.write(mspace, fspace, arr, dxpl=dxpl)
 
 

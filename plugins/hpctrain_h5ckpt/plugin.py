@@ -57,5 +57,8 @@ def hpctrain_make_checkpointer(name: str, mesh: Any, cfg: Any) -> Optional[Any]:
 
     ck = cfg.checkpoint
     comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator
+    # a run that saves periodically or resumes locks its directory at once; one that
+    # may only save when stopped, at that save
     return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
-                          bool(ck.async_save), str(ck.hdf5.staging))
+                          bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
+                          run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None)

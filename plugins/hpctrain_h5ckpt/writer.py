@@ -22,19 +22,27 @@ boxes, then a token passes rank to rank; each opens the file, writes its
 boxes, closes it and passes the token on. The result is the same file (the
 tests compare them dataset by dataset); only the speed differs.
 
-Failures are agreed: every rank's error is gathered after the write, and if
-any rank failed all raise the same ``CheckpointError``. (A failure *inside*
-a collective MPI-IO call on one rank only cannot be recovered from this
-way; HDF5 errors there are normally seen by all ranks alike.)
+Failures are agreed, never raised locally: a rank that fails (a full disk,
+an I/O error) records it, writes nothing more, and still joins every
+collective call of the phase (with an empty selection); the ranks then
+agree (one allgather) before the next collective phase, so none is left
+alone in a collective another skipped. After an agreed failure rank 0
+empties the file before the collective close (see ``_release_space``) and
+every rank raises the same ``CheckpointError``; the caller deletes the
+file. A failure inside the creation of the datasets' metadata on some
+ranks only can still leave the others in HDF5's own metadata
+synchronisation (rare: no data is written there); the hang watchdog
+names that.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from hpctrain_h5ckpt import checksum, h5io
+from hpctrain_h5ckpt import checksum, h5io, space
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import Box, Plan
 from hpctrain_h5ckpt.options import IOOptions
@@ -67,46 +75,118 @@ def _write_meta(f: Any, attrs: Mapping[str, Any]) -> None:
         meta.attrs[key] = np.int64(value) if isinstance(value, (bool, int)) else value
 
 
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 def _write_owned(f: Any, plan: Plan, owned: Owned, opts: IOOptions, collective: bool,
-                 written: Optional[Callable[[], None]] = None) -> None:
-    """Write this rank's boxes. ``written``: called after every
-    ``WRITEBACK_EVERY`` bytes this rank wrote, and at the end."""
+                 written: Optional[Callable[[], None]] = None) -> Optional[str]:
+    """Write this rank's boxes; returns this rank's first failure (None: all written).
+
+    A failure does not end the loop: the rank writes nothing more of its own
+    but still joins every collective write (with nothing), so no other rank
+    is left alone inside MPI-IO; the caller agrees on the failures after
+    the loop. ``written``: called after every ``WRITEBACK_EVERY`` bytes this
+    rank wrote, and at the end."""
     dxpl = h5io.collective_dxpl() if collective else None
     pending = 0
+    error: Optional[str] = None
     for decl in plan.datasets:
         mine = owned.get(decl.path, [])
         dset = f[decl.path]
         if collective and decl.nbytes >= opts.collective_min_bytes:
             for k in range(plan.rounds(decl.path)):
-                if k < len(mine):
-                    h5io.write_box(dset, mine[k][0], mine[k][1], dxpl)
-                else:
-                    h5io.write_none(dset, dxpl)
-        else:
-            for box, arr in mine:
-                h5io.write_box(dset, box, arr)
+                try:
+                    if error is None and k < len(mine):
+                        h5io.write_box(dset, mine[k][0], mine[k][1], dxpl)
+                    else:
+                        h5io.write_none(dset, dxpl)
+                except Exception as e:  # noqa: BLE001 - agreed by the caller
+                    error = error or f"{decl.path}: {_describe(e)}"
+        elif error is None:
+            try:
+                for box, arr in mine:
+                    h5io.write_box(dset, box, arr)
+            except Exception as e:  # noqa: BLE001 - agreed by the caller
+                error = f"{decl.path}: {_describe(e)}"
         pending += sum(arr.nbytes for _, arr in mine)
         if written is not None and pending >= WRITEBACK_EVERY:
             written()
             pending = 0
     if written is not None and pending:
         written()
+    return error
 
 
-def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], comm: Any, opts: IOOptions) -> None:
-    """Checksums are summed after the data writes, while the kernel is
-    already writing the dirty pages back (a helper thread summing during the
-    writes measured slower here: the ranks have one core each), and added as
-    attributes before the flush (``MPI_File_sync``, the fsync)."""
-    with h5io.open_file(path, "w", comm, opts.alignment) as f:
+def _release_space(path: str) -> None:
+    """Empty a file whose save failed (rank 0, before the close): closing an
+    HDF5 file writes its metadata, and on a full file system that fails and
+    leaves HDF5's file object in a state that crashes the process when it
+    is released (HDF5 1.10, ``H5F__close_cb``). The truncation gives the
+    close its room back; the file is deleted after."""
+    try:
+        os.truncate(path, 0)
+    except OSError:
+        pass
+
+
+def _step(comm: Any, errors: List[Optional[str]], work: Callable[[], Optional[str]]) -> List[Optional[str]]:
+    """Run ``work`` on every rank if no rank has failed yet, then agree on
+    every rank's failure (one allgather), so all ranks take the same next
+    step: the next collective of the save, or the way out."""
+    if any(errors):
+        return errors
+    try:
+        error = work()
+    except Exception as e:  # noqa: BLE001 - agreed below
+        error = _describe(e)
+    return comm.allgather(error)
+
+
+def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], comm: Any,
+                    opts: IOOptions) -> List[Optional[str]]:
+    """Every rank's failure (all None: the file is complete and closed).
+
+    Each phase's failures are agreed before the next collective phase, so a
+    rank that fails (a full disk, an I/O error) never leaves the others in
+    a collective it skipped: create the datasets; write the boxes; sum the
+    checksums (one Allreduce) and add them as attributes before the flush
+    (``MPI_File_sync``, the fsync); close. Checksums are summed after the
+    data writes, while the kernel is already writing the dirty pages back
+    (a helper thread summing during the writes measured slower here: the
+    ranks have one core each)."""
+    f = h5io.open_file(path, "w", comm, opts.alignment)  # collective; a failure here is every rank's
+
+    def reserve() -> Optional[str]:  # rank 0, for the whole file (see ``space``)
+        short = space.reserve(path, space.needed_bytes(plan, opts.alignment)) if comm.Get_rank() == 0 else None
+        return f"reserving room for the file failed ({short})" if short else None
+
+    def create() -> None:
         h5io.create_all(f, plan.datasets)
         _write_meta(f, attrs)
-        # The device writes while later datasets are copied and checksums summed
-        _write_owned(f, plan, owned, opts, collective=True,
-                     written=(lambda: h5io.start_writeback(path)) if opts.fsync else None)
-        h5io.write_checksums(f, plan.datasets, compute_checksums(plan, owned, comm))
+
+    def write() -> Optional[str]:
+        # the device writes while later datasets are copied and checksums summed
+        return _write_owned(f, plan, owned, opts, collective=True,
+                            written=(lambda: h5io.start_writeback(path)) if opts.fsync else None)
+
+    def seal() -> None:
+        h5io.write_checksums(f, plan.datasets, sums)
         if opts.fsync:
             f.flush()
+
+    errors = _step(comm, [None], reserve)
+    errors = _step(comm, errors, create)
+    errors = _step(comm, errors, write)
+    if not any(errors):
+        sums = compute_checksums(plan, owned, comm)
+        errors = _step(comm, errors, seal)
+    if any(errors):
+        if comm.Get_rank() == 0:
+            _release_space(path)
+        comm.Barrier()  # emptied before any rank's close writes metadata
+    closing = _step(comm, [None], f.close)
+    return errors if any(errors) else closing
 
 
 def _write_serial(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], comm: Any,
@@ -117,44 +197,68 @@ def _write_serial(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any],
     sums = compute_checksums(plan, owned, comm)
     error: Optional[str] = None
     if rank > 0:
-        comm.recv(source=rank - 1, tag=_TOKEN_TAG)
-    try:
-        if rank == 0:
-            with h5io.open_file(path, "w", None, opts.alignment) as f:
+        error = comm.recv(source=rank - 1, tag=_TOKEN_TAG)  # an earlier rank's failure: write nothing
+    mine: Optional[str] = None
+    if error is None and (rank == 0 or owned):
+        f = None
+        try:
+            if rank == 0:
+                f = h5io.open_file(path, "w", None, opts.alignment)
+                short = space.reserve(path, space.needed_bytes(plan, opts.alignment))
+                if short:
+                    raise OSError(f"reserving room for the file failed ({short})")
                 h5io.create_all(f, plan.datasets, sums)
                 _write_meta(f, attrs)
-                _write_owned(f, plan, owned, opts, collective=False)
-        elif owned:
-            with h5io.open_file(path, "r+") as f:
-                _write_owned(f, plan, owned, opts, collective=False)
-        if opts.fsync and (rank == 0 or owned):
-            h5io.fsync_path(path)
-    except Exception as e:  # reported after the token has moved on, so no rank waits forever
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        if rank + 1 < size:
-            comm.send(None, dest=rank + 1, tag=_TOKEN_TAG)
-    return error
+            else:
+                f = h5io.open_file(path, "r+")
+            mine = _write_owned(f, plan, owned, opts, collective=False)
+        except Exception as e:  # noqa: BLE001 - passed on with the token
+            mine = _describe(e)
+        if mine is not None:
+            _release_space(path)
+        try:
+            if f is not None:
+                f.close()
+            if mine is None and opts.fsync:
+                h5io.fsync_path(path)
+        except Exception as e:  # noqa: BLE001 - passed on with the token
+            mine = mine or _describe(e)
+    if rank + 1 < size:
+        comm.send(error or (f"rank {rank}: {mine}" if mine else None), dest=rank + 1, tag=_TOKEN_TAG)
+    return mine
 
 
 def write_file(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], comm: Any, opts: IOOptions) -> int:
     """Write the checkpoint file ``path`` (collective over ``comm``); returns
-    the bytes this rank wrote. Raises CheckpointError on every rank if any failed."""
-    error: Optional[str] = None
-    try:
-        if opts.parallel:
-            _write_parallel(path, plan, owned, attrs, comm, opts)
-        else:
-            error = _write_serial(path, plan, owned, attrs, comm, opts)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    errors = comm.allgather(error)
+    the bytes this rank wrote. Raises CheckpointError on every rank if any
+    failed, naming each rank's failure (the caller removes the file)."""
+    if opts.parallel:
+        try:
+            errors = _write_parallel(path, plan, owned, attrs, comm, opts)
+        except Exception as e:  # opening the file: collective, so every rank is here
+            errors = comm.allgather(_describe(e))
+    else:
+        errors = comm.allgather(_write_serial(path, plan, owned, attrs, comm, opts))
     if any(errors):
         raise_failures(path, "writing", errors)
+    if comm.Get_rank() == 0:
+        space.trim(path)  # the blocks reserved beyond the file's end
     return sum(arr.nbytes for pairs in owned.values() for _, arr in pairs)
+
+
+def summarize_failures(errors: Sequence[Optional[str]]) -> str:
+    """Every rank's failure in one line: the ranks that failed, and each distinct failure once."""
+    by_error: Dict[str, List[int]] = {}
+    for r, e in enumerate(errors):
+        if e:
+            by_error.setdefault(e.splitlines()[0], []).append(r)
+    parts = [(f"rank {', '.join(map(str, ranks))}" if len(ranks) <= 4
+              else f"{len(ranks)} ranks ({', '.join(map(str, ranks[:3]))}, ...)") + f": {e}"
+             for e, ranks in list(by_error.items())[:2]]
+    more = len(by_error) - 2
+    return "; ".join(parts) + (f" (and {more} other failure(s))" if more > 0 else "")
 
 
 def raise_failures(path: str, what: str, errors: Sequence[Optional[str]]) -> None:
     """One CheckpointError naming every rank's failure (``errors``: one entry per rank, allgathered)."""
-    lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
-    raise CheckpointError(f"checkpoint {path}: {what} failed\n  " + "\n  ".join(lines))
+    raise CheckpointError(f"checkpoint {path}: {what} failed: {summarize_failures(errors)}")

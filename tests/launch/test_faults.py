@@ -81,7 +81,7 @@ def test_a_rank_stalled_before_a_checkpoint_save_is_named_and_older_checkpoints_
     assert took is not None and took < 2 * HANG_TIMEOUT, (took, out)
     [line] = _one_error(out)
     assert "rank 3 (host" in line and "rank(s) 0, 1, 2 wait for it" in line and "checkpoint save #2" in line, line
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002.h5"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".hpctrain.lock", "latest", "step_00000002.h5"]
     verify = _verify(ckpt)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

@@ -180,6 +180,9 @@ def test_a_relaunch_of_the_same_experiment_finds_its_checkpoints(tmp_path):
     other = _run(["trainer.steps=2", "optim.lr=1e-3", *common, f"hydra.run.dir={tmp_path}/run3"], cwd=tmp_path)
     assert other.returncode == 0, other.stderr
     assert "no committed checkpoint" in other.stderr and len(list((tmp_path / "checkpoints").iterdir())) == 2
+    # the earlier experiment's directory is named, with its newest step and how to continue it
+    assert "other experiment settings" in other.stderr and f"{dirs[0].name} (step 4)" in other.stderr, other.stderr
+    assert "checkpoint.resume=<its path>" in other.stderr
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")

@@ -249,7 +249,7 @@ def test_a_failed_save_loses_nothing(baseline, shared_tmp, monkeypatch):
 def test_keep_last_k(shared_tmp):
     d = f"{shared_tmp}/keep"
     build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=2", "trainer.steps=3", "checkpoint.every=1").fit()
-    assert sorted(os.listdir(d)) == ["latest", "step_00000002.h5", "step_00000003.h5"]
+    assert sorted(os.listdir(d)) == [".hpctrain.lock", "latest", "step_00000002.h5", "step_00000003.h5"]
     assert open(os.path.join(d, "latest")).read().strip() == "step_00000003.h5"
 
 
