@@ -106,8 +106,10 @@ def _hydra_main(argv: List[str], world) -> int:
         from hpctrain.checkpoint import default_checkpoint_dir
 
         run_dir = HydraConfig.get().runtime.output_dir
-        if cfg.checkpoint.dir is None and (cfg.checkpoint.every or cfg.checkpoint.resume):
-            # one directory per experiment, found again by a relaunch (README, "Checkpoints")
+        if cfg.checkpoint.dir is None and (cfg.checkpoint.every or cfg.checkpoint.resume
+                                           or cfg.checkpoint.save_on_stop):
+            # one directory per experiment, found again by a relaunch (README, "Checkpoints");
+            # created only when something is saved (a stop saves by default)
             cfg.checkpoint.dir = default_checkpoint_dir(cfg, HydraConfig.get().runtime.cwd)
         cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         if world is not None:

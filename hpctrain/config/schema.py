@@ -190,6 +190,8 @@ class CheckpointConfig:
     """Directory for checkpoints; None (from the command line): checkpoints/<model name>-<hash of the model, data, optimizer, batch, sequence, seed and precision settings> under the launch directory, so a relaunch of the same experiment finds its checkpoints (hpctrain.checkpoint.default_checkpoint_dir)."""
     every: int = 0
     """Save every N steps; 0 disables periodic saves."""
+    save_on_stop: bool = True
+    """Commit a checkpoint when a signal (SIGUSR1, SIGTERM, SIGINT) or the time limit stops the run, whatever ``every`` is, to ``dir`` (the command line's default directory when unset), so a preempted job that never set ``every`` still resumes. false: a stop saves nothing (its message says so)."""
     resume: Optional[str] = None
     """None (fresh start), auto (newest good checkpoint in dir), or a path."""
     keep: int = 3

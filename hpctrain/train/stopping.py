@@ -3,11 +3,16 @@
 What asks a run to stop:
 
 - SIGUSR1: the warning a scheduler sends before the end (``#SBATCH
-  --signal=USR1@120``); under SLURM the job is then requeued;
+  --signal=USR1@120``); under SLURM the job is then requeued. ``mpiexec``
+  forwards it to the ranks at once, so ``kill -USR1 <mpiexec pid>`` is the
+  prompt way to stop an ``mpiexec`` job;
 - SIGTERM: preemption, ``scancel``, a system shutdown (SLURM requeues a
-  preempted job itself when its preemption mode says so);
-- SIGINT: Ctrl-C at a terminal (only while checkpointing is configured;
-  otherwise Python's usual KeyboardInterrupt);
+  preempted job itself when its preemption mode says so), and what
+  ``mpiexec`` sends its ranks when it is itself sent SIGTERM or SIGINT
+  (after its kill delay; docs/slurm.md has what each launcher gives);
+- SIGINT: Ctrl-C at a terminal, and what ``srun`` forwards on a second
+  Ctrl-C. Caught only while a stop can save (below); otherwise Python's
+  usual KeyboardInterrupt, since waiting for the step would save nothing;
 - the clock: ``trainer.max_time`` seconds after the start, or the SLURM
   job's end time, less ``trainer.max_time_margin_s`` and one step; under
   SLURM the job is then requeued.
@@ -15,9 +20,15 @@ What asks a run to stop:
 A handler only records the signal, so a second signal during the save
 cannot tear the checkpoint. After every step all ranks agree (one small
 all-reduce over the world, MAX) on whether any rank was asked to stop, so
-they stop after the same step; they commit a checkpoint (when
-checkpointing is configured), and the run ends with ``StopRequested``
-(exit status 75, "try again"). Under SLURM, for the warning signal and the
+they stop after the same step; they commit a checkpoint, and the run ends
+with ``StopRequested`` (exit status 75, "try again"). The stop saves
+whatever ``checkpoint.every`` is (a preempted job that never set it would
+otherwise lose everything): to ``checkpoint.dir``, which the command line
+fills with the experiment's default directory. Nothing is saved only when
+``checkpoint.save_on_stop=false``, when no installed plugin provides
+``checkpoint.format``, or when a programmatic run has no
+``checkpoint.dir``; the stop message then says which, and how to get a
+save (``why_no_stop_save``). Under SLURM, for the warning signal and the
 time limit, rank 0 first runs ``scontrol requeue <job>``: the job goes back
 to the queue with the same id, so the template's run directory is the same
 and ``checkpoint.resume=auto`` resumes from the newest good checkpoint.
@@ -186,7 +197,32 @@ def requeue_if_slurm(reason: int) -> Optional[str]:
     return f"requeued SLURM job {job}: it resumes from this checkpoint when it starts again"
 
 
-def stop_message(step: int, why: str, saved: Optional[str], requeued: Optional[str]) -> str:
+def why_no_stop_save(cfg: Any, pm: Any, have_checkpointer: bool) -> Optional[str]:
+    """None when a stop can commit a checkpoint; else why not and how to get
+    one (for the stop message, so a user is never left guessing)."""
+    ck = cfg.checkpoint
+    if not ck.save_on_stop:
+        periodic = "; checkpoint.resume=auto resumes from the newest periodic one" if ck.every else ""
+        return "checkpoint.save_on_stop=false; leave it true (the default) to save when a run is stopped" + periodic
+    if not have_checkpointer:
+        from hpctrain.plugins import DISABLE_ENV, blocked_names, capabilities
+
+        formats = capabilities(pm).get("checkpoint.format", [])
+        if ck.format not in formats:
+            blocked = blocked_names()
+            hint = (f"; blocked by {DISABLE_ENV}: {', '.join(blocked)} (unset it or remove the plugin's name "
+                    "from it)") if blocked else ""
+            return (f"no installed plugin provides checkpoint.format={ck.format!r} (available: "
+                    f"{', '.join(formats) or 'none'}); install one (pip install -e . brings hdf5) or choose an "
+                    "available format" + hint)
+    if not (ck.dir or ck.every):
+        return "checkpoint.dir is not set; set checkpoint.dir=PATH (hpctrain-train sets a default)"
+    return None
+
+
+def stop_message(step: int, why: str, saved: Optional[str], requeued: Optional[str],
+                 unsaved: Optional[str] = None) -> str:
+    """The one line a stopped run ends with; ``unsaved``: why nothing was saved."""
     where = (f"checkpoint {saved} committed; relaunch with checkpoint.resume=auto to go on" if saved
-             else "no checkpoint (checkpoint.every is 0; set it to resume from here next time)")
+             else f"no checkpoint saved: {unsaved or 'the stop could not save'}")
     return f"step {step}: stopped on {why}; {where}" + (f"; {requeued}" if requeued else "")

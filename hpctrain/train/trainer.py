@@ -43,7 +43,7 @@ from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import build_adamw, lr_at, set_lr
-from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message
+from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
 from hpctrain.train.schedule import GradAccumulation, as_step_result
 
 # Axis transforms apply inside-out: tensor splits first, then sequence and
@@ -96,9 +96,14 @@ class Trainer:
                 path = self.checkpointer.load(self, path) or path
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step, self.cursor.consumed_samples)
 
-    def _make_checkpointer(self):
+    def _make_checkpointer(self, for_stop: bool = False):
+        """The checkpoint format plugin's checkpointer: at set-up when the run
+        saves periodically or resumes; otherwise only when a stop is about to
+        save (``for_stop``), on every rank at once (the ranks agreed to stop),
+        so a run that is never stopped makes none (the plugin's is collective
+        over the world, which a one-process reference inside an MPI job is not)."""
         ck = self.cfg.checkpoint
-        if not (ck.every or ck.resume):
+        if not (ck.every or ck.resume or for_stop):
             return None
         made = self.pm.hook.hpctrain_make_checkpointer(name=ck.format, mesh=self.mesh, cfg=self.cfg)
         if made is None:
@@ -236,8 +241,8 @@ class Trainer:
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
-        saving = self.checkpointer is not None and bool(cfg.checkpoint.dir)
-        stops = StopRequests(cfg, is_main, catch_sigint=saving)
+        unsaved = why_no_stop_save(cfg, self.pm, self.checkpointer is not None)  # None: a stop saves
+        stops = StopRequests(cfg, is_main, catch_sigint=unsaved is None)
         stops.install()
         stopped = None  # (reason, checkpoint) when a signal or the clock ends the run early
         try:
@@ -255,8 +260,11 @@ class Trainer:
                     saved = self.save_checkpoint()
                 reason = stops.agree(self.mesh, self.device, m["step_time_s"])  # collective: the same on every rank
                 if reason and self.step < total:
-                    log_rank0("step %d: %s: saving and stopping", self.step, stops.describe(reason))
-                    if saving and saved is None:
+                    log_rank0("step %d: %s: %s", self.step, stops.describe(reason),
+                              "saving and stopping" if unsaved is None else "stopping")
+                    if unsaved is None and saved is None:
+                        if self.checkpointer is None:
+                            self.checkpointer = self._make_checkpointer(for_stop=True)
                         saved = self.save_checkpoint()
                     stopped = (reason, saved)
                     break
@@ -271,7 +279,7 @@ class Trainer:
         if stopped is not None:
             reason, saved = stopped
             requeued = requeue_if_slurm(reason) if is_main and saved else None
-            raise StopRequested(stop_message(self.step, stops.describe(reason), saved, requeued))
+            raise StopRequested(stop_message(self.step, stops.describe(reason), saved, requeued, unsaved))
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
         if self.history and writer.path:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),

@@ -1,9 +1,13 @@
 """Stopping a 4-rank ``mpiexec`` job on purpose, outside SLURM: SIGTERM sent
-to its ranks (what a scheduler's preemption does) and ``trainer.max_time``.
-Each ends with a committed checkpoint and exit status 75; the same command
-again (``checkpoint.resume=auto``) finishes the run, and the per-step losses
-of both launches together are those of an uninterrupted run, bit for bit.
-The SLURM version (SIGUSR1, requeue): tests/slurm/test_slurm_launch.py."""
+to its ranks (what a scheduler's preemption does), SIGTERM and SIGUSR1 sent
+to ``mpiexec`` itself (a terminal closing, a wrapper script, ``kill``), and
+``trainer.max_time``. Each ends with a committed checkpoint, also when the
+run never set ``checkpoint.every`` or ``checkpoint.resume`` (the command
+line's default directory receives it); the same command again with
+``checkpoint.resume=auto`` finishes the run, and the per-step losses of both
+launches together are those of an uninterrupted run, bit for bit. What each
+launcher gives the ranks (measured): docs/slurm.md. The SLURM version
+(SIGUSR1, requeue): tests/slurm/test_slurm_launch.py."""
 import os
 import signal
 import subprocess
@@ -17,17 +21,33 @@ from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 COMMON = ["trainer.steps=10", "trainer.log_every=1", "trainer.progress=off"]
+KILL_DELAY_S = 6
+"""Open MPI's kill delay for the test that signals mpiexec: the ranks get
+SIGTERM this long after mpiexec does, and SIGKILL as long again, which must
+cover the rest of a step (2 s here) and the save."""
 
 
 def _cmd(run_dir, *extra):
     return [MPIEXEC, "-n", "4", sys.executable, "-m", "hpctrain", *COMMON, *extra, f"hydra.run.dir={run_dir}"]
 
 
-def _reference(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The per-step losses of the run never stopped (one run for the module)."""
+    tmp_path = tmp_path_factory.mktemp("reference")
     r = subprocess.run(_cmd(tmp_path / "ref"), env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
                        cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return [m["loss"] for m in _metrics(tmp_path / "ref")]
+
+
+def _wait_for_steps(job, run, steps):
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline and job.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
 
 
 def _ranks_of(pid):
@@ -35,18 +55,13 @@ def _ranks_of(pid):
     return [int(p) for p in out]
 
 
-def test_sigterm_to_the_ranks_saves_stops_and_the_relaunch_is_exact(tmp_path):
-    want = _reference(tmp_path)
+def test_sigterm_to_the_ranks_saves_stops_and_the_relaunch_is_exact(tmp_path, reference):
+    want = reference
     run = tmp_path / "run"
     resumable = ["checkpoint.resume=auto", "debug.fault=slow", "debug.slow_s=0.3"]
     job = subprocess.Popen(_cmd(run, *resumable), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, cwd=tmp_path)
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline and job.poll() is None:
-        metrics = run / "metrics.jsonl"
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
+    _wait_for_steps(job, run, 3)
     ranks = _ranks_of(job.pid)
     assert len(ranks) == 4, ranks
     for pid in ranks:  # the ranks, not mpiexec (which would kill them): as a scheduler's preemption does
@@ -65,11 +80,43 @@ def test_sigterm_to_the_ranks_saves_stops_and_the_relaunch_is_exact(tmp_path):
     assert [m["loss"] for m in got] == want
 
 
-def test_max_time_saves_and_stops_before_the_limit_and_the_relaunch_is_exact(tmp_path):
-    want = _reference(tmp_path)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_mpiexec_saves_without_checkpoint_every_and_the_relaunch_is_exact(tmp_path, reference, sig):
+    """SIGTERM: Open MPI's mpiexec sends its ranks SIGTERM only after its kill
+    delay, and SIGKILL after the same delay again, so the delay is raised as
+    docs/slurm.md says; its own exit status is then 1, whatever the ranks
+    return. SIGUSR1: forwarded at once, and the ranks' 75 comes through.
+    Steps of about 2 s (rank 0 sleeps in each), so the signal lands mid-step."""
     run = tmp_path / "run"
-    limited = ["checkpoint.resume=auto", "trainer.max_time=4", "trainer.max_time_margin_s=0", "debug.fault=slow",
-               "debug.slow_s=0.5"]
+    slow = ["debug.fault=slow", "debug.slow_s=2"]
+    env = _env(OMPI_MCA_odls_base_sigkill_timeout=str(KILL_DELAY_S))
+    job = subprocess.Popen(_cmd(run, *slow), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           cwd=tmp_path)
+    _wait_for_steps(job, run, 2)
+    job.send_signal(sig)
+    out, _ = job.communicate(timeout=TIMEOUT)
+    assert job.returncode == (1 if sig == signal.SIGTERM else 75), out
+    name = signal.Signals(sig).name
+    assert f"{name}: saving and stopping" in out and "hpctrain: stopped: step" in out, out
+    stopped_at = len(_metrics(run))
+    assert 2 <= stopped_at < 10
+    saved = list(tmp_path.glob("checkpoints/tiny-*/*.h5"))  # the default directory: nothing set it
+    assert [p.name for p in saved] == [f"step_{stopped_at:08d}.h5"], out
+    assert f"checkpoint {saved[0]} committed" in out
+    again = subprocess.run(_cmd(run, "checkpoint.resume=auto"), env=_env(), capture_output=True, text=True,
+                           timeout=TIMEOUT, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {saved[0]}" in again.stderr
+    got = _metrics(run)
+    assert [m["step"] for m in got] == list(range(1, 11))
+    assert [m["loss"] for m in got] == reference
+
+
+def test_max_time_saves_and_stops_before_the_limit_and_the_relaunch_is_exact(tmp_path, reference):
+    """The first launch sets neither checkpoint.every nor checkpoint.resume."""
+    want = reference
+    run = tmp_path / "run"
+    limited = ["trainer.max_time=4", "trainer.max_time_margin_s=0", "debug.fault=slow", "debug.slow_s=0.5"]
     first = subprocess.run(_cmd(run, *limited), env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
                            cwd=tmp_path)
     assert first.returncode == 75, first.stderr
@@ -77,7 +124,7 @@ def test_max_time_saves_and_stops_before_the_limit_and_the_relaunch_is_exact(tmp
     stopped_at = len(_metrics(run))
     assert 1 <= stopped_at < 10
     assert sum(m["step_time_s"] for m in _metrics(run)) < 4  # stopped before the limit, not after
-    rest = [x for x in limited if not x.startswith("trainer.max_time")]
+    rest = ["checkpoint.resume=auto"] + [x for x in limited if not x.startswith("trainer.max_time")]
     again = subprocess.run(_cmd(run, *rest), env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     got = _metrics(run)

@@ -165,12 +165,12 @@ def test_the_jobs_time_limit_stops_the_run_with_a_checkpoint(slurm, job_name, tm
     75). (A margin of 55 s made this depend on the start-up taking over 5 s:
     a fast start trained all 50 steps before the deadline came near.) The end
     time comes from Slurm (SLURM_JOB_END_TIME or squeue), not from the config:
-    no trainer.max_time is set."""
+    no trainer.max_time is set. No checkpoint.every either: the stop saves."""
     ckpt = tmp_path / "ckpt"
     proc = slurm.run(
         ["srun", "--mpi=pmix", "-n", "2", "--time=1", f"--job-name={job_name}", "--kill-on-bad-exit=1",
          "hpctrain-train", "trainer.steps=50", "trainer.max_time_margin_s=60", f"checkpoint.dir={ckpt}",
-         "checkpoint.every=100", f"hydra.run.dir={tmp_path}/run"],
+         f"hydra.run.dir={tmp_path}/run"],
         job_name, cwd=tmp_path)
     assert proc.returncode == 75, _show(proc)
     assert "stopped on the SLURM job's time limit" in proc.stderr, _show(proc)

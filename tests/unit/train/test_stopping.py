@@ -1,8 +1,11 @@
 """Stopping on a signal or the clock (hpctrain.train.stopping), in one
 process: a real signal sent to this process mid-run ends it after that step
-with a committed checkpoint, and a resumed run finishes with the same
-per-step losses, bit for bit, as one that was never stopped. Multi-rank and
-SLURM versions: tests/launch/test_stop_and_relaunch.py, tests/slurm."""
+with a committed checkpoint, even with ``checkpoint.every=0`` (a stop always
+saves), and a resumed run finishes with the same per-step losses, bit for
+bit, as one that was never stopped. When a stop cannot save
+(``checkpoint.save_on_stop=false``, no checkpoint format plugin), its
+message says why and how to get a save. Multi-rank, launcher and SLURM
+versions: tests/launch/test_stop_and_relaunch.py, tests/slurm."""
 from __future__ import annotations
 
 import logging
@@ -31,8 +34,7 @@ def test_durations_in_seconds_and_slurm_forms():
 
 class SignalAt:
     """A plugin that sends this process ``sig`` at the end of ``step``, and
-    again in the middle of the checkpoint save that follows (between the
-    save's start and its write)."""
+    again as the checkpoint save that follows begins."""
 
     def __init__(self, step: int, sig: int):
         self.step, self.sig = step, sig
@@ -41,26 +43,30 @@ class SignalAt:
     def hpctrain_on_step_end(self, trainer, step, metrics):
         if step == self.step:
             os.kill(os.getpid(), self.sig)
-            ckpt = trainer.checkpointer
-            write = ckpt._write_and_commit
+            save = trainer.save_checkpoint
 
-            def interrupted_write(*args, **kwargs):
+            def interrupted_save(*args, **kwargs):
                 os.kill(os.getpid(), self.sig)
-                return write(*args, **kwargs)
+                return save(*args, **kwargs)
 
-            ckpt._write_and_commit = interrupted_write
+            trainer.save_checkpoint = interrupted_save
 
 
 def _losses(history):
     return [m["loss"] for m in history]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact(pm, tmp_path, sig):
-    whole = reference_trainer(compose_resolved(RUN, pm), pm).fit()
-    ckpt = tmp_path / "ckpt"
-    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"), pm)
-    plugin = SignalAt(3, sig)
+@pytest.fixture(scope="module")
+def whole():
+    """The per-step losses of the run never stopped (one run for the module)."""
+    from hpctrain.plugins import create_manager
+
+    pm = create_manager()
+    return _losses(reference_trainer(compose_resolved(RUN, pm), pm).fit())
+
+
+def _stopped_run(pm, cfg, plugin):
+    """(the trainer, its StopRequested) for a run of ``cfg`` that ``plugin`` stops."""
     pm.register(plugin)
     try:
         trainer = reference_trainer(cfg, pm)
@@ -68,36 +74,79 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact
             trainer.fit()
     finally:
         pm.unregister(plugin)
-    assert stopped.value.exit_code == EXIT_CODE
-    assert f"step 3: stopped on {signal.Signals(sig).name}" in str(stopped.value)
+    return trainer, stopped.value
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact(pm, tmp_path, sig, whole):
+    """No checkpoint.every and no resume: the checkpointer is made for the stop alone."""
+    ckpt = tmp_path / "ckpt"
+    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}",), pm)
+    assert cfg.checkpoint.every == 0 and cfg.checkpoint.save_on_stop
+    trainer, stopped = _stopped_run(pm, cfg, SignalAt(3, sig))
+    assert stopped.exit_code == EXIT_CODE
+    assert f"step 3: stopped on {signal.Signals(sig).name}" in str(stopped)
+    assert f"checkpoint {ckpt / 'step_00000003.h5'} committed" in str(stopped)
     assert sorted(p.name for p in ckpt.glob("*.h5")) == ["step_00000003.h5"]
     assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)  # handlers put back
     first = trainer.history
-    rest = reference_trainer(cfg, pm).fit()
+    rest = reference_trainer(compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"), pm),
+                             pm).fit()
     assert [m["step"] for m in first + rest] == list(range(1, 7))
-    assert _losses(first + rest) == _losses(whole)  # bit for bit
+    assert _losses(first + rest) == whole  # bit for bit
 
 
-def test_without_checkpointing_sigint_is_still_a_keyboard_interrupt(pm):
+def test_save_on_stop_false_saves_nothing_and_says_so(pm, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.save_on_stop=false"), pm)
+    _, stopped = _stopped_run(pm, cfg, SignalAt(2, signal.SIGTERM))
+    assert stopped.exit_code == EXIT_CODE
+    assert str(stopped) == ("step 2: stopped on SIGTERM; no checkpoint saved: checkpoint.save_on_stop=false; "
+                            "leave it true (the default) to save when a run is stopped")
+    assert not ckpt.exists()
+
+
+def test_without_a_checkpoint_format_plugin_the_stop_says_what_to_install(tmp_path, monkeypatch):
+    from hpctrain.plugins import DISABLE_ENV, create_manager
+
+    monkeypatch.setenv(DISABLE_ENV, "h5ckpt")
+    pm = create_manager()
+    ckpt = tmp_path / "ckpt"
+    _, stopped = _stopped_run(pm, compose_resolved(RUN + (f"checkpoint.dir={ckpt}",), pm), SignalAt(2, signal.SIGUSR1))
+    assert ("step 2: stopped on SIGUSR1; no checkpoint saved: no installed plugin provides "
+            "checkpoint.format='hdf5' (available: none); install one") in str(stopped)
+    assert f"blocked by {DISABLE_ENV}: h5ckpt" in str(stopped)
+    assert not ckpt.exists()
+
+
+@pytest.mark.parametrize("off", ["checkpoint.save_on_stop=false", None])
+def test_when_a_stop_cannot_save_sigint_is_still_a_keyboard_interrupt(pm, tmp_path, off):
+    """Waiting for the step would save nothing: Ctrl-C interrupts at once
+    (None: a programmatic run with no checkpoint.dir)."""
+    extra = (f"checkpoint.dir={tmp_path}", off) if off else ()
     plugin = SignalAt(2, signal.SIGINT)
     pm.register(plugin)
     try:
         with pytest.raises(KeyboardInterrupt):
-            reference_trainer(compose_resolved(RUN, pm), pm).fit()
+            reference_trainer(compose_resolved(RUN + extra, pm), pm).fit()
     finally:
         pm.unregister(plugin)
 
 
-def test_the_clock_stops_the_run_before_max_time(pm, tmp_path):
-    """A margin as large as max_time: the first step already leaves too little time."""
+def test_the_clock_stops_the_run_before_max_time_with_a_checkpoint_and_the_resume_is_exact(pm, tmp_path, whole):
+    """A margin as large as max_time: the first step already leaves too
+    little time. No checkpoint.every: the stop saves all the same."""
     ckpt = tmp_path / "ckpt"
-    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.every=100", "trainer.max_time=00:01:00",
+    cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "trainer.max_time=00:01:00",
                                   "trainer.max_time_margin_s=60"), pm)
     trainer = reference_trainer(cfg, pm)
     with pytest.raises(StopRequested) as stopped:
         trainer.fit()
-    assert "step 1: stopped on trainer.max_time=00:01:00" in str(stopped.value)
+    assert "step 1: stopped on trainer.max_time=00:01:00" in str(stopped.value) and "committed" in str(stopped.value)
     assert [p.name for p in ckpt.glob("*.h5")] == ["step_00000001.h5"]
+    rest = reference_trainer(compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.resume=auto"), pm),
+                             pm).fit()
+    assert _losses(trainer.history + rest) == whole  # bit for bit
 
 
 def test_the_slurm_jobs_end_time_is_a_limit(pm, monkeypatch):
