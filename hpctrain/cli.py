@@ -8,7 +8,11 @@ each job of the sweep in turn and all ranks run it. Any composition error on
 rank 0 is broadcast as a stop, so no rank hangs.
 
 Errors: a ConfigError (bad layout, batch, preset, data path) prints one line
-per problem on rank 0 and every rank exits with status 2. Any other
+per problem on rank 0 and every rank exits with status 2. So does a
+composition error (a value of the wrong type, an unknown key or preset, an
+override that does not parse): Hydra is run with ``HYDRA_FULL_ERROR=1`` so
+that it raises instead of printing its own seven lines, and
+``hpctrain.config.explain`` turns the exception into one line. Any other
 exception prints its traceback with the rank and aborts the MPI job, so a
 failure on one rank never leaves the others waiting in a collective.
 
@@ -16,6 +20,7 @@ failure on one rank never leaves the others waiting in a collective.
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import List, Optional
@@ -24,6 +29,7 @@ from hpctrain.errors import HpctrainError
 
 _STOP = "stop"
 _RUN = "run"
+_FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
 def _print_plugins() -> int:
@@ -92,12 +98,14 @@ def _hydra_main(argv: List[str], world) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from hpctrain.config.store import CONF_DIR, register_configs
     from hpctrain.plugins import get_manager
 
     register_configs(get_manager())
     codes: List[int] = []
+    user_full_error = os.environ.get(_FULL_ERROR)
 
     def task(cfg) -> int:
         # Runs on rank 0 of this process's world, or, under hydra/launcher=slurm,
@@ -111,7 +119,14 @@ def _hydra_main(argv: List[str], world) -> int:
             # one directory per experiment, found again by a relaunch (README, "Checkpoints");
             # created only when something is saved (a stop saves by default)
             cfg.checkpoint.dir = default_checkpoint_dir(cfg, HydraConfig.get().runtime.cwd)
-        cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        try:
+            cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve: one line, status 2
+            code = _composition_failed(e, user_full_error == "1")
+            codes.append(code)
+            if HydraConfig.get().mode.name == "MULTIRUN":
+                return code
+            raise SystemExit(code)
         if world is not None:
             world.bcast((_RUN, cfg_yaml, run_dir), root=0)
         code = _execute(cfg_yaml, run_dir)
@@ -128,14 +143,39 @@ def _hydra_main(argv: List[str], world) -> int:
     app = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(task)
     saved = sys.argv
     sys.argv = [saved[0] if saved else "hpctrain-train"] + argv
+    os.environ[_FULL_ERROR] = "1"  # Hydra raises composition errors to us instead of printing seven lines
     try:
         app()
         code = max(codes, default=0)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:
+        code = _composition_failed(e, user_full_error == "1")
     finally:
         sys.argv = saved
+        if user_full_error is None:
+            os.environ.pop(_FULL_ERROR, None)
+        else:
+            os.environ[_FULL_ERROR] = user_full_error
     return code
+
+
+def _composition_failed(e: Exception, full_error: bool) -> int:
+    """Rank 0's verdict on an exception out of Hydra (composing, parsing an
+    override, resolving the config): a configuration problem is one
+    ``hpctrain: error:`` line and status 2 (broadcast to every rank by
+    ``main``); anything else keeps its traceback (status 1). With
+    ``HYDRA_FULL_ERROR=1`` set by the user the traceback comes first."""
+    from hpctrain.config.explain import explain
+    from hpctrain.plugins import get_manager
+
+    try:
+        message = explain(e, get_manager())
+    except Exception:  # explaining must never hide the original error
+        message = None
+    if full_error or message is None:
+        traceback.print_exc()
+    return 1 if message is None else _fail(message, 0, 2)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

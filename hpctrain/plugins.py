@@ -38,6 +38,20 @@ def blocked_names() -> List[str]:
     return [n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()]
 
 
+def blocked_hint() -> str:
+    """'' unless ``HPCTRAIN_DISABLE_PLUGINS`` blocks an installed plugin; else
+    a clause naming the variable, what it blocks and how to unblock. Every
+    message about something no plugin provides ends with it: a blocked
+    plugin is invisible (its capabilities, axes and config keys are gone), so
+    without it the user is told to install what is installed."""
+    installed = {ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+    blocked = [n for n in blocked_names() if n in installed]
+    if not blocked:
+        return ""
+    return (f"blocked by {DISABLE_ENV}: {', '.join(blocked)}; to unblock, unset {DISABLE_ENV} "
+            "or remove the plugin's name from it")
+
+
 def create_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     """A fresh manager with the specs and (by default) every installed plugin."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -164,9 +178,10 @@ def require(pm: pluggy.PluginManager, kind: str, name: str, config_key: str) -> 
     """Raise a PluginError naming the options if no plugin serves ``name``."""
     served = capabilities(pm).get(kind, [])
     if name not in served:
-        blocked = blocked_names()
-        hint = f" (blocked by {DISABLE_ENV}: {', '.join(blocked)})" if blocked else ""
+        hint = blocked_hint()
+        options = ", ".join(served) or "(none installed)"
         raise PluginError(
-            f"{config_key}={name!r} is not provided by any installed plugin{hint}; "
-            f"choose one of: {', '.join(served) or '(none installed)'}, or install the plugin that provides it"
+            f"{config_key}={name!r} is not provided by any loaded plugin ({hint}); choose one of: {options}"
+            if hint else f"{config_key}={name!r} is not provided by any installed plugin; "
+            f"choose one of: {options}, or install the plugin that provides it"
         )

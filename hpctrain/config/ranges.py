@@ -93,6 +93,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("reliability.weight_check_every", at_least(0), "an integer >= 0", "0 turns the check off"),
     Rule("reliability.straggler_every", at_least(0), "an integer >= 0", "0 turns the report off"),
     Rule("reliability.straggler_factor", above(1), "a finite number > 1", "the usual is 1.5"),
+    Rule("reliability.straggler_min_s", optional(at_least(0)),
+         "null (max(10 ms, 5% of the step time)) or a finite number of seconds >= 0", "0: the factor alone"),
     Rule("trainer.max_time_margin_s", at_least(0), "a finite number of seconds >= 0"),
     Rule("reliability.hang_timeout_s", lambda x: x == 0 or at_least(1)(x), "0 (off) or a finite number >= 1",
          "the usual is 600; set it above your slowest checkpoint save"),

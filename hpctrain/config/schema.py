@@ -198,6 +198,8 @@ class CheckpointConfig:
     """How many checkpoints to keep (0 keeps all)."""
     async_save: bool = False
     """Write checkpoints in the background: a save blocks the step only while tensors are copied to host memory. (The key is not ``async`` because that is a Python keyword.)"""
+    allow_batch_change: bool = False
+    """Resume from a checkpoint saved with another trainer.global_batch_size. Refused by default, because the run then differs from the one that saved it while looking like its continuation; when allowed, the global sample cursor continues at the checkpoint's consumed samples (the same stream of samples, cut into batches of the new size) and the learning-rate schedule follows the step (hpctrain/data/cursor.py)."""
 
 
 @dataclass
@@ -217,7 +219,9 @@ class ReliabilityConfig:
     straggler_every: int = 10
     """Every this many steps, each rank's step and compute time are gathered: metrics.jsonl gets the slowest rank against the median. 0 turns it off."""
     straggler_factor: float = 1.5
-    """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the log."""
+    """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the log (if it is also straggler_min_s slower)."""
+    straggler_min_s: Optional[float] = None
+    """The least time (seconds) a straggler's compute time must exceed the other ranks' median by, besides the factor: on small steps a rank descheduled for a few milliseconds is 1.5x slower and costs nothing. None: max(0.010, 0.05 x the median step time) at each check, so 10 ms at least and 5% of the step on long steps; 0: the factor alone."""
     hang_timeout_s: float = 600.0
     """Hang watchdog (hpctrain/train/watchdog.py): a rank silent, or waited for in a collective, this long (or a rank that died, at once) is named by rank 0 with its op and sequence number and the job is aborted (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config import schema as S
-from hpctrain.errors import PluginError
+from hpctrain.errors import ConfigError, PluginError
 
 CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -103,8 +103,25 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
 
 def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
     """The typed, resolved run config for ``overrides``: what every rank of a
-    job receives from rank 0 (tests, benchmarks, tools)."""
-    return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    job receives from rank 0 (tests, benchmarks, tools). A composition error
+    (a value of the wrong type, an unknown key or preset) is a ConfigError
+    with the one line ``hpctrain-train`` prints for it."""
+    try:
+        return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+    except ConfigError:
+        raise
+    except Exception as e:
+        _reraise_explained(e, pm)
+        raise
+
+
+def _reraise_explained(e: Exception, pm) -> None:
+    """Raise ``e`` as a ConfigError when it is a composition error; else return."""
+    from hpctrain.config.explain import explain
+
+    message = explain(e, pm)
+    if message is not None:
+        raise ConfigError(message) from e
 
 
 def to_config(data: Any, pm=None) -> DictConfig:
@@ -115,6 +132,10 @@ def to_config(data: Any, pm=None) -> DictConfig:
     raw = OmegaConf.create(data) if isinstance(data, str) else OmegaConf.create(dict(data))
     if "hydra" in raw:
         raw.pop("hydra")
-    cfg = OmegaConf.merge(base, raw)
+    try:
+        cfg = OmegaConf.merge(base, raw)
+    except Exception as e:  # a key Hydra let through (+trainer.newkey=1): the same one line on every rank
+        _reraise_explained(e, pm)
+        raise
     OmegaConf.set_readonly(cfg, False)
     return cfg

@@ -177,6 +177,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
             problems.append(
                 f"{what} but no installed plugin parallelises axis {axis!r} "
                 f"(available: {', '.join(served_axes) or 'none'}); set parallel.{axis}=1 or install its plugin"
+                + (f" ({plugins.blocked_hint()})" if plugins.blocked_hint() else "")
             )
             continue
         if pm is not None:
@@ -188,13 +189,15 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         name = cfg.model[kind]
         if name not in builtin and name not in caps.get(f"model.{kind}", []):
             problems.append(f"model.{kind}={name!r} is unknown; choose one of: "
-                            f"{', '.join(list(builtin) + caps.get(f'model.{kind}', []))}")
+                            f"{', '.join(list(builtin) + caps.get(f'model.{kind}', []))}"
+                            + (f" ({plugins.blocked_hint()})" if plugins.blocked_hint() else ""))
     ck = cfg.checkpoint
     if ck.every or ck.resume:
         if ck.format not in caps.get("checkpoint.format", []):
             problems.append(f"checkpoint.format={ck.format!r} is not provided by any installed plugin "
                             f"(available: {', '.join(caps.get('checkpoint.format', [])) or 'none'}); "
-                            "set checkpoint.every=0 and checkpoint.resume=null, or install it")
+                            "set checkpoint.every=0 and checkpoint.resume=null, or install it"
+                            + (f" ({plugins.blocked_hint()})" if plugins.blocked_hint() else ""))
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)

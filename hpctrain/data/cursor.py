@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from hpctrain.data.sources import TokenSource
+from hpctrain.errors import ConfigError
+from hpctrain.log import log_rank0
 from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 
 
@@ -142,8 +144,32 @@ class DataCursor:
             raise TokenFileChanged(describe(step, ranks) if describe else
                                    f"{self.order.source.name}: step {step} could not read its data on {ranks} rank(s)")
 
+    allow_batch_change = False
+    """Accept a state saved with another global batch size (``checkpoint.allow_batch_change``; the trainer sets it)."""
+
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
+        """Continue at ``state["consumed_samples"]``. A state saved with another
+        ``global_batch_size`` (when it says) is refused, unless
+        ``allow_batch_change``: the run would look like the saved run's
+        continuation while its batches, and so its updates, differ. Allowed,
+        the rule is logged: the stream of samples continues unchanged, cut into
+        batches of the new size, and the learning-rate schedule follows the
+        step. The rule lives here, in the core, so that every checkpoint format
+        gets it by handing over the state it saved; a format that saved no
+        batch size is not checked."""
+        consumed = int(state["consumed_samples"])
+        saved = state.get("global_batch_size")
+        if saved is not None and int(saved) != self.global_batch_size:
+            if not self.allow_batch_change:
+                raise ConfigError(
+                    f"saved with trainer.global_batch_size={int(saved)}, resumed with trainer.global_batch_size="
+                    f"{self.global_batch_size}; resume with trainer.global_batch_size={int(saved)}, or set "
+                    "checkpoint.allow_batch_change=true to continue the same sample stream in batches of the new size")
+            log_rank0("checkpoint.allow_batch_change=true: saved with trainer.global_batch_size=%d, now %d: the global "
+                      "sample cursor continues at sample %d, so the stream of samples is the same, cut into batches "
+                      "of %d; the learning-rate schedule follows the step, not the samples", int(saved),
+                      self.global_batch_size, consumed, self.global_batch_size)
+        self.consumed_samples = consumed

@@ -16,18 +16,30 @@ Stragglers (``reliability.straggler_every``). Every rank's step time and
 compute time are all-gathered. A rank's step time is the same as everyone's
 (every step ends in collectives that wait for the slowest rank), so
 stragglers are found by compute time: the wall time of its model forwards
-in the step, which for the data axes holds no communication. (Under tensor
+per step, the median over the steps since the last check (a straggler is
+slow in every step; a rank the OS deschedules is slow in one, and on a
+small model that one step can be 10x the others), which for the data axes
+holds no communication. (Under tensor
 parallelism a forward also waits for its tp peers.) ``metrics.jsonl`` gets
 the slowest rank by compute time, its compute time and the median of the
 other ranks'; a rank slower than ``reliability.straggler_factor`` x the
-median of the other ranks in two checks in a row is named in the log,
-slowest first. (The median of the others, not of all: with 2 ranks the
-median of all is the mean, which no rank can exceed by 2x.)
+median of the other ranks, and slower by more than a floor, in two checks
+in a row is named in the log, slowest first. (The median of the others,
+not of all: with 2 ranks the median of all is the mean, which no rank can
+exceed by 2x.)
+
+The floor (``reliability.straggler_min_s``; by default max(10 ms, 5% of
+the median step time), taken at each check) is there because the factor
+alone names noise: on a small model a forward takes a few milliseconds, and
+a rank the OS deschedules for 3 ms is 2x slower twice in a row now and then
+(several false reports in a few hundred steps on an oversubscribed node)
+while costing the job nothing worth acting on. A rank that is a few
+percent of the step slower, steadily, is what a user can act on.
 """
 from __future__ import annotations
 
 import statistics
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -38,6 +50,11 @@ from hpctrain.mesh import AXES, Mesh
 from hpctrain.shard import get_spec
 
 log = get_logger(__name__)
+
+MIN_FLOOR_S = 0.010
+"""The default straggler floor's least value: below it a difference in compute time is scheduling noise."""
+STEP_FRACTION = 0.05
+"""The default straggler floor as a fraction of the median step time (5%: less is not worth acting on)."""
 
 
 class ReplicasDiverged(HpctrainError):
@@ -114,12 +131,31 @@ def check_replicas(params: List[torch.nn.Parameter], mesh: Mesh, device: torch.d
             "nodes (GPU memory errors, links), exclude them and resume from the last checkpoint")
 
 
+def slow_ranks(compute: List[float], factor: float, floor: float) -> set:
+    """The ranks whose compute time exceeds both ``factor`` x the median of
+    the other ranks' and that median plus ``floor`` seconds."""
+    out = set()
+    for r, c in enumerate(compute):
+        others = statistics.median(compute[:r] + compute[r + 1:])
+        if others > 0 and c > factor * others and c - others > floor:
+            out.add(r)
+    return out
+
+
 class Stragglers:
     """Per-rank step times, gathered every few steps (see the module docstring)."""
 
-    def __init__(self, factor: float):
+    def __init__(self, factor: float, min_s: Optional[float] = None):
         self.factor = factor
+        self.min_s = min_s
+        """The floor in seconds; None: ``floor`` derives it from the step time."""
         self.slow_before: set = set()
+
+    def floor(self, step_times: List[float]) -> float:
+        """How much slower than the others' median a straggler must be (seconds)."""
+        if self.min_s is not None:
+            return float(self.min_s)
+        return max(MIN_FLOOR_S, STEP_FRACTION * statistics.median(step_times))
 
     def check(self, mesh: Mesh, device: torch.device, step: int, step_s: float, compute_s: float) -> Dict[str, float]:
         world = mesh.group(AXES)
@@ -132,16 +168,18 @@ class Stragglers:
         compute = [t[1] for t in times]
         others = [statistics.median(compute[:r] + compute[r + 1:]) for r in range(world.size)]
         slowest = max(range(world.size), key=lambda r: compute[r])
-        slow = {r for r, c in enumerate(compute) if others[r] > 0 and c > self.factor * others[r]}
+        floor = self.floor([t[0] for t in times])
+        slow = slow_ranks(compute, self.factor, floor)
         persistent = sorted(slow & self.slow_before, key=lambda r: -compute[r])  # slowest first
         if persistent:
             log_rank0("step %d: straggler rank(s) %s: compute time %s s against the other ranks' median of %.3f s "
-                      "(more than reliability.straggler_factor=%.2f x, two checks in a row)", step,
-                      ", ".join(map(str, persistent)), ", ".join(f"{compute[r]:.3f}" for r in persistent),
-                      others[persistent[0]], self.factor)
+                      "(more than reliability.straggler_factor=%.2f x and %.3f s slower (reliability.straggler_min_s), "
+                      "two checks in a row)", step, ", ".join(map(str, persistent)),
+                      ", ".join(f"{compute[r]:.3f}" for r in persistent), others[persistent[0]], self.factor, floor)
         self.slow_before = slow
         return {"straggler.slowest_rank": slowest, "straggler.slowest_compute_s": compute[slowest],
-                "straggler.median_compute_s": others[slowest], "straggler.max_step_s": max(t[0] for t in times)}
+                "straggler.median_compute_s": others[slowest], "straggler.max_step_s": max(t[0] for t in times),
+                "straggler.min_s": floor}
 
 
 class ForwardClock:
@@ -152,6 +190,7 @@ class ForwardClock:
 
         self._now = _time.perf_counter
         self.total = 0.0
+        self._window: List[float] = []
         self._started: List[float] = []
         for m in modules:
             m.register_forward_pre_hook(self._start)
@@ -165,5 +204,14 @@ class ForwardClock:
             self.total += self._now() - self._started.pop()
 
     def take(self) -> float:
+        """Forward time since the last take (one step's)."""
         out, self.total = self.total, 0.0
+        self._window.append(out)
+        return out
+
+    def take_window(self) -> float:
+        """The median forward time per step over the steps taken since the
+        last call (the straggler check's window; 0 when none was taken)."""
+        out = statistics.median(self._window) if self._window else 0.0
+        self._window = []
         return out

@@ -76,11 +76,12 @@ class Trainer:
         self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
                                  positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len),
                                  defer_short_reads=True)  # agreed in reduce_totals (hpctrain.data.tokenfile)
+        self.cursor.allow_batch_change = bool(cfg.checkpoint.allow_batch_change)  # the rule: DataCursor.load_state_dict
         self.metrics: Dict[str, float] = {}
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
         self.spikes = LossSpikes(rel.spike_window, rel.spike_zscore)
-        self.stragglers = Stragglers(rel.straggler_factor)
+        self.stragglers = Stragglers(rel.straggler_factor, rel.straggler_min_s)
         # every model (part) this rank runs: the whole model, or a pipeline's stages
         self.forward_clock = ForwardClock(m for m in self.model.modules() if isinstance(m, Transformer))
         self.faults = FaultInjector(cfg.debug, mesh.world_rank)
@@ -168,7 +169,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         result = as_step_result(self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast), microbatches)
-        compute_s = self.forward_clock.take()
+        self.forward_clock.take()  # this step's forwards join the straggler check's window
         self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
         loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
@@ -209,7 +210,8 @@ class Trainer:
         if self.guard.skipped:
             self.metrics["skipped_steps"] = self.guard.skipped
         if rel.straggler_every and self.step % rel.straggler_every == 0:
-            self.metrics.update(self.stragglers.check(mesh, self.device, self.step, dt, compute_s))
+            self.metrics.update(self.stragglers.check(mesh, self.device, self.step, dt,
+                                                      self.forward_clock.take_window()))  # median since the last check
         z = self.spikes.check(loss_value)
         if z is not None:
             self.metrics["loss_spike"] = 1

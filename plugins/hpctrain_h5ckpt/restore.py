@@ -15,16 +15,36 @@ there); a state tensor the optimizer has not created yet (torch's AdamW
 creates its state at the first step) is made on the parameter's device.
 Positions a rank holds no piece for (padding of a padded split) are set to zero. Scalar optimizer states
 (Adam's ``step``) go back as CPU tensors, as torch keeps them.
+
+Two refusals come before anything of the trainer changes, on every rank
+alike, as a ConfigError (status 2), never as a CheckpointError:
+
+- A checkpoint whose tensors do not fit this model (other shapes, tensors
+  it lacks) was saved by another model configuration. Before any tensor is
+  read, the message names the checkpoint, the model settings that differ
+  (from its ``/meta/config``), at most three tensors and a count of the
+  rest, and the fix. It is not a damaged file, so ``resume=auto`` does not
+  fall back to an older checkpoint: every checkpoint of one directory was
+  written by the same experiment and has the same shapes, and trying each
+  would only repeat the message per file.
+- A checkpoint saved with another ``trainer.global_batch_size``, once the
+  file is verified: the plugin only supplies the saved value (from
+  ``/meta/config``) in the cursor state; the rule (refuse unless
+  ``checkpoint.allow_batch_change``, else log how the sample stream
+  continues) is the core cursor's ``load_state_dict``, so every checkpoint
+  format gets it.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Dict, List, Tuple
 
 import torch
 
 from hpctrain.boxes import box_shape
+from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.shard import Piece
 
@@ -108,8 +128,18 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
         if held.path in index:
             want(held)
     wants.update(_rng_wants(trainer, reader))
+    saved_cfg = _saved_config(reader)
+    _refuse_another_model(trainer, reader, shapes, saved_cfg)
     data = reader.read(wants, shapes)
     _refuse_nonfinite(reader, index, data)
+    cursor_state = {"consumed_samples": int(meta["consumed_samples"])}
+    saved_batch = _select(saved_cfg, "trainer.global_batch_size")
+    if saved_batch is not None:
+        cursor_state["global_batch_size"] = int(saved_batch)
+    try:  # before any tensor changes: a refused batch size leaves the trainer as it was
+        trainer.cursor.load_state_dict(cursor_state)
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint {reader.path}: {e}") from None
 
     held_names = set().union(*reader.comm.allgather({h.spec.logical_name for _, h in params}))
     unused = sorted(p for p in index if p.startswith("/model/") and p[len("/model/"):] not in held_names)
@@ -145,13 +175,103 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             if restored:
                 state[p] = restored
     trainer.step = int(meta["step"])
-    trainer.cursor.load_state_dict({"consumed_samples": int(meta["consumed_samples"])})
     if "/meta/rng/torch_cpu" in data:
         torch.set_rng_state(from_numpy(data["/meta/rng/torch_cpu"][0].reshape(-1), "uint8").clone())
     if "/meta/rng/torch_cuda" in data:
         torch.cuda.set_rng_state(from_numpy(data["/meta/rng/torch_cuda"][0].reshape(-1), "uint8").clone(), trainer.device)
     log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, trainer.step,
               trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
+
+
+def _saved_config(reader: CheckpointReader) -> Any:
+    """The config that saved the checkpoint (``/meta/config``), or None when
+    it is absent or unreadable (then nothing is compared with it). Rank 0
+    reads it and broadcasts it: every rank decides on the same text. It is
+    verified with every other dataset by ``reader.read``."""
+    text = None
+    if reader.comm.Get_rank() == 0 and "/meta/config" in reader.index:
+        try:
+            raw = reader.file["meta/config"][()]
+            text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        except Exception:  # unreadable: reader.read names it
+            text = None
+    text = reader.comm.bcast(text, root=0)
+    if not text:
+        return None
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.create(text)
+    except Exception:  # damaged text: reader.read's checksum names it
+        return None
+
+
+def _select(cfg: Any, key: str) -> Any:
+    if cfg is None:
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+MAX_TENSORS_SHOWN = 3
+"""Tensors named one per line when a checkpoint does not fit the model; the rest are counted."""
+
+
+def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[str, Tuple[int, ...]],
+                          saved_cfg: Any) -> None:
+    """A ConfigError on every rank when the checkpoint's tensors do not fit
+    this model (see the module docstring); agreed over the ranks, since under
+    pipeline parallelism each rank holds other tensors."""
+    mine = {}
+    for path, shape in shapes.items():
+        info = reader.index.get(path)
+        if info is None or tuple(info.shape) != tuple(shape):
+            mine[path] = (None if info is None else tuple(info.shape), tuple(shape))
+    everyone: Dict[str, Tuple[Any, Tuple[int, ...]]] = {}
+    for found in reader.comm.allgather(mine):
+        everyone.update(found)
+    if not everyone:
+        return
+    by_tensor: Dict[str, Tuple[str, Any, Tuple[int, ...]]] = {}  # logical name -> its first dataset
+    for path in sorted(everyone, key=lambda p: (not p.startswith("/model/"), p)):
+        name = path[len("/model/"):] if path.startswith("/model/") else path.split("/", 3)[-1]
+        by_tensor.setdefault(name, (path,) + everyone[path])
+    rows = [f"  {path}: " + (f"{_shape(saved)} in the checkpoint, {_shape(wanted)} in this model" if saved is not None
+                             else f"not in the checkpoint (this model's is {_shape(wanted)})")
+            for path, saved, wanted in list(by_tensor.values())[:MAX_TENSORS_SHOWN]]
+    rest = len(by_tensor) - len(rows)
+    if rest:
+        rows.append(f"  and {rest} more tensor{'s' if rest > 1 else ''} differ")
+    differ = _model_differences(saved_cfg, trainer.cfg)
+    cause = (f"the model config differs from the one that saved it ({differ})" if differ else
+             "the model config differs from the one that saved it")
+    resume = str(trainer.cfg.checkpoint.resume)
+    fix = (f"resume with the model settings it was saved with (hpctrain-ckpt inspect {reader.path} --config "
+           "shows them), or start this model afresh in another checkpoint.dir")
+    if resume == "auto" or os.path.isdir(resume):
+        fix += (f"; checkpoint.resume={resume} tries no older checkpoint of its directory: a checkpoint that "
+                "does not fit is not damaged, and the others there were saved by the same model")
+    raise ConfigError("\n".join([f"checkpoint {reader.path} does not fit this model: {len(by_tensor)} "
+                                  f"tensor{'s' if len(by_tensor) > 1 else ''} differ; {cause}"] + rows + [fix]))
+
+
+def _shape(shape: Tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def _model_differences(saved_cfg: Any, cfg: Any, limit: int = 4) -> str:
+    """``model.d_model=64 there, 32 here, ...`` from the saved config; '' if unknown."""
+    saved = _select(saved_cfg, "model")
+    if saved is None:
+        return ""
+    from omegaconf import OmegaConf
+
+    then = OmegaConf.to_container(saved, resolve=True) if OmegaConf.is_config(saved) else {}
+    now = OmegaConf.to_container(cfg.model, resolve=True)
+    keys = [k for k in now if k in then and then[k] != now[k] and k != "name"]
+    shown = [f"model.{k}={then[k]!r} there, {now[k]!r} here" for k in keys[:limit]]
+    return ", ".join(shown) + (f", and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def _refuse_nonfinite(reader: CheckpointReader, index: Any, data: Dict[str, Any]) -> None:

@@ -83,8 +83,9 @@ def test_several_problems_reported_together(tmp_path):
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def test_unknown_preset_under_mpi_does_not_hang(tmp_path):
     r = _run(["model=gpt5", f"hydra.run.dir={tmp_path}"], n=2)
-    assert r.returncode != 0
-    assert "Could not find 'model/gpt5'" in r.stderr and "tiny" in r.stderr
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    assert len(lines) == 1 and "model=gpt5: there is no preset 'gpt5'" in lines[0] and "tiny" in lines[0], r.stderr
 
 
 def test_multirun_sweep_one_process(tmp_path):
