@@ -53,6 +53,11 @@ class Checkpointer(Protocol):
     def wait(self) -> None:
         """Block until any background save has committed."""
 
+    def close(self) -> None:
+        """The run is over: wait as ``wait`` does, then release what the
+        checkpointer holds (its directory's lock). Optional: the trainer calls
+        ``wait`` on a checkpointer without it."""
+
     def before_update(self) -> None:
         """Called by the trainer every step right before the optimizer step
         (the first in-place change to parameters and optimizer state after a

@@ -276,8 +276,10 @@ class Trainer:
             writer.close()
             if self.checkpointer is not None:
                 self.mesh.board.phase = "checkpoint finish"
+                # wait for a background save; a checkpointer with close() also lets go of its directory
+                finish = getattr(self.checkpointer, "close", self.checkpointer.wait)
                 with self.mesh.board.collective("checkpoint finish", "checkpoint", tuple(range(self.mesh.world_size))):
-                    self.checkpointer.wait()
+                    finish()
         if stopped is not None:
             reason, saved = stopped
             requeued = requeue_if_slurm(reason) if is_main and saved else None

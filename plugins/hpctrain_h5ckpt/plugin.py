@@ -37,7 +37,8 @@ def checkpoint_dir(cfg: Any) -> Optional[str]:
 @hookimpl
 def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     ck = cfg.checkpoint
-    if ck.format != FORMAT or not (ck.every or ck.resume):
+    # a run that may only save when stopped (save_on_stop) is checked too: found now, not at the stop
+    if ck.format != FORMAT or not (ck.every or ck.resume or ck.get("save_on_stop", False)):
         return None
     out = options.problems(ck.hdf5)
     if ck.keep < 0:
