@@ -16,7 +16,7 @@ source .venv/bin/activate
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_mpi_yield_when_idle=1
-export PYTHONDONTWRITEBYTECODE=1 HYDRA_FULL_ERROR=1
+export PYTHONDONTWRITEBYTECODE=1
 LOGDIR=build/test-logs
 rm -rf "$LOGDIR" && mkdir -p "$LOGDIR"
 status=0

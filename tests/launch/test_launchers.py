@@ -15,8 +15,10 @@ TIMEOUT = 240  # a hang fails the test instead of the suite
 
 
 def _env(**extra):
-    """This environment minus any MPI variables (we may run inside a launcher)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess"))}
+    """This environment minus any MPI variables (we may run inside a launcher)
+    and ``HYDRA_FULL_ERROR`` (a user's default: config errors in one line)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess"))
+           and k != "HYDRA_FULL_ERROR"}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_mpi_yield_when_idle="1")
     env.update(extra)
