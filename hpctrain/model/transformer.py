@@ -2,16 +2,28 @@
 
 Replaceable parts: ``block.attn.core`` (core attention), ``block.ffn`` (the
 feed-forward block: SwiGLU here, MoE from a plugin) and ``model.loss_fn``
-(vocab-parallel cross-entropy from the TP plugin). Head counts are derived
-from the projection widths at run time, so a tensor-parallel plugin that
-narrows ``wq``/``wk``/``wv`` needs no change here.
+(vocab-parallel cross-entropy from the TP plugin).
+
+Seams, where an axis changes how a part computes without replacing the
+block's forward (so recomputation, MoE and context parallelism keep
+working under every axis):
+
+- ``Attention.linears`` and ``SwiGLU.linears`` (``Linears``): how the input
+  projections (Q/K/V; gate/up) and the output projection compute. Tensor
+  parallelism puts its column/row-parallel region here;
+- ``RMSNorm.weight_view``: the weight as forward uses it (sequence
+  parallelism routes it through a collective that sums its gradient).
+
+Head counts are derived from the projection outputs at run time, so a
+plugin that narrows ``wq``/``wk``/``wv`` to a rank's heads, or gathers the
+sequence, needs no change here.
 
 Each module lists the initialisation of its parameters in ``param_init``
 (default ``normal``); the builder turns that into the parameter's ShardSpec.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +33,28 @@ from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 
 
+def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+class Linears:
+    """How a sub-layer's projections compute (one process: plain matmuls).
+
+    ``columns(x, weights)`` projects the sub-layer input ``x`` by each of
+    ``weights`` (Q/K/V, or gate/up); ``rows(y, weight)`` projects back to the
+    hidden size (the output projection). Tensor parallelism replaces this
+    object with one that enters and leaves its region."""
+
+    def columns(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return [F.linear(x, w) for w in weights]
+
+    def rows(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(y, weight)
+
+
+LOCAL = Linears()
+
+
 class RMSNorm(nn.Module):
     param_init = {"weight": "ones"}
 
@@ -28,10 +62,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.weight_view: Callable[[torch.Tensor], torch.Tensor] = _same
+        """The seam for the weight as forward uses it (sequence parallelism: summed over tp in backward)."""
 
     def scale(self) -> torch.Tensor:
-        """The weight as forward uses it (sequence parallelism routes it through a collective)."""
-        return self.weight
+        """The weight as forward uses it."""
+        return self.weight_view(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -67,17 +103,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
         self.wo.param_init = {"weight": "normal_scaled"}
         self.core = core
+        self.linears: Linears = LOCAL
+        """The projections' seam (see ``Linears``)."""
         self.recompute_core = False
         """Selective recomputation: the core keeps only q, k, v for backward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k, v = self.linears.columns(x, [self.wq.weight, self.wk.weight, self.wv.weight])
+        b, t = q.shape[:2]  # t: the tokens the projections produced (sequence parallelism gathers them)
+        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
+        v = v.view(b, t, -1, self.head_dim)
         qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         out = recomputed(self.core, *qkv) if self.recompute_core else self.core(*qkv)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.linears.rows(out.transpose(1, 2).reshape(b, t, -1), self.wo.weight)
 
 
 class SwiGLU(nn.Module):
@@ -87,9 +126,12 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(shape.d_model, shape.ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(shape.ffn_hidden, shape.d_model, bias=False)  # down
         self.w2.param_init = {"weight": "normal_scaled"}
+        self.linears: Linears = LOCAL
+        """The projections' seam (see ``Linears``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.linears.columns(x, [self.w1.weight, self.w3.weight])
+        return self.linears.rows(F.silu(gate) * up, self.w2.weight)
 
 
 class Block(nn.Module):
