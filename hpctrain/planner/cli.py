@@ -49,7 +49,7 @@ def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> D
     ``shown``: how each pair was given, for the error (default ``--pin <pair>``)."""
     from hpctrain.errors import ConfigError
     from hpctrain.planner.activations import RECOMPUTE
-    from hpctrain.planner.schedules import SCHEDULES
+    from hpctrain.pipeline.bubble import SCHEDULES
 
     allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
     out: Dict[str, Any] = {}

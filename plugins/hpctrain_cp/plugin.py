@@ -27,7 +27,8 @@ from hpctrain import hookimpl
 from hpctrain.log import log_rank0
 
 from hpctrain_cp.allgather import AllGatherAttention
-from hpctrain_cp.ring import Layout, RingAttention
+from hpctrain.data.sequence import SequenceLayout
+from hpctrain_cp.ring import RingAttention
 
 IMPLS = ("ring", "allgather")
 
@@ -56,7 +57,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
         return None
     group = mesh.group("cp")
     cp, rank, seq = group.size, mesh.rank("cp"), int(cfg.trainer.seq_len)
-    layout = Layout.zigzag(cp)
+    layout = SequenceLayout.zigzag(cp)
     chunk = seq // (2 * cp)
     impl = str(cfg.parallel.cp_impl)
     for attn in _attention_modules(model):

@@ -38,7 +38,7 @@ from hpctrain.model.aux import collect_aux_losses, with_aux
 from hpctrain.shard import get_spec
 from hpctrain.train.schedule import StepResult
 
-from hpctrain_pp.schedules import Action, actions, splits_weight_pass
+from hpctrain.pipeline.schedules import Action, actions, splits_weight_pass
 from hpctrain_pp.timeline import Recorder
 from hpctrain_pp.weight_pass import WeightPass, backward_input
 

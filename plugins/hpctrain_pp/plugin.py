@@ -39,8 +39,9 @@ from hpctrain.shard import get_spec, set_spec
 from hpctrain_pp.config import PipelineConfig
 from hpctrain_pp import timeline
 from hpctrain_pp.executor import PipelineSchedule, sum_tied_gradients
-from hpctrain_pp.schedules import check
-from hpctrain_pp.split import stage_layers
+from hpctrain.pipeline.bubble import formula_bubble
+from hpctrain.pipeline.schedules import check
+from hpctrain.pipeline.split import stage_layers
 
 
 STATE_ATTR = "_hpctrain_pp"
@@ -169,7 +170,7 @@ def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Op
     tl = timeline.gather(schedule.recorder, schedule.schedule, schedule.group, schedule.v,
                          trainer.cursor.num_microbatches)
     if trainer.mesh.world_rank == 0 and (log or run_dir):
-        theory = timeline.formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
+        theory = formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
         where = ""
         if run_dir:
             json_path, png_path = timeline.write(tl, run_dir)
