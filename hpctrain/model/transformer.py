@@ -38,18 +38,20 @@ def _same(weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linears:
-    """How a sub-layer's projections compute (one process: plain matmuls).
+    """How a sub-layer's projections compute (one process: each ``nn.Linear`` called).
 
-    ``columns(x, weights)`` projects the sub-layer input ``x`` by each of
-    ``weights`` (Q/K/V, or gate/up); ``rows(y, weight)`` projects back to the
-    hidden size (the output projection). Tensor parallelism replaces this
-    object with one that enters and leaves its region."""
+    ``columns(x, linears)`` projects the sub-layer input ``x`` by each of
+    ``linears`` (Q/K/V, or gate/up); ``rows(y, linear)`` projects back to
+    the hidden size (the output projection). Tensor parallelism replaces this
+    object with one that enters and leaves its region. The one-process
+    version calls the modules, so whatever wraps or hooks them (torch's own
+    tensor parallelism in the benchmark, an adapter) still applies."""
 
-    def columns(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return [F.linear(x, w) for w in weights]
+    def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
+        return [linear(x) for linear in linears]
 
-    def rows(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(y, weight)
+    def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return linear(y)
 
 
 LOCAL = Linears()
@@ -109,14 +111,14 @@ class Attention(nn.Module):
         """Selective recomputation: the core keeps only q, k, v for backward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.linears.columns(x, [self.wq.weight, self.wk.weight, self.wv.weight])
+        q, k, v = self.linears.columns(x, [self.wq, self.wk, self.wv])
         b, t = q.shape[:2]  # t: the tokens the projections produced (sequence parallelism gathers them)
         q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
         k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
         v = v.view(b, t, -1, self.head_dim)
         qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         out = recomputed(self.core, *qkv) if self.recompute_core else self.core(*qkv)
-        return self.linears.rows(out.transpose(1, 2).reshape(b, t, -1), self.wo.weight)
+        return self.linears.rows(out.transpose(1, 2).reshape(b, t, -1), self.wo)
 
 
 class SwiGLU(nn.Module):
@@ -130,8 +132,8 @@ class SwiGLU(nn.Module):
         """The projections' seam (see ``Linears``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linears.columns(x, [self.w1.weight, self.w3.weight])
-        return self.linears.rows(F.silu(gate) * up, self.w2.weight)
+        gate, up = self.linears.columns(x, [self.w1, self.w3])
+        return self.linears.rows(F.silu(gate) * up, self.w2)
 
 
 class Block(nn.Module):
@@ -181,7 +183,7 @@ class Layers(nn.ModuleDict):
 
 
 class Transformer(nn.Module):
-    """The decoder, or the part of it one pipeline stage runs (``keep_stage``):
+    """The decoder, or the part of it one pipeline stage runs (``part``):
     the first stage holds the token embedding, the last the final norm, the
     output projection and the loss; modules a stage does not hold are None
     or absent from ``layers``."""
@@ -198,35 +200,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.loss_fn: Optional[nn.Module] = CrossEntropy()
 
-    @property
-    def has_embedding(self) -> bool:
-        return self.tok_embeddings is not None
-
-    @property
-    def has_head(self) -> bool:
-        return self.output is not None
-
-    def keep_stage(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
-        """Drop everything a pipeline stage does not run: the blocks not in
-        ``layer_ids``, the embedding unless ``first``, the final norm, output
-        projection and loss unless ``last``. With tied embeddings on a stage
-        that is last but not first, ``output.weight`` stays the (formerly
-        shared) parameter named ``tok_embeddings.weight``."""
-        keep = {str(i) for i in layer_ids}
-        missing = keep - set(self.layers.keys())
-        if missing:
-            raise ValueError(f"keep_stage: no blocks {sorted(int(i) for i in missing)} in this model")
-        for key in [k for k in self.layers.keys() if k not in keep]:
-            del self.layers[key]
-        if not first:
-            self.tok_embeddings = None
-        if not last:
-            self.norm = self.output = self.loss_fn = None
-        return self
-
     def part(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
         """A new Transformer holding *this* model's modules for one pipeline
-        stage (as ``keep_stage`` keeps them), sharing them rather than copying:
+        stage (the blocks in ``layer_ids``, the embedding when ``first``, the
+        final norm, output projection and loss when ``last``), sharing them
+        rather than copying:
         a rank with several interleaved stages takes several parts of one model."""
         out = Transformer.__new__(Transformer)
         nn.Module.__init__(out)

@@ -102,7 +102,7 @@ def _compose(overrides: List[str], pm) -> Any:
         options = [o for o in (e.options or []) if not o.endswith("_schema")]
         hint = " (or give the dimensions: model.d_model=... model.n_layers=...)" if group == "model" else ""
         raise ConfigError(f"unknown {group or 'config'} preset {name!r}; available: {', '.join(options) or 'none'}"
-                          f" (conf/{group}/){hint}") from None
+                          f" (hpctrain/conf/{group}/){hint}") from None
     except HydraException as e:
         cause = f": {e.__cause__}" if e.__cause__ else ""
         raise ConfigError(f"{str(e).splitlines()[0]}{cause}".replace("\n", " ")) from None

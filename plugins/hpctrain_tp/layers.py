@@ -57,12 +57,13 @@ class TensorParallelLinears(Linears):
         self.replicated = tuple(replicated) if replicas is not None else ()
         self.replicas = replicas
 
-    def columns(self, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        weights = [copy_to_region(w, self.replicas) if i in self.replicated else w for i, w in enumerate(weights)]
+    def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
+        weights = [copy_to_region(m.weight, self.replicas) if i in self.replicated else m.weight
+                   for i, m in enumerate(linears)]
         return self.regions.columns(x, weights)
 
-    def rows(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.regions.exit(F.linear(y, weight))
+    def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return self.regions.exit(F.linear(y, linear.weight))
 
 
 class SumOverTensorParallel:

@@ -29,6 +29,8 @@ from torch import nn
 
 from hpctrain import hookimpl
 from hpctrain.log import get_logger, log_rank0
+from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import AxisHandle
 from hpctrain.model.shapes import padded_vocab
 from hpctrain.model.transformer import SwiGLU
 from hpctrain.shard import get_spec
@@ -47,13 +49,13 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     if axis != "tp":
         return None
     group = mesh.group("tp")
     tp = group.size
     if tp == 1:
-        return model
+        return AxisHandle(model)
     if mesh.node_local("tp").size != tp and mesh.world_rank == 0:
         log.warning("the tp group spans nodes (%d of its %d ranks share a node): tensor parallelism's blocking "
                     "collectives will cross the network; launch more ranks per node or put tp first in "
@@ -95,10 +97,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
               "on" if sequence_parallel else "off", shape.vocab_size,
               padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to),
               f"key/value heads replicated on {tp // kv_pieces} ranks each" if kv_pieces else "key/value heads split")
-    return model
+    return AxisHandle(model)
 
 
-def _vocab_parallel(model: nn.Module, mesh: Any, regions: Regions, padded: int) -> None:
+def _vocab_parallel(model: nn.Module, mesh: Mesh, regions: Regions, padded: int) -> None:
     """Cut the embedding and output rows (one tensor when tied) into padded ranges."""
     rows = padded // regions.group.size
     start = mesh.coords["tp"] * rows

@@ -67,7 +67,8 @@ def _size(dtype: torch.dtype) -> int:
 
 def expected(setup: Any) -> ZeroMemory:
     """The core's table (``hpctrain.planner.memory.sharded_states`` and
-    ``zero_in_flight``, the module docstring) for ``setup`` (a ZeroSetup), padding included."""
+    ``zero_in_flight``, the module docstring) for ``setup`` (the plugin's
+    handle, ``Zero``), padding included."""
     from hpctrain_zero.config import dtype_of
 
     z = setup.cfg
@@ -104,7 +105,7 @@ def measured(setup: Any, model: torch.nn.Module, optimizer: Any) -> ZeroMemory:
     masters = sum(m.numel() * m.element_size() for m, full in zip(setup.masters, setup.full)
                   if full is not None and not inside(m, full))  # fp32 masters kept apart from 16-bit parameters
     engine = setup.engine
-    shards = sum(b.shard.numel() * b.shard.element_size() for b in engine.buckets)
+    shards = sum(r.shard.numel() * r.shard.element_size() for r in engine.shards())
     kept = engine.buffer_bytes  # stage 1 keeps its gradient buffers between steps
     unsharded_grads = sum(p.grad.numel() * p.grad.element_size() for p in setup.unsharded if p.grad is not None)
     gathered = setup.gatherer.peak_bytes if setup.gatherer is not None else 0
