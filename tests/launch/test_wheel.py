@@ -45,8 +45,9 @@ def installed(tmp_path_factory):
     fresh_site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
                       .stdout.strip())
     (fresh_site / "project-dependencies.pth").write_text(f"{deps}\n")
+    # no PYTHONPATH: a source tree on it (and the egg-info the build leaves there) would look installed
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-          str(wheel)], env=_env())
+          "--force-reinstall", str(wheel)], env=_fresh_env())
     yield venv
     shutil.rmtree(tmp, ignore_errors=True)
 
