@@ -9,16 +9,21 @@ Call order in a run: register_configs / config_sections (before composition)
 -> validate (every rank, before any collective) -> make_backend (per group)
 -> make_module (while the model is built on the meta device) -> parallelize
 (per axis, in the order tp, cp, ep, pp, dp; only the plugin chosen for the
-axis answers) -> after_materialize -> make_optimizer -> step_schedule ->
-make_checkpointer -> on_train_start -> [before_backward / after_backward /
+axis answers, with a handle: ``hpctrain.parallel``) -> make_checkpointer ->
+on_train_start -> [after_finalize_grads / after_optimizer_step /
 step_metrics / on_step_end]* -> on_train_end.
+
+What happens between the hooks (the axes' order, the gradients' reduction,
+the optimizer and the step schedule) is the core's, written once in
+``hpctrain.parallel.compose`` and ``hpctrain.parallel.finalize``; an axis
+plugin takes part through the methods of the handle it returns.
 
 Hook implementations may accept any subset of a spec's arguments (pluggy),
 so arguments added to a spec later do not break existing plugins.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import pluggy
 
@@ -29,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.checkpoint import Checkpointer
     from hpctrain.comm.protocol import Communicator
     from hpctrain.mesh import Group, Mesh
-    from hpctrain.train.schedule import StepSchedule
+    from hpctrain.parallel.handles import AxisHandle
 
 PROJECT = "hpctrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -91,17 +96,22 @@ def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: i
 
 
 @hookspec(firstresult=True)
-def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["torch.nn.Module"]:
+def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["AxisHandle"]:
     """Apply the transform of mesh axis ``axis`` to the meta-device model and
-    return it (possibly wrapped). Update the ShardSpec of every parameter
-    split. Return None if this plugin does not handle ``axis``.
+    return a handle (``hpctrain.parallel.handles``) whose ``model`` is what
+    this rank runs afterwards (the same model changed in place, or a
+    pipeline stage). Update the ShardSpec of every parameter split. Return
+    None if this plugin does not handle ``axis``.
 
-    Only the plugin chosen for the axis is asked: ``parallel.impl.<axis>``
-    names it (an entry-point name), or the one installed plugin whose
-    capabilities list the axis under ``parallel``. Axis ``dp`` stands for the
-    data axes: it is asked whenever ``cp x ep x dp`` > 1 (``ep`` and ``cp``
-    ranks are data-parallel for every weight not split on them), and its
-    plugin sets up gradient averaging (``hpctrain.grad_sync``)."""
+    Axis ``dp`` stands for the data axes (asked whenever ``cp x ep x dp`` >
+    1: ``ep`` and ``cp`` ranks are data-parallel for every weight not split
+    on them) and returns a ``DataHandle`` (gradient reduction, optimizer);
+    ``pp`` returns a ``PipelineHandle`` (the step schedule). Only the plugin
+    chosen for the axis is asked: ``parallel.impl.<axis>`` names it (an
+    entry-point name), or the one installed plugin whose capabilities list
+    the axis under ``parallel`` (``hpctrain_claim_axis`` breaks ties). Keep
+    per-run state in the handle, never on the model; read only the core's
+    config keys and your own section."""
 
 
 @hookspec
@@ -113,29 +123,17 @@ def hpctrain_claim_axis(axis: str, cfg: "DictConfig") -> Optional[bool]:
     True claims without it are an error naming both. Pure function of cfg."""
 
 
-@hookspec
-def hpctrain_after_materialize(model: "torch.nn.Module", mesh: "Mesh", cfg: "DictConfig") -> None:
-    """The model's parameters now hold their real values on their device
-    (parameter objects are the same as during ``parallelize``). Attach
-    gradient hooks, buckets and other per-tensor state here."""
-
-
 @hookspec(firstresult=True)
 def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], model: "torch.nn.Module", mesh: "Mesh",
                             cfg: "DictConfig") -> Optional["torch.optim.Optimizer"]:
     """Return the optimizer of ``params`` (the trainable parameters of
-    ``model``), e.g. a ZeRO-sharded one, or None for the core's AdamW.
+    ``model``, this rank's part), or None for the core's AdamW. Asked only
+    when the data axes' handle keeps no sharded optimizer state of its own
+    (ZeRO's ``make_optimizer`` comes first).
 
     For checkpointing, ``optimizer.state`` maps each parameter to its state;
     a state tensor not shaped like its parameter needs
     ``optimizer.state_spec(param, key)`` (``hpctrain.checkpoint``)."""
-
-
-@hookspec(firstresult=True)
-def hpctrain_step_schedule(cfg: "DictConfig", mesh: "Mesh") -> Optional["StepSchedule"]:
-    """Return the object that runs forward/backward over the micro-batches of
-    one step (a pipeline schedule), or None for plain gradient accumulation.
-    See ``hpctrain.train.schedule.StepSchedule``."""
 
 
 @hookspec(firstresult=True)
@@ -144,15 +142,19 @@ def hpctrain_make_checkpointer(name: str, mesh: "Mesh", cfg: "DictConfig") -> Op
 
 
 @hookspec
-def hpctrain_before_backward(model: "torch.nn.Module", microbatch: int, num_microbatches: int) -> None:
-    """Called before each micro-batch's backward (e.g. to skip gradient sync
-    on all but the last micro-batch)."""
+def hpctrain_after_finalize_grads(trainer: Any) -> None:
+    """Observer: the step's gradients are final (``hpctrain.parallel.
+    finalize``: reduced over the data axes, tied embeddings summed) and not
+    yet clipped; the optimizer has not stepped. Every rank, same order."""
 
 
 @hookspec
-def hpctrain_after_backward(model: "torch.nn.Module", mesh: "Mesh") -> None:
-    """Called after the last backward of a step, before clipping and the
-    optimizer step: finish gradient reductions here."""
+def hpctrain_after_optimizer_step(trainer: Any, step: int) -> None:
+    """After optimizer step ``step`` (1-based) updated the weights: update
+    what is not a gradient (an MoE router's selection biases). Called on
+    every rank in the same order, so it may use collectives (every rank must
+    then enter them); skipped, on every rank, for a step whose update was
+    skipped."""
 
 
 @hookspec
@@ -165,6 +167,14 @@ def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) ->
     values with a collective here (every rank must then enter it, holding
     something to report or not). ``metrics`` holds the core's values so far;
     a name that is already there is an error."""
+
+
+@hookspec
+def hpctrain_benchmarks() -> Dict[str, str]:
+    """Benchmarks this plugin offers to ``hpctrain-bench``: ``{name: module}``,
+    each module (imported when run or listed) with ``main(argv) -> int`` and a
+    one-line docstring. A benchmark that needs a plugin's internals (its
+    layouts, its layer) lives in that plugin and is reached this way."""
 
 
 @hookspec

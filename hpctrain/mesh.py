@@ -252,7 +252,7 @@ class Mesh:
             if self._sealed:
                 raise RuntimeError(
                     f"group {name!r} was not created at set-up: every group must exist before training starts "
-                    "(define it while building the model, e.g. in hpctrain_parallelize or hpctrain_after_materialize)")
+                    "(define it while building the model: in hpctrain_parallelize or its handle's after_materialize)")
             ranks = next(g for g in part if self.world_rank in g)
             found = Group(name=name, ranks=ranks, rank=ranks.index(self.world_rank), partition=part, axes=axes)
             self._by_partition[part] = found

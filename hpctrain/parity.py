@@ -34,18 +34,22 @@ class StepRecord:
 
 
 class _GradTap:
-    """Collects this rank's gradient pieces once the gradient sync is done
-    (``trylast``: after every plugin's ``hpctrain_after_backward``), from
-    whoever owns the gradients (the parameters, or a ZeRO optimizer's shards)."""
+    """Collects this rank's gradient pieces once they are final
+    (``hpctrain_after_finalize_grads``: reduced, tied embeddings summed, not
+    clipped), from whoever owns the gradients (the parameters, or a ZeRO
+    optimizer's shards)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.pieces: List[Piece] = []
 
-    @hookimpl(trylast=True)
-    def hpctrain_after_backward(self, model, mesh):
+    @hookimpl
+    def hpctrain_after_finalize_grads(self, trainer):
         from hpctrain.train.grad_norm import gradient_pairs
 
+        if trainer is not self.trainer:
+            return
+        mesh = trainer.mesh
         self.pieces = []
         for grad, spec in gradient_pairs(self.trainer.params, self.trainer.optimizer):
             for piece in spec.pieces(mesh.coords, mesh.sizes):

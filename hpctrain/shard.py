@@ -292,11 +292,6 @@ class ShardSpec:
         """What the rank at ``coords`` holds (see the module docstring)."""
         return list(_pieces(self, tuple(sorted(coords.items())), tuple(sorted(sizes.items()))))
 
-    def local_boxes(self, tensor: torch.Tensor, coords: Mapping[str, int],
-                    sizes: Mapping[str, int]) -> List[Tuple[Box, torch.Tensor]]:
-        """(logical box, view of ``tensor``) for every piece held at ``coords``."""
-        return [(p.box, p.take(tensor)) for p in self.pieces(coords, sizes)]
-
     def local_slices(self, coords: Mapping[str, int], sizes: Mapping[str, int]) -> Tuple[slice, ...]:
         """The one logical hyperslab held at ``coords``, for specs that hold
         exactly one box with no padding and no flat split (an even split)."""
@@ -351,9 +346,3 @@ def get_spec(param: torch.Tensor) -> ShardSpec:
 
 def replicated_spec(name: str, shape: Tuple[int, ...], init: str = "normal") -> ShardSpec:
     return ShardSpec(logical_name=name, global_shape=tuple(shape), init=init)
-
-
-def full_piece(shape: Sequence[int]) -> Piece:
-    """The piece of a tensor held whole (no spec needed)."""
-    box = full_box(shape)
-    return Piece(box, box)

@@ -29,7 +29,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "plugins"), os.pat
 
 from hpctrain.model.aux import collect_aux_losses  # noqa: E402
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv  # noqa: E402
-from hpctrain_cp.ring import Layout  # noqa: E402
+from hpctrain.data.sequence import SequenceLayout as Layout  # noqa: E402
 from hpctrain_moe.config import MoEConfig  # noqa: E402
 from hpctrain_moe.layer import MoE  # noqa: E402
 

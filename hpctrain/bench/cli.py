@@ -1,39 +1,55 @@
 """``hpctrain-bench NAME [args]`` (or ``python -m hpctrain.bench NAME``).
 
-Each benchmark is a module ``hpctrain.bench.<NAME>`` with ``main(argv) -> int``
-and a one-line module docstring shown by ``hpctrain-bench --list``. Run
-multi-rank ones under the launcher, e.g. ``mpiexec -n 2 hpctrain-bench comm``.
+Each benchmark is a module with ``main(argv) -> int`` and a one-line module
+docstring shown by ``hpctrain-bench --list``: the core's are
+``hpctrain.bench.<NAME>``; a plugin offers its own through
+``hpctrain_benchmarks`` (``cp``, ``moe`` and ``pp`` live in their plugins,
+beside the internals they measure). Run multi-rank ones under the launcher,
+e.g. ``mpiexec -n 2 hpctrain-bench comm``.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import hpctrain.bench as _pkg
 
 _NOT_BENCHMARKS = {"cli", "__main__", "common", "torch_peer"}
 
 
+def modules() -> Dict[str, str]:
+    """Every benchmark: name -> module (the core's, then the plugins')."""
+    from hpctrain.plugins import get_manager
+
+    found = {m.name: f"hpctrain.bench.{m.name}" for m in pkgutil.iter_modules(_pkg.__path__)
+             if m.name not in _NOT_BENCHMARKS and not m.name.startswith("_")}
+    for offered in get_manager().hook.hpctrain_benchmarks():
+        for name, module in (offered or {}).items():
+            found.setdefault(name, module)
+    return found
+
+
 def available() -> List[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if m.name not in _NOT_BENCHMARKS and not m.name.startswith("_"))
+    return sorted(modules())
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    names = available()
+    found = modules()
+    names = sorted(found)
     if not argv or argv[0] in ("-h", "--help", "--list"):
         print("usage: hpctrain-bench NAME [options]   (NAME --help for its options)")
         for name in names:
-            doc = (importlib.import_module(f"hpctrain.bench.{name}").__doc__ or "").strip().splitlines()
+            doc = (importlib.import_module(found[name]).__doc__ or "").strip().splitlines()
             print(f"  {name:<8} {doc[0] if doc else ''}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in names:
         print(f"hpctrain-bench: unknown benchmark {name!r}; choose one of: {', '.join(names)}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(f"hpctrain.bench.{name}").main(rest) or 0)
+    return int(importlib.import_module(found[name]).main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ over the rank's micro-batches, global-norm clipping, AdamW with the
 learning-rate schedule, and the dp average of the loss that the trainer logs.
 Only the gradient synchronisation differs:
 - ``hpctrain[<backend>]``: our dp plugin, through its hooks
-  (``hpctrain_parallelize``, ``hpctrain_before_backward`` before each
-  micro-batch's backward, ``hpctrain_after_backward``), once per backend a
+  (``hpctrain_parallelize``'s data handle: ``before_backward`` before each
+  micro-batch's backward, ``reduce_gradients`` after), once per backend a
   plugin serves that can run here (``--backends`` to choose);
 - ``torch DDP``: ``DistributedDataParallel`` on gloo, ``bucket_cap_mb`` =
   ``comm.bucket_mb``, ``no_sync()`` on all micro-batches but the last;
@@ -76,16 +76,17 @@ class StepLoop:
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model, materialize
+        from hpctrain.parallel.handles import LocalData
         from hpctrain.plugins import axis_plugin, parallelize_caller
         from hpctrain.train.optim import build_adamw
 
         self.cfg, self.pm, self.sync, self.mesh, self.dist = cfg, pm, sync, mesh, dist
         model = build_model(cfg, pm)
-        if sync == "hpctrain":  # on the meta model, as the trainer does
-            model = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
+        self.data = LocalData(model)
+        if sync == "hpctrain":  # on the meta model, as the composition does: the data axes' handle
+            self.data = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
         materialize(model, rt.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers)
-        if sync == "hpctrain":
-            pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
+        self.data.after_materialize()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, cfg.optim)
         self.model = DistributedDataParallel(model, bucket_cap_mb=cfg.comm.bucket_mb) if sync == "ddp" else model
@@ -102,7 +103,7 @@ class StepLoop:
         from hpctrain.comm.protocol import ReduceOp
         from hpctrain.train.optim import lr_at, set_lr
 
-        cfg, hook = self.cfg, self.pm.hook
+        cfg = self.cfg
         micro = self.cursor.next_step()
         set_lr(self.optimizer, lr_at(self.step_count, cfg.optim, cfg.trainer.steps))
         self.optimizer.zero_grad(set_to_none=True)
@@ -112,12 +113,10 @@ class StepLoop:
             quiet = self.model.no_sync() if self.sync == "ddp" and i < n - 1 else contextlib.nullcontext()
             with quiet:
                 loss = self.model(x, y)
-                if self.sync == "hpctrain":
-                    hook.hpctrain_before_backward(model=self.model, microbatch=i, num_microbatches=n)
+                self.data.before_backward(i, n)
                 (loss / n).backward()
             total = loss.detach() if total is None else total + loss.detach()
-        if self.sync == "hpctrain":
-            hook.hpctrain_after_backward(model=self.model, mesh=self.mesh)
+        self.data.reduce_gradients()
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
         self.optimizer.step()

@@ -81,7 +81,7 @@ def _missing_preset(exc: Any) -> str:
     if not group:
         return f"no config named {wanted!r}" + (f"; choose one of: {', '.join(options)}" if options else "")
     return (f"{group}={name}: there is no preset {name!r} in group {group}; choose one of: "
-            f"{', '.join(options) or '(none)'} (conf/{group}/*.yaml)")
+            f"{', '.join(options) or '(none)'} (hpctrain/conf/{group}/*.yaml)")
 
 
 def _omegaconf_problem(cause: Any, pm: Any) -> str:

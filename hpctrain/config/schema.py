@@ -1,7 +1,7 @@
 """Typed configuration schema: one dataclass per config group.
 
 These dataclasses are registered in Hydra's ConfigStore (``store.py``) and are
-the schema; the YAML files under ``conf/`` are presets that fill them in. A
+the schema; the YAML files under ``hpctrain/conf/`` are presets that fill them in. A
 key that is not declared here is rejected by OmegaConf at composition time, so
 a typo in an override fails before any rank starts work.
 

@@ -6,15 +6,16 @@ Hydra's ConfigStore as ``train_schema`` (the first entry of conf/train.yaml's
 defaults) and, per group, as ``<group>/<group>_schema`` (the first default
 of each preset YAML), so presets and overrides are type-checked.
 
-The YAML presets live in the top-level ``conf/`` directory; set
-``HPCTRAIN_CONF_DIR`` to use another one, or add yours with Hydra's
+The YAML presets ship inside the package (``hpctrain/conf/``, package data,
+found through ``importlib.resources``), so a wheel or a container image has
+them; set ``HPCTRAIN_CONF_DIR`` to use another directory, or add yours with Hydra's
 ``--config-dir``.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
+from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from hpctrain.config import schema as S
 from hpctrain.errors import ConfigError, PluginError
 
-CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(resources.files("hpctrain") / "conf")
 
 GROUPS: Dict[str, type] = {
     "model": S.ModelConfig,

@@ -9,9 +9,34 @@ tokens' true positions, which RoPE and the causal mask use.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which of ``2 * cp`` equal chunks of the sequence each cp rank holds,
+    in ascending order. The one definition the data cursor, context
+    parallelism's attention, MoE's token priorities and the benchmarks use."""
+
+    chunks: Tuple[Tuple[int, ...], ...]
+    """Per cp rank, its chunk indices."""
+
+    @classmethod
+    def zigzag(cls, cp: int) -> "SequenceLayout":
+        """Rank i holds chunks i and 2cp-1-i (the training layout)."""
+        return cls(tuple((i, 2 * cp - 1 - i) for i in range(cp)))
+
+    @classmethod
+    def contiguous(cls, cp: int) -> "SequenceLayout":
+        """Rank i holds chunks 2i and 2i+1 (the benchmark's unbalanced comparison)."""
+        return cls(tuple((2 * i, 2 * i + 1) for i in range(cp)))
+
+    def positions(self, rank: int, chunk: int) -> torch.Tensor:
+        """The positions rank ``rank`` holds, for chunks of ``chunk`` tokens."""
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunks[rank]])
 
 
 def valid_seq_lens(seq_len: int, cp: int) -> List[int]:
@@ -22,13 +47,11 @@ def valid_seq_lens(seq_len: int, cp: int) -> List[int]:
 
 
 def cp_positions(cp_rank: int, cp_size: int, seq_len: int) -> Optional[torch.Tensor]:
-    """The positions of ``seq_len`` that cp rank ``cp_rank`` holds, ascending
-    (None when cp is 1: every position)."""
+    """The positions of ``seq_len`` that cp rank ``cp_rank`` holds in the
+    zigzag layout, ascending (None when cp is 1: every position)."""
     if cp_size == 1:
         return None
     chunks = 2 * cp_size
     if seq_len % chunks:
         raise ValueError(f"seq_len {seq_len} is not divisible by 2 * cp = {chunks}")
-    c = seq_len // chunks
-    first, second = cp_rank, chunks - 1 - cp_rank
-    return torch.cat([torch.arange(first * c, (first + 1) * c), torch.arange(second * c, (second + 1) * c)])
+    return SequenceLayout.zigzag(cp_size).positions(cp_rank, seq_len // chunks)

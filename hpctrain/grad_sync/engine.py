@@ -1,7 +1,8 @@
 """The gradient-sync engine: bucketed averaging of ``.grad`` over each
 parameter's data group, overlapped with backward. One engine serves data
 parallelism, ZeRO (reduce-scatter mode) and pipeline weight passes; plugins
-configure it (``GradSync(...)``, ``attach``) and drive it per step.
+configure it (``GradSync(comm_of, SyncConfig(...))``, ``attach``) and drive it
+per step.
 
 Groups. Each parameter is reduced over the communicator ``comm_of(param)``
 returns (``None`` or a group of one: not reduced). ``reduction_comm``
@@ -56,11 +57,10 @@ gradient and 0 if not, averaged with the gradients; a parameter that *no*
 rank of its group used gets ``.grad = None``, exactly as in a one-process
 run, so the optimizer skips it instead of decaying it with a zero gradient.
 
-Reduce-scatter mode (``reduce_scatter=True``, for ZeRO): each bucket is
-padded to a multiple of its group size and reduce-scattered; after
-``finish`` the bucket's ``shard`` holds this rank's averaged part of the
-flat bucket (its ``plan.offsets`` give each parameter's place). Two more
-options serve ZeRO's stages:
+Reduce-scatter mode (``SyncConfig.reduce_scatter``, for ZeRO): each bucket
+is padded to a multiple of its group size and reduce-scattered; after
+``finish``, ``shards()`` gives each bucket's averaged part of the flat
+bucket for this rank. Two more options serve ZeRO's stages:
 
 - ``keep_grads=False`` (copy-in): a parameter's ``.grad`` is not a view;
   its hook adds the fresh gradient into the bucket's buffer (made when the
@@ -96,15 +96,15 @@ import torch
 
 from hpctrain.comm.protocol import Communicator
 from hpctrain.errors import CommError
-from hpctrain.grad_sync.buckets import BucketPlan, given_buckets, plan_buckets
+from hpctrain.grad_sync.bucket import Bucket, Reduction
+from hpctrain.grad_sync.buckets import given_buckets, plan_buckets
+from hpctrain.grad_sync.config import SyncConfig
 from hpctrain.grad_sync.reduction import CompressedAverage, PlainAverage, ScatterAverage
 from hpctrain.log import get_logger
 from hpctrain.mesh import Mesh
 from hpctrain.shard import get_spec
 
 log = get_logger(__name__)
-
-ATTR = "_hpctrain_grad_sync"
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,18 @@ class Launch:
 
 
 @dataclass
+class ReducedShard:
+    """One bucket's result in reduce-scatter mode (``GradSync.shards``)."""
+
+    params: List[torch.nn.Parameter]
+    """The bucket's parameters, in its layout's order."""
+    shard: torch.Tensor
+    """This rank's averaged part of the bucket's padded flat gradient (ZeRO: its owned chunk's)."""
+    used_anywhere: List[bool]
+    """Per parameter: whether any rank of the group produced its gradient this step (else no gradient at all)."""
+
+
+@dataclass
 class StepTrace:
     """What the engine did in the last step (read by tests and benchmarks)."""
 
@@ -132,85 +144,6 @@ class StepTrace:
     @property
     def launched_in_backward(self) -> int:
         return sum(1 for x in self.launches if x.in_backward)
-
-
-Reduction = Union[PlainAverage, CompressedAverage, ScatterAverage]
-
-
-class _Bucket:
-    """One bucket's buffer, gradient views, reduction and per-step state."""
-
-    def __init__(self, plan: BucketPlan, params: List[torch.nn.Parameter], comm: Communicator,
-                 reduction_factory: Callable[["_Bucket", torch.Tensor], Reduction], scatter: bool,
-                 keep_grads: bool, dtype: torch.dtype, account: Callable[[int], None], release: bool):
-        self.plan = plan
-        self.params = params
-        self.comm = comm
-        self.keep_grads = keep_grads
-        self.dtype = dtype
-        self._factory = reduction_factory
-        self._account = account
-        self._release = release and not keep_grads
-        n = len(params)
-        # reduce-scatter mode: gradients padded to a multiple of the group
-        # size, flags apart (they are all-reduced); otherwise gradients then
-        # one "used on this rank" flag per parameter, in one all-reduce
-        self.grads_numel = -(-plan.numel // comm.size) * comm.size if scatter else plan.numel
-        self.scatter = scatter
-        self.shard: Optional[torch.Tensor] = (
-            torch.zeros(self.grads_numel // comm.size, dtype=dtype, device=plan.device) if scatter else None)
-        """Reduce-scatter mode: this rank's averaged part of the padded flat bucket."""
-        self.flags = torch.zeros(n, dtype=dtype, device=plan.device) if scatter else None
-        self.buffer: Optional[torch.Tensor] = None
-        self.views: List[torch.Tensor] = []
-        self.reduction: Optional[Reduction] = None
-        self.synced = 0
-        """Reductions completed this step (copy-in and every-micro-batch modes accumulate after the first)."""
-        self.done = False
-        """This micro-batch's reduction is finished (and, copy-in, its buffer released)."""
-        if keep_grads:
-            self.allocate()
-        self.used = [False] * n
-        self.fired = [False] * n
-        self.pending = n
-        self.used_anywhere = [True] * n
-        """After ``finish``: whether any rank of the group produced each parameter's gradient."""
-        self._anywhere = [0.0] * n
-
-    def allocate(self) -> torch.Tensor:
-        """The buffer (zeros), made now if it does not exist."""
-        if self.buffer is None:
-            extra = 0 if self.scatter else len(self.params)
-            self.buffer = torch.zeros(self.grads_numel + extra, dtype=self.dtype, device=self.plan.device)
-            self._account(self.buffer.numel() * self.buffer.element_size())
-            if not self.scatter:
-                self.flags = self.buffer[self.grads_numel:]
-            if self.keep_grads:
-                self.views = [self.buffer[o: o + p.numel()].view_as(p)
-                              for o, p in zip(self.plan.offsets, self.params)]
-        if self.reduction is None:
-            self.reduction = self._factory(self, self.buffer)
-        return self.buffer
-
-    def slot(self, s: int) -> torch.Tensor:
-        """Parameter ``s``'s place in the buffer (flat)."""
-        o = self.plan.offsets[s]
-        end = self.plan.offsets[s + 1] if s + 1 < len(self.params) else self.plan.numel
-        return self.allocate()[o:end]
-
-    def complete(self) -> None:
-        """Finish the reduction; copy-in: drop the buffer (unless it is kept between steps)."""
-        if self.done:
-            return
-        self.reduction.advance()
-        self.reduction.finish()
-        self.done = True
-        self.synced += 1
-        if not self.keep_grads:
-            self.reduction = None  # the next one (accumulating) is made with the next buffer use
-        if self._release:
-            self._account(-self.buffer.numel() * self.buffer.element_size())
-            self.buffer = None
 
 
 def reduction_comm(mesh: Mesh) -> Callable[[torch.nn.Parameter], Optional[Communicator]]:
@@ -225,42 +158,25 @@ class GradSync:
     """Averages the gradients of the parameters given to ``attach`` (see module doc).
 
     ``comm``: one Communicator for every parameter, or a function giving
-    each parameter's (None: not reduced). ``cap_bytes``: bucket size.
-    ``wire_dtype``: bf16/fp16 on the wire, fp32 sums (all-reduce mode only).
-    ``overlap``: launch buckets from backward hooks (else all in ``finish``).
-    ``reduce_scatter``: keep only this rank's shard of each bucket.
-    ``keep_grads``, ``every_microbatch``, ``dtype``: see the module docstring
-    (reduce-scatter mode only; ``dtype`` None: the parameters').
+    each parameter's (None: not reduced); ``config``: how (``SyncConfig``).
     """
 
     def __init__(self, comm: Union[Communicator, Callable[[torch.nn.Parameter], Optional[Communicator]]],
-                 cap_bytes: int, wire_dtype: Optional[torch.dtype] = None, overlap: bool = True,
-                 reduce_scatter: bool = False, keep_grads: bool = True, every_microbatch: bool = False,
-                 dtype: Optional[torch.dtype] = None, release_buffers: bool = True,
-                 max_in_flight: Optional[int] = None, device: Optional[torch.device] = None):
-        if reduce_scatter and wire_dtype is not None:
-            raise ValueError("a compressed wire dtype is for all-reduce mode; reduce-scatter buckets in their own dtype")
-        if not reduce_scatter and (not keep_grads or every_microbatch or dtype is not None):
-            raise ValueError("keep_grads=False, every_microbatch and dtype are options of reduce-scatter mode")
-        if every_microbatch and keep_grads:
-            raise ValueError("every_microbatch syncs each backward into the shard: use it with keep_grads=False")
+                 config: SyncConfig = SyncConfig()):
         self.comm_of: Callable[[torch.nn.Parameter], Optional[Communicator]] = (
             comm if callable(comm) and not hasattr(comm, "all_reduce") else (lambda p, c=comm: c))
-        self.cap_bytes, self.wire_dtype, self.overlap = cap_bytes, wire_dtype, overlap
-        self.reduce_scatter = reduce_scatter
-        self.keep_grads, self.every_microbatch, self.dtype = keep_grads, every_microbatch, dtype
-        self.release_buffers = release_buffers
-        self.max_in_flight = max_in_flight
-        self.device = device
-        """Where buffers and shards live; None: the parameters' device (copy-in mode:
-        where gradients are made when parameters rest elsewhere, ZeRO-3 offload)."""
-        """Copy-in with released buffers: before a new buffer is made while this many
-        exist, wait for the oldest reduction in flight (bounds gradient memory)."""
+        self.config = config
+        self.cap_bytes, self.wire_dtype, self.overlap = config.cap_bytes, config.wire_dtype, config.overlap
+        self.reduce_scatter = config.reduce_scatter
+        self.keep_grads, self.every_microbatch, self.dtype = config.keep_grads, config.every_microbatch, config.dtype
+        self.release_buffers = config.release_buffers
+        self.max_in_flight = config.max_in_flight
+        self.device = config.device
         self.buffer_bytes = 0
         """Bytes of bucket buffers that exist now."""
         self.peak_buffer_bytes = 0
         """The most that existed at once since ``attach`` (copy-in mode: only buckets in flight)."""
-        self.buckets: List[_Bucket] = []
+        self.buckets: List[Bucket] = []
         self.trace = StepTrace()
         self._ids: Tuple[int, ...] = ()
         self._handles: List[Any] = []  # torch RemovableHandles of the gradient hooks
@@ -274,7 +190,7 @@ class GradSync:
         self._microbatch = 0
 
     # -- set-up ------------------------------------------------------------
-    def _reduction(self, bucket: _Bucket, buffer: torch.Tensor) -> Reduction:
+    def _reduction(self, bucket: Bucket, buffer: torch.Tensor) -> Reduction:
         if self.reduce_scatter:
             return ScatterAverage(bucket.comm, buffer, bucket.flags, bucket.shard, accumulate=bucket.synced > 0)
         if self.wire_dtype is None:
@@ -293,7 +209,7 @@ class GradSync:
         for p in params:
             if p.device.type == "meta":
                 raise CommError("gradient sync was asked to reduce meta-device parameters; "
-                                "attach it after the model is materialised (hpctrain_after_materialize)")
+                                "attach it after the model is materialised (the handle's after_materialize)")
         comms = [self.comm_of(p) for p in params]
         keep = [i for i, c in enumerate(comms) if c is not None and c.size > 1]
         synced = [params[i] for i in keep]
@@ -308,7 +224,7 @@ class GradSync:
             members = [synced[i] for i in plan.indices]
             if self.device is not None:
                 plan = dataclasses.replace(plan, device=self.device)
-            self.buckets.append(_Bucket(plan, members, by_key[plan.group], self._reduction, self.reduce_scatter,
+            self.buckets.append(Bucket(plan, members, by_key[plan.group], self._reduction, self.reduce_scatter,
                                         self.keep_grads, self.dtype or plan.dtype, self._account,
                                         self.release_buffers))
             for s, p in enumerate(members):
@@ -323,9 +239,6 @@ class GradSync:
         for h in self._handles:
             h.remove()
         self._handles, self.buckets, self._ids, self._armed, self._where = [], [], (), False, {}
-
-    def matches(self, params: Sequence[torch.nn.Parameter]) -> bool:
-        return tuple(id(p) for p in params) == self._ids
 
     def _account(self, nbytes: int) -> None:
         self.buffer_bytes += nbytes
@@ -383,7 +296,7 @@ class GradSync:
         self.trace = StepTrace(num_microbatches=num_microbatches)
 
     @staticmethod
-    def _reset_microbatch(bucket: _Bucket) -> None:
+    def _reset_microbatch(bucket: Bucket) -> None:
         bucket.fired = [False] * len(bucket.params)
         bucket.pending = len(bucket.params)
         bucket.done = False
@@ -409,7 +322,7 @@ class GradSync:
             raise CommError(
                 f"gradient sync: a parameter of shape {tuple(param.shape)} got a second gradient in the syncing "
                 "backward after its bucket's reduction may have started; call backward once per micro-batch "
-                "(announce each with hpctrain_before_backward, or run the others under no_sync())")
+                "(announce each with begin_microbatch, or run the others under no_sync())")
         bucket.fired[s] = True
         bucket.pending -= 1
         self.trace.hooks_fired += 1
@@ -478,6 +391,13 @@ class GradSync:
                 bucket.used = [False] * len(bucket.params)
         self._next = self._oldest = 0
 
+    def shards(self) -> List[ReducedShard]:
+        """Reduce-scatter mode, after ``finish``: each bucket's averaged shard,
+        in the order the buckets were given to ``attach`` (or planned)."""
+        if not self.reduce_scatter:
+            raise CommError("shards() is for reduce-scatter mode; in all-reduce mode the averages are in .grad")
+        return [ReducedShard(b.params, b.shard, b.used_anywhere) for b in self.buckets]
+
     def finish(self) -> None:
         """After the last backward: launch what is left, wait for everything."""
         if not self._armed:  # no backward reached a synced parameter this step: take the grads as they are
@@ -495,12 +415,3 @@ class GradSync:
         self._armed = self._sync = self._announced = False
 
 
-def attach_to(model: torch.nn.Module, engine: GradSync) -> GradSync:
-    """Record ``engine`` as the model's gradient sync (found by ``of``)."""
-    setattr(model, ATTR, engine)
-    return engine
-
-
-def of(model: torch.nn.Module) -> Optional[GradSync]:
-    """The gradient sync engine attached to ``model``, if any."""
-    return getattr(model, ATTR, None)

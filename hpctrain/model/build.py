@@ -23,7 +23,6 @@ from torch import nn
 from hpctrain.boxes import Box, box_shape, full_box, intersect
 from hpctrain.mesh import AXES
 from hpctrain.model.attention import SdpaAttention
-from hpctrain.model.recompute import set_recompute
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import Block, SwiGLU, Transformer
 from hpctrain.shard import SPEC_ATTR, ShardSpec, get_spec, replicated_spec, set_spec
@@ -66,7 +65,6 @@ def build_model(cfg: Any, pm=None, mesh: Any = None) -> Transformer:
             for i in range(shape.n_layers)
         )
         model = Transformer(shape, m.norm_eps, m.rope_theta, blocks)
-    set_recompute(model, m.recompute)
     assign_specs(model)
     return model
 

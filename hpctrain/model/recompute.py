@@ -60,9 +60,13 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def set_recompute(model: torch.nn.Module, mode: str) -> None:
-    """Turn ``mode`` on for every block of ``model`` (a ``Transformer``)."""
+    """Turn ``mode`` on for every block ``model`` runs (a ``Transformer``, a
+    pipeline stage or an interleaved rank's chunks): each module offering
+    the switch (a block's ``recompute``, an attention's ``recompute_core``)."""
     if mode not in RECOMPUTE:
         raise ValueError(f"model.recompute={mode!r} is not one of {', '.join(RECOMPUTE)}")
-    for block in model.layers:
-        block.recompute = mode == "full"
-        block.attn.recompute_core = mode == "selective"
+    for module in model.modules():
+        if hasattr(module, "recompute"):
+            module.recompute = mode == "full"
+        if hasattr(module, "recompute_core"):
+            module.recompute_core = mode == "selective"

@@ -2,16 +2,28 @@
 
 Replaceable parts: ``block.attn.core`` (core attention), ``block.ffn`` (the
 feed-forward block: SwiGLU here, MoE from a plugin) and ``model.loss_fn``
-(vocab-parallel cross-entropy from the TP plugin). Head counts are derived
-from the projection widths at run time, so a tensor-parallel plugin that
-narrows ``wq``/``wk``/``wv`` needs no change here.
+(vocab-parallel cross-entropy from the TP plugin).
+
+Seams, where an axis changes how a part computes without replacing the
+block's forward (so recomputation, MoE and context parallelism keep
+working under every axis):
+
+- ``Attention.linears`` and ``SwiGLU.linears`` (``Linears``): how the input
+  projections (Q/K/V; gate/up) and the output projection compute. Tensor
+  parallelism puts its column/row-parallel region here;
+- ``RMSNorm.weight_view``: the weight as forward uses it (sequence
+  parallelism routes it through a collective that sums its gradient).
+
+Head counts are derived from the projection outputs at run time, so a
+plugin that narrows ``wq``/``wk``/``wv`` to a rank's heads, or gathers the
+sequence, needs no change here.
 
 Each module lists the initialisation of its parameters in ``param_init``
 (default ``normal``); the builder turns that into the parameter's ShardSpec.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +33,30 @@ from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 
 
+def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+class Linears:
+    """How a sub-layer's projections compute (one process: each ``nn.Linear`` called).
+
+    ``columns(x, linears)`` projects the sub-layer input ``x`` by each of
+    ``linears`` (Q/K/V, or gate/up); ``rows(y, linear)`` projects back to
+    the hidden size (the output projection). Tensor parallelism replaces this
+    object with one that enters and leaves its region. The one-process
+    version calls the modules, so whatever wraps or hooks them (torch's own
+    tensor parallelism in the benchmark, an adapter) still applies."""
+
+    def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
+        return [linear(x) for linear in linears]
+
+    def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return linear(y)
+
+
+LOCAL = Linears()
+
+
 class RMSNorm(nn.Module):
     param_init = {"weight": "ones"}
 
@@ -28,10 +64,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.weight_view: Callable[[torch.Tensor], torch.Tensor] = _same
+        """The seam for the weight as forward uses it (sequence parallelism: summed over tp in backward)."""
 
     def scale(self) -> torch.Tensor:
-        """The weight as forward uses it (sequence parallelism routes it through a collective)."""
-        return self.weight
+        """The weight as forward uses it."""
+        return self.weight_view(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -67,17 +105,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
         self.wo.param_init = {"weight": "normal_scaled"}
         self.core = core
+        self.linears: Linears = LOCAL
+        """The projections' seam (see ``Linears``)."""
         self.recompute_core = False
         """Selective recomputation: the core keeps only q, k, v for backward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), cos, sin)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k, v = self.linears.columns(x, [self.wq, self.wk, self.wv])
+        b, t = q.shape[:2]  # t: the tokens the projections produced (sequence parallelism gathers them)
+        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
+        v = v.view(b, t, -1, self.head_dim)
         qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         out = recomputed(self.core, *qkv) if self.recompute_core else self.core(*qkv)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return self.linears.rows(out.transpose(1, 2).reshape(b, t, -1), self.wo)
 
 
 class SwiGLU(nn.Module):
@@ -87,9 +128,12 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(shape.d_model, shape.ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(shape.ffn_hidden, shape.d_model, bias=False)  # down
         self.w2.param_init = {"weight": "normal_scaled"}
+        self.linears: Linears = LOCAL
+        """The projections' seam (see ``Linears``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.linears.columns(x, [self.w1, self.w3])
+        return self.linears.rows(F.silu(gate) * up, self.w2)
 
 
 class Block(nn.Module):
@@ -139,7 +183,7 @@ class Layers(nn.ModuleDict):
 
 
 class Transformer(nn.Module):
-    """The decoder, or the part of it one pipeline stage runs (``keep_stage``):
+    """The decoder, or the part of it one pipeline stage runs (``part``):
     the first stage holds the token embedding, the last the final norm, the
     output projection and the loss; modules a stage does not hold are None
     or absent from ``layers``."""
@@ -156,35 +200,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.loss_fn: Optional[nn.Module] = CrossEntropy()
 
-    @property
-    def has_embedding(self) -> bool:
-        return self.tok_embeddings is not None
-
-    @property
-    def has_head(self) -> bool:
-        return self.output is not None
-
-    def keep_stage(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
-        """Drop everything a pipeline stage does not run: the blocks not in
-        ``layer_ids``, the embedding unless ``first``, the final norm, output
-        projection and loss unless ``last``. With tied embeddings on a stage
-        that is last but not first, ``output.weight`` stays the (formerly
-        shared) parameter named ``tok_embeddings.weight``."""
-        keep = {str(i) for i in layer_ids}
-        missing = keep - set(self.layers.keys())
-        if missing:
-            raise ValueError(f"keep_stage: no blocks {sorted(int(i) for i in missing)} in this model")
-        for key in [k for k in self.layers.keys() if k not in keep]:
-            del self.layers[key]
-        if not first:
-            self.tok_embeddings = None
-        if not last:
-            self.norm = self.output = self.loss_fn = None
-        return self
-
     def part(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
         """A new Transformer holding *this* model's modules for one pipeline
-        stage (as ``keep_stage`` keeps them), sharing them rather than copying:
+        stage (the blocks in ``layer_ids``, the embedding when ``first``, the
+        final norm, output projection and loss when ``last``), sharing them
+        rather than copying:
         a rank with several interleaved stages takes several parts of one model."""
         out = Transformer.__new__(Transformer)
         nn.Module.__init__(out)

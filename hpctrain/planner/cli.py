@@ -49,7 +49,7 @@ def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> D
     ``shown``: how each pair was given, for the error (default ``--pin <pair>``)."""
     from hpctrain.errors import ConfigError
     from hpctrain.planner.activations import RECOMPUTE
-    from hpctrain.planner.schedules import SCHEDULES
+    from hpctrain.pipeline.bubble import SCHEDULES
 
     allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
     out: Dict[str, Any] = {}
@@ -102,7 +102,7 @@ def _compose(overrides: List[str], pm) -> Any:
         options = [o for o in (e.options or []) if not o.endswith("_schema")]
         hint = " (or give the dimensions: model.d_model=... model.n_layers=...)" if group == "model" else ""
         raise ConfigError(f"unknown {group or 'config'} preset {name!r}; available: {', '.join(options) or 'none'}"
-                          f" (conf/{group}/){hint}") from None
+                          f" (hpctrain/conf/{group}/){hint}") from None
     except HydraException as e:
         cause = f": {e.__cause__}" if e.__cause__ else ""
         raise ConfigError(f"{str(e).splitlines()[0]}{cause}".replace("\n", " ")) from None

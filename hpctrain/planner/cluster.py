@@ -1,6 +1,6 @@
 """The machine being planned for: datasheet numbers, optionally replaced by measured ones.
 
-``cluster.*`` (a preset under conf/cluster/ plus overrides) gives GPUs,
+``cluster.*`` (a preset under hpctrain/conf/cluster/ plus overrides) gives GPUs,
 GPUs per node, memory, datasheet peak TFLOP/s and per-GPU bus bandwidths
 inside and between nodes. A calibration file (JSON, all keys optional)
 replaces what was measured on the real system:
@@ -63,7 +63,7 @@ class ClusterSpec:
 
 
 def available_presets(group: str) -> List[str]:
-    """Preset names under conf/<group>/ (for error messages)."""
+    """Preset names under hpctrain/conf/<group>/ (for error messages)."""
     from hpctrain.config.store import CONF_DIR
 
     folder = os.path.join(CONF_DIR, group)

@@ -35,7 +35,7 @@ from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
 from hpctrain.planner.layouts import Layout
 from hpctrain.planner.memory import ModelStates, StateBytes, model_states
-from hpctrain.planner.schedules import bubble_time, in_flight
+from hpctrain.pipeline.bubble import bubble_time, in_flight
 from hpctrain.mesh import DEFAULT_ORDER, parse_order
 
 

@@ -32,7 +32,7 @@ from hpctrain.config.validate import check_layout
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.memory import ZERO_STAGES
-from hpctrain.planner.schedules import NO_PIPELINE, SCHEDULES, check_schedule
+from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
 
 MAX_VPP = 8
 MAX_MICRO_BATCH = 64

@@ -19,14 +19,20 @@ Two byte profiles, because the paper and our trainer keep different copies:
   At stage 1 our ZeRO plugin keeps the reduce-scatter's output (g * P / Nd)
   next to the whole accumulated gradient, so its stage-1 gradients are
   g * P * (1 + 1 / Nd); at stage 3 the fp32 parameters are the masters.
-  ``plugins/hpctrain_zero/memory.py`` has the plugin's exact table (padding
-  included); tests/mpi/test_zero.py checks the two agree on the tiny model.
+
+``sharded_states`` is the one table, in elements of flat groups (padded to
+their group size, as the ZeRO plugin cuts them, or unpadded as the planner
+estimates): the plugin's memory log and the planner's estimate both call
+it, and ``zero_in_flight`` is the one rule for what ZeRO-2/3 hold on top
+while a step runs. tests/mpi/test_zero.py checks the plugin's tensors hold
+exactly that on the tiny model.
 
 GB is 1e9 bytes everywhere in the planner (as in the ZeRO table).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -69,6 +75,67 @@ class ModelStates:
         return ModelStates(self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer)
 
 
+def sharded_states(stage: int, padded: float, chunk: float, unsharded: float, param_bytes: float,
+                   grad_bytes: float, optimizer_bytes: float, master_bytes: float = 0.0,
+                   stage1_keeps_shard: bool = True, params_are_masters: bool = True) -> ModelStates:
+    """Bytes one rank holds between steps under ZeRO ``stage``, for flat groups of
+    ``padded`` elements in all, of which this rank owns ``chunk``, and
+    ``unsharded`` elements of parameters with nothing to shard (kept whole,
+    4 + 4 + 8 bytes each: fp32 weight, gradient and AdamW's moments).
+
+    ``param_bytes``/``grad_bytes``: an element of the computed parameters and
+    of the reduced gradients; ``optimizer_bytes``: the optimizer state per
+    owned element (AdamW's two fp32 moments: 8); ``master_bytes``: an fp32
+    master copy kept apart when parameters compute in 16 bits (4, else 0).
+    Stage 1 keeps the whole gradient and, with ``stage1_keeps_shard``, the
+    reduce-scatter's output beside it; stage 3 keeps only owned chunks, whose
+    fp32 values are the masters when ``params_are_masters`` (ours), else
+    ``param_bytes`` plus the master in the optimizer state (the paper's)."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage}")
+    whole = ModelStates(4.0 * unsharded, 4.0 * unsharded, 8.0 * unsharded)
+    optimizer = optimizer_bytes * chunk
+    if stage == 0:
+        return whole + ModelStates(param_bytes * padded, grad_bytes * padded, optimizer_bytes * padded)
+    if stage == 1:
+        grads = grad_bytes * padded + (grad_bytes * chunk if stage1_keeps_shard else 0.0)
+        return whole + ModelStates(param_bytes * padded, grads, optimizer + master_bytes * chunk)
+    if stage == 2:
+        return whole + ModelStates(param_bytes * padded, grad_bytes * chunk, optimizer + master_bytes * chunk)
+    if params_are_masters:
+        return whole + ModelStates(4.0 * chunk, grad_bytes * chunk, optimizer)
+    return whole + ModelStates(param_bytes * chunk, grad_bytes * chunk, optimizer + master_bytes * chunk)
+
+
+def zero_in_flight(stage: int, grad_bytes: float, param_bytes: float, group_sizes: Sequence[float],
+                   unit_sizes: Sequence[float], pipeline: bool, reshard_after_forward: bool = True,
+                   whole_gradient: float = 0.0) -> float:
+    """Bytes ZeRO-2/3 hold on top of ``sharded_states`` while a step runs.
+
+    Gradient buffers of the flat groups being reduce-scattered: the two
+    largest (``group_sizes``, elements; one in flight while the next fills);
+    under a pipeline, whose micro-batches' backwards interleave, the stage's
+    ``whole_gradient`` (elements) accumulates until the last backward.
+    Stage 3's gathered units (``unit_sizes``, elements): the one in use and
+    the one prefetched; under a pipeline also the stage's last unit, kept
+    gathered for its backward while the next micro-batch's forward gathers;
+    every unit without ``reshard_after_forward``."""
+    if stage < 2:
+        return 0.0
+    two = lambda xs: sum(sorted(xs)[-2:])  # noqa: E731
+    buckets = whole_gradient * grad_bytes if pipeline else two(group_sizes) * grad_bytes
+    if stage < 3:
+        return buckets
+    units = list(unit_sizes)
+    if not reshard_after_forward:
+        gathered = sum(units)
+    elif pipeline and len(units) > 2:
+        gathered = units[-1] + two(units[:-1])
+    else:
+        gathered = two(units)
+    return buckets + gathered * param_bytes
+
+
 def model_states(params: float, stage: int, shards: int, profile: StateBytes, tensors: int = 0) -> ModelStates:
     """Bytes of ``params`` parameters on one GPU under ZeRO ``stage`` over ``shards`` ranks.
 
@@ -76,18 +143,13 @@ def model_states(params: float, stage: int, shards: int, profile: StateBytes, te
     with torch's AdamW; sharded optimizers work on flat buffers, whose few
     step counters we ignore.
     """
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage}")
     if shards < 1:
         raise ValueError(f"ZeRO needs at least one shard, got {shards}")
-    w, g, k = profile.weights * params, profile.grads * params, profile.optimizer * params
+    states = sharded_states(stage, params, params / shards, 0.0, profile.weights, profile.grads, profile.optimizer,
+                            stage1_keeps_shard=profile.stage1_keeps_shard, params_are_masters=False)
     if stage == 0:
-        return ModelStates(w, g, k + profile.optimizer_per_tensor * tensors)
-    if stage == 1:
-        return ModelStates(w, g + (g / shards if profile.stage1_keeps_shard else 0.0), k / shards)
-    if stage == 2:
-        return ModelStates(w, g / shards, k / shards)
-    return ModelStates(w / shards, g / shards, k / shards)
+        states = states + ModelStates(0.0, 0.0, profile.optimizer_per_tensor * tensors)
+    return states
 
 
 def zero_table_gb(psi: float, nd: int, stage: int) -> float:

@@ -2,7 +2,7 @@
 
 The trainer calls ``schedule.run(...)`` once per step. The default runs
 forward and backward per micro-batch and accumulates gradients; a pipeline
-plugin returns its own schedule from ``hpctrain_step_schedule`` (1F1B, ...).
+plugin's handle gives its own schedule (1F1B, ...; ``hpctrain.parallel``).
 
 A schedule returns a ``StepResult``: the sum of this rank's per-token losses
 and the number of tokens they cover (0 and 0 on ranks that compute no loss,
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, Union
+from typing import Callable, ContextManager, Optional, Protocol, Sequence, Union
 
 import torch
 
 from hpctrain.data.cursor import MicroBatch
 from hpctrain.model.aux import collect_aux_losses, with_aux
+from hpctrain.parallel.handles import GradientControl
 
 
 @dataclass
@@ -42,14 +43,15 @@ class StepSchedule(Protocol):
         self,
         model: torch.nn.Module,
         microbatches: Sequence[MicroBatch],
-        hooks: Any,
+        grads: GradientControl,
         autocast: Callable[[], ContextManager],
     ) -> StepResult:
         """Forward and backward every micro-batch (gradients: the mean over
         micro-batches) and return this rank's loss sum and token count.
-        Call ``hooks.hpctrain_before_backward`` before each backward.
-        (Returning a detached mean-loss tensor or None, the protocol's first
-        form, still works: see ``as_step_result``.)"""
+        Call ``grads.before_backward`` before each backward (or run the
+        backwards under ``grads.no_sync()``; ``grads.mark_ready`` for a
+        gradient written by hand). (Returning a detached mean-loss tensor or
+        None, the protocol's first form, still works: see ``as_step_result``.)"""
 
 
 def as_step_result(out: Union[StepResult, torch.Tensor, None], microbatches: Sequence[MicroBatch]) -> StepResult:
@@ -66,7 +68,8 @@ def as_step_result(out: Union[StepResult, torch.Tensor, None], microbatches: Seq
 class GradAccumulation:
     """Forward then backward per micro-batch (loss scaled by 1/n)."""
 
-    def run(self, model, microbatches, hooks, autocast=contextlib.nullcontext) -> StepResult:
+    def run(self, model: torch.nn.Module, microbatches: Sequence[MicroBatch], grads: GradientControl,
+            autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
         n = len(microbatches)
         total: Optional[torch.Tensor] = None
         tokens = 0
@@ -74,7 +77,7 @@ class GradAccumulation:
             with autocast(), collect_aux_losses() as aux:
                 loss = model(mb.inputs, mb.targets, mb.positions)
                 objective = with_aux(loss, aux)
-            hooks.hpctrain_before_backward(model=model, microbatch=i, num_microbatches=n)
+            grads.before_backward(i, n)
             (objective / n).backward()
             count = mb.targets.numel()
             part = loss.detach().float() * count

@@ -1,21 +1,21 @@
-"""The trainer: build, parallelise, materialise, then step.
+"""The trainer: build the layout, then step.
 
-Set-up: the model is built on the meta device, each axis of size > 1 is
-parallelised by the plugin chosen for it (``hpctrain.plugins.axis_plugin``;
-axis ``dp`` stands for all data axes), the model is materialised,
-``hpctrain_after_materialize`` lets plugins attach gradient hooks, then come
-the optimizer, the step schedule, the data cursor (samples over dp x ep,
-tokens over cp) and the checkpointer; the mesh is then sealed (no group is
-created after set-up).
+Set-up: ``hpctrain.parallel.compose.parallelize`` builds this rank's part of
+the model for the mesh (each axis by the plugin chosen for it, in one fixed
+order), its optimizer and its step schedule; then come the data cursor
+(samples over dp x ep, tokens over cp) and the checkpointer; the mesh is
+then sealed (no group is created after set-up).
 
 Per step: the data cursor hands this rank its micro-batches; the step
-schedule runs forward/backward (``hpctrain_before_backward`` fires before
-each backward) and returns its loss sum and token count;
-``hpctrain_after_backward`` lets plugins finish gradient reductions; one
-all-reduce over the world gives the global gradient norm and mean loss
-(``grad_norm.reduce_step``); gradients are clipped; the checkpointer's
-``before_update`` waits for an async save still copying state to host
-memory; the optimizer steps; plugins add metrics
+schedule runs forward/backward, telling the data axes' handle about each
+backward, and returns its loss sum and token count;
+``hpctrain.parallel.finalize.finalize_grads`` finishes the gradients (data
+axes, tied embeddings); one all-reduce over the world gives the global
+gradient norm and mean loss (``grad_norm.reduce_totals``); gradients are
+clipped; the checkpointer's ``before_update`` waits for an async save still
+copying state to host memory; the optimizer steps;
+``hpctrain_after_optimizer_step`` lets plugins update what is not a
+gradient (MoE's router biases); plugins add metrics
 (``hpctrain_step_metrics``), and the bytes each group's communicator moved
 in the step are logged as ``comm_bytes.<group>`` (from the first step a
 group moves anything).
@@ -31,24 +31,19 @@ import torch
 from hpctrain.data import DataCursor, SampleOrder, open_source
 from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
-from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
-from hpctrain.model.build import build_model, logical_param_count, materialize
-from hpctrain.plugins import axis_plugin, parallelize_caller
+from hpctrain.parallel.compose import parallelize
+from hpctrain.parallel.finalize import finalize_grads
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.model.transformer import Transformer
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
-from hpctrain.train.optim import build_adamw, lr_at, set_lr
+from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
-from hpctrain.train.schedule import GradAccumulation, as_step_result
-
-# Axis transforms apply inside-out: tensor splits first, then sequence and
-# expert splits, then pipeline stages, then data parallelism over the result.
-PARALLELIZE_ORDER = ("tp", "cp", "ep", "pp", "dp")
+from hpctrain.train.schedule import as_step_result
 
 log = get_logger(__name__)
 
@@ -67,11 +62,15 @@ class Trainer:
         self.cfg, self.mesh, self.pm, self.device, self.run_dir = cfg, mesh, pm, device, run_dir
         t = cfg.trainer
         self.step = 0
-        self.model = self._build_model()
-        self.params: List[torch.nn.Parameter] = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = (pm.hook.hpctrain_make_optimizer(params=self.params, model=self.model, mesh=mesh, cfg=cfg)
-                          or build_adamw(self.params, cfg.optim))
-        self.schedule = pm.hook.hpctrain_step_schedule(cfg=cfg, mesh=mesh) or GradAccumulation()
+        self.parallel = parallelize(cfg, mesh, pm, device)
+        """The layout, built: model, handles, optimizer and schedule (``hpctrain.parallel.compose``)."""
+        self.model = self.parallel.model
+        self.params: List[torch.nn.Parameter] = self.parallel.params
+        self.optimizer = self.parallel.optimizer
+        self.schedule = self.parallel.schedule
+        self.data = self.parallel.data
+        """The data axes' handle (``hpctrain.parallel.handles.DataHandle``)."""
+        self.logical_params = self.parallel.logical_params
         order = SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed)
         self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
                                  positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len),
@@ -125,29 +124,6 @@ class Trainer:
         self.pm.hook.hpctrain_on_checkpoint(trainer=self, path=saved)
         return saved
 
-    def _build_model(self) -> torch.nn.Module:
-        cfg, mesh, pm = self.cfg, self.mesh, self.pm
-        model = build_model(cfg, pm, mesh)
-        self.logical_params = logical_param_count(model)  # the whole model, before a pipeline keeps a stage
-        for axis in PARALLELIZE_ORDER:
-            # dp stands for every data axis: ep and cp ranks average gradients too
-            size = mesh.data_size if axis == "dp" else mesh.size(axis)
-            if size == 1:
-                continue
-            name = axis_plugin(pm, cfg, axis)
-            if name is None:
-                if axis == "ep":  # a model without experts: ep is only a data axis
-                    continue
-                raise PluginError(f"no plugin parallelised axis {axis!r} (size {size})")
-            out = parallelize_caller(pm, name)(model=model, axis=axis, mesh=mesh, cfg=cfg)
-            if out is None:
-                raise PluginError(f"plugin {name!r} was chosen for axis {axis!r} (size {size}) but declined it")
-            model = out
-        materialize(model, self.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers, mesh.coords, mesh.sizes)
-        scale_presummed(model.parameters(), mesh)  # expert weights: their ep sum becomes a data average
-        pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
-        return model
-
     def _comm_totals(self) -> Dict[str, float]:
         return {g.name: float(getattr(getattr(g.comm, "counter", None), "bytes", 0.0))
                 for g in self.mesh.distinct_groups if g.size > 1}
@@ -168,9 +144,10 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        result = as_step_result(self.schedule.run(self.model, microbatches, self.pm.hook, self.autocast), microbatches)
+        result = as_step_result(self.schedule.run(self.model, microbatches, self.data, self.autocast), microbatches)
         self.forward_clock.take()  # this step's forwards join the straggler check's window
-        self.pm.hook.hpctrain_after_backward(model=self.model, mesh=mesh)
+        finalize_grads(self.model, self.data, mesh)
+        self.pm.hook.hpctrain_after_finalize_grads(trainer=self)
         pairs = gradient_pairs(self.params, self.optimizer)
         loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
         grad_norm, loss, short_reads = reduce_totals(pairs, loss_sum, result.tokens, mesh, self.device,
@@ -187,6 +164,7 @@ class Trainer:
                 before_update()
             self.optimizer.step()
             self.faults.after_update(self.step + 1, self.params)
+            self.pm.hook.hpctrain_after_optimizer_step(trainer=self, step=self.step + 1)
         else:
             log_rank0("step %d: loss %s, gradient norm %s: update skipped (%d in a row, %d in all; "
                       "reliability.nonfinite=skip)", self.step + 1, loss_value, norm_value, self.guard.in_a_row,

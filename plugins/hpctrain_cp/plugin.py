@@ -25,9 +25,12 @@ from torch import nn
 
 from hpctrain import hookimpl
 from hpctrain.log import log_rank0
+from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import AxisHandle
 
 from hpctrain_cp.allgather import AllGatherAttention
-from hpctrain_cp.ring import Layout, RingAttention
+from hpctrain.data.sequence import SequenceLayout
+from hpctrain_cp.ring import RingAttention
 
 IMPLS = ("ring", "allgather")
 
@@ -51,16 +54,21 @@ def _attention_modules(model: nn.Module):
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     if axis != "cp":
         return None
     group = mesh.group("cp")
     cp, rank, seq = group.size, mesh.rank("cp"), int(cfg.trainer.seq_len)
-    layout = Layout.zigzag(cp)
+    layout = SequenceLayout.zigzag(cp)
     chunk = seq // (2 * cp)
     impl = str(cfg.parallel.cp_impl)
     for attn in _attention_modules(model):
         attn.core = RingAttention(group, layout) if impl == "ring" else AllGatherAttention(group, layout)
     log_rank0("context parallelism: cp=%d (%s), %d tokens per rank in chunks %s of %d", cp, impl, seq // cp,
               list(layout.chunks[rank]), chunk)
-    return model
+    return AxisHandle(model)
+
+
+@hookimpl
+def hpctrain_benchmarks() -> Dict[str, str]:
+    return {"cp": "hpctrain_cp.bench"}

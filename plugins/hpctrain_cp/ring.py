@@ -15,9 +15,10 @@ both on; after cp hand-overs every accumulator is back with its owner. Only
 this rank's own q, k, v, its output and log-sum-exp are saved for
 backward, so saved attention activations fall as 1/cp.
 
-Which chunks of the sequence a rank holds is ``Layout.chunks``: the zigzag
-(rank i holds chunks i and 2cp-1-i, the training layout) or, for the
-benchmark's comparison, contiguous (rank i holds chunks 2i and 2i+1).
+Which chunks of the sequence a rank holds is the core's
+``hpctrain.data.sequence.SequenceLayout``: the zigzag (rank i holds chunks i
+and 2cp-1-i, the training layout) or, for the benchmark's comparison,
+contiguous (rank i holds chunks 2i and 2i+1).
 Chunk pairs that causality masks out entirely are skipped, so the layout
 decides each rank's work.
 """
@@ -32,29 +33,11 @@ import torch
 from torch import nn
 
 from hpctrain.comm.protocol import P2POp
+from hpctrain.data.sequence import SequenceLayout
 
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 
 TAG_KV, TAG_DKV = 31, 32
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which equal chunks of the sequence each cp rank holds, in ascending order."""
-
-    chunks: Tuple[Tuple[int, ...], ...]
-    """Per cp rank, its chunk indices."""
-
-    @classmethod
-    def zigzag(cls, cp: int) -> "Layout":
-        return cls(tuple((i, 2 * cp - 1 - i) for i in range(cp)))
-
-    @classmethod
-    def contiguous(cls, cp: int) -> "Layout":
-        return cls(tuple((2 * i, 2 * i + 1) for i in range(cp)))
-
-    def positions(self, rank: int, chunk: int) -> torch.Tensor:
-        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunks[rank]])
 
 
 @dataclass
@@ -85,7 +68,7 @@ def _pairs(mine: Sequence[int], theirs: Sequence[int]):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: Layout, scale: float, clock: Optional[ComputeTime]):
+    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime]):
         comm, rank, n = group.communicator(), group.rank, group.size
         heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
         q32 = q.float()
@@ -155,7 +138,7 @@ class RingAttention(nn.Module):
     says; grouped-query attention when k/v have fewer heads. ``clock``
     (optional) accumulates this rank's compute time."""
 
-    def __init__(self, group: Any, layout: Layout, clock: Optional[ComputeTime] = None):
+    def __init__(self, group: Any, layout: SequenceLayout, clock: Optional[ComputeTime] = None):
         super().__init__()
         self.group, self.layout, self.clock = group, layout, clock
 

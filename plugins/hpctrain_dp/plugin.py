@@ -5,11 +5,12 @@ The core asks this plugin to parallelise axis ``dp`` whenever the data
 axes (``cp x ep x dp``) hold more than one rank. ``hpctrain_parallelize``
 leaves the model unchanged (no wrapper, so parameter names and checkpoints
 are the same as in one process; the layout-independent init makes replicas
-identical without a broadcast) and records the options on it;
-``hpctrain_after_materialize`` attaches the engine to the real parameters:
-each is averaged over the data axes it is not split on, in buckets
-launched during backward. The engine is driven per micro-batch from
-``hpctrain_before_backward`` and finished in ``hpctrain_after_backward``.
+identical without a broadcast) and returns a ``DataParallel`` handle; once
+the weights are real the handle attaches the engine: each parameter is
+averaged over the data axes it is not split on, in buckets launched during
+backward. The step schedule drives the engine per micro-batch through the
+handle (``before_backward``, ``no_sync``, ``mark_ready``), and the core's
+``finalize_grads`` finishes it (``reduce_gradients``).
 
 Options: ``comm.bucket_mb`` (core) sets the bucket size;
 ``comm.dp.compress`` (none | bf16 | fp16) and ``comm.dp.overlap`` come from
@@ -17,33 +18,45 @@ this plugin's config section (``config.DataParallelConfig``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
-import torch
 from omegaconf import OmegaConf
+from torch import nn
 
 from hpctrain import grad_sync, hookimpl
-
 from hpctrain.grad_sync.buckets import cap_bytes_from_mb
+from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import DataHandle
 
 from hpctrain_dp.config import WIRE_DTYPES, DataParallelConfig, wire_dtype
 
-STATE_ATTR = "_hpctrain_dp"
 
+class DataParallel(DataHandle):
+    """Replicas averaging their gradients through the core's engine."""
 
-@dataclass
-class DataParallel:
-    """What ``hpctrain_parallelize`` leaves on the model."""
+    def __init__(self, model: nn.Module, mesh: Mesh, bucket_mb: float, compress: str = "none", overlap: bool = True):
+        super().__init__(model)
+        self.mesh = mesh
+        self.config = grad_sync.SyncConfig(cap_bytes=cap_bytes_from_mb(bucket_mb), wire_dtype=wire_dtype(compress),
+                                           overlap=overlap)
+        self.engine: Optional[grad_sync.GradSync] = None
+        """The gradient-sync engine (after ``after_materialize``)."""
 
-    bucket_mb: float
-    compress: str = "none"
-    overlap: bool = True
+    def after_materialize(self) -> None:
+        self.engine = grad_sync.GradSync(grad_sync.reduction_comm(self.mesh), self.config)
+        self.engine.attach([p for p in self.model.parameters() if p.requires_grad])
 
+    def before_backward(self, microbatch: int, num_microbatches: int) -> None:
+        self.engine.begin_microbatch(microbatch, num_microbatches)
 
-def state_of(model: torch.nn.Module) -> Optional[DataParallel]:
-    """The options of a model this plugin parallelised (else None)."""
-    return getattr(model, STATE_ATTR, None)
+    def no_sync(self) -> ContextManager[None]:
+        return self.engine.no_sync()
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        self.engine.mark_ready(param)
+
+    def reduce_gradients(self) -> None:
+        self.engine.finish()
 
 
 @hookimpl
@@ -66,38 +79,9 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: torch.nn.Module, axis: str, mesh, cfg: Any) -> Optional[torch.nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[DataParallel]:
     if axis != "dp":
         return None
-    setattr(model, STATE_ATTR, DataParallel(
-        bucket_mb=float(cfg.comm.bucket_mb),
-        compress=OmegaConf.select(cfg, "comm.dp.compress", default="none"),
-        overlap=bool(OmegaConf.select(cfg, "comm.dp.overlap", default=True)),
-    ))
-    return model
-
-
-@hookimpl
-def hpctrain_after_materialize(model: torch.nn.Module, mesh, cfg: Any) -> None:
-    state = state_of(model)
-    if state is None:
-        return
-    engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh), cap_bytes_from_mb(state.bucket_mb),
-                                wire_dtype(state.compress), state.overlap)
-    grad_sync.attach_to(model, engine.attach([p for p in model.parameters() if p.requires_grad]))
-
-
-@hookimpl
-def hpctrain_before_backward(model: torch.nn.Module, microbatch: int, num_microbatches: int) -> None:
-    if state_of(model) is not None:
-        engine = grad_sync.of(model)
-        if engine is not None:
-            engine.begin_microbatch(microbatch, num_microbatches)
-
-
-@hookimpl
-def hpctrain_after_backward(model: torch.nn.Module, mesh) -> None:
-    if state_of(model) is not None:
-        engine = grad_sync.of(model)
-        if engine is not None:
-            engine.finish()
+    return DataParallel(model, mesh, float(cfg.comm.bucket_mb),
+                        compress=OmegaConf.select(cfg, "comm.dp.compress", default="none"),
+                        overlap=bool(OmegaConf.select(cfg, "comm.dp.overlap", default=True)))

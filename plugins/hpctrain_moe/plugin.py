@@ -10,17 +10,19 @@
   weight: samples are split over dp x ep, dense gradients averaged over
   cp x ep x dp and expert gradients over cp x dp by the core (which also
   divides the experts' ep-summed gradients by ep, ``grad_sync.presummed``).
-- ``hpctrain_step_metrics``: the step's expert load, drops and balance
-  losses, reduced over the world in one all-reduce, written to
-  ``metrics.jsonl``; the sigmoid router's selection biases move towards
-  balance from the same loads (identical on every rank).
+- ``hpctrain_after_optimizer_step``: the step's expert load, drops and
+  balance losses, reduced over the world in one all-reduce; the sigmoid
+  router's selection biases move towards balance from those loads
+  (identical on every rank); ``hpctrain_step_metrics`` writes them to
+  ``metrics.jsonl``.
 
 With ``model.ffn`` other than ``moe`` the plugin declines ``ep``, which is
 then a plain data axis.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,7 +30,9 @@ from torch import nn
 from hpctrain import hookimpl
 from hpctrain.config import plugin_section
 from hpctrain.log import log_rank0
-from hpctrain.mesh import AXES
+from hpctrain.mesh import AXES, Mesh
+from hpctrain.parallel.handles import AxisHandle
+from hpctrain.parallel.tokens import token_placement
 from hpctrain.model.build import narrow_param
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import SwiGLU
@@ -109,18 +113,11 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     return out
 
 
-def _regions(mesh: Any, cfg: Any) -> MoERegions:
-    if mesh is None:
-        return MoERegions()
-    sequence = mesh.group("cp") if mesh.size("cp") > 1 else None
-    first_cp = mesh.rank("cp") == 0
-    if mesh.size("tp") == 1:
-        return MoERegions(sequence=sequence, counts_values=first_cp)
-    first = mesh.rank("tp") == 0
-    if bool(cfg.parallel.sequence_parallel):
-        return MoERegions(token_split=mesh.group("tp"), counts_tokens=True, counts_values=first and first_cp,
-                          sequence=sequence)
-    return MoERegions(counts_tokens=first, counts_values=first and first_cp, sequence=sequence)
+def _regions(mesh: Optional[Mesh], cfg: Any) -> MoERegions:
+    """Where this layer's tokens live (the core's rule, ``hpctrain.parallel.tokens``)."""
+    tokens = token_placement(mesh, bool(cfg.parallel.sequence_parallel))
+    return MoERegions(token_split=tokens.split, counts_tokens=tokens.counts_tokens,
+                      counts_values=tokens.counts_values, sequence=tokens.sequence)
 
 
 @hookimpl
@@ -135,7 +132,7 @@ def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     if axis != "ep":
         return None
     group = mesh.group("ep")
@@ -150,7 +147,45 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
     log_rank0("expert parallelism: ep=%d, %d of %d experts per rank, top-%d %s routing, %s", group.size,
               m.num_experts // group.size, m.num_experts, m.top_k, m.router,
               "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor}")
-    return model
+    return AxisHandle(model)
+
+
+_REDUCED: "weakref.WeakKeyDictionary[Any, Tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+"""Per trainer: (step, its expert loads reduced over the world), from the
+after-step hook to the step's metrics (kept apart from the model)."""
+
+
+def _reduced_rows(trainer: Any, m: MoEConfig) -> torch.Tensor:
+    """The step's per-layer expert loads and balance terms, summed over the
+    world (a collective every rank enters, with MoE blocks on its stage or not)."""
+    ids = moe_layer_ids(trainer.cfg.model.n_layers, m.every)
+    held = moe_layers(trainer.model)
+    rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=trainer.device)
+    for row, layer_id in enumerate(ids):
+        if layer_id in held:
+            rows[row] = held[layer_id].stats.take(trainer.device)
+    world = trainer.mesh.group(AXES)
+    if world.size > 1:
+        world.communicator().all_reduce(rows)
+    return rows
+
+
+@hookimpl
+def hpctrain_after_optimizer_step(trainer: Any, step: int) -> None:
+    """The sigmoid router's selection biases move towards balance from the
+    step's loads (identical on every rank): after the update, not a gradient."""
+    cfg = trainer.cfg
+    if cfg.model.ffn != "moe":
+        return
+    m = moe_config(cfg)
+    rows = _reduced_rows(trainer, m)
+    _REDUCED[trainer] = (step, rows)
+    if m.router == "sigmoid" and m.aux_free_bias_rate:
+        held = moe_layers(trainer.model)
+        for row, layer_id in enumerate(moe_layer_ids(cfg.model.n_layers, m.every)):
+            if layer_id in held:
+                bias = held[layer_id].router.expert_bias
+                update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
 
 
 @hookimpl
@@ -159,18 +194,12 @@ def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) ->
     if cfg.model.ffn != "moe":
         return None
     m = moe_config(cfg)
-    ids = moe_layer_ids(cfg.model.n_layers, m.every)
-    held = moe_layers(trainer.model)
-    rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=trainer.device)
-    for row, layer_id in enumerate(ids):
-        if layer_id in held:
-            rows[row] = held[layer_id].stats.take(trainer.device)
-    world = trainer.mesh.group(AXES)
-    if world.size > 1:  # every rank, with MoE blocks on its stage or not
-        world.communicator().all_reduce(rows)
-    if m.router == "sigmoid" and m.aux_free_bias_rate:
-        for row, layer_id in enumerate(ids):
-            if layer_id in held:
-                bias = held[layer_id].router.expert_bias
-                update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
+    kept = _REDUCED.pop(trainer, None)
+    # a step whose update was skipped had no after-step hook: its loads are reduced here
+    rows = kept[1] if kept is not None and kept[0] == step else _reduced_rows(trainer, m)
     return step_metrics(rows, m.num_experts)
+
+
+@hookimpl
+def hpctrain_benchmarks() -> Dict[str, str]:
+    return {"moe": "hpctrain_moe.bench"}

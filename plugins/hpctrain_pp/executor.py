@@ -9,21 +9,19 @@ sequence parallelism, d_model; fp32 residual stream), so no message
 carries a shape. Tags name (micro-batch, stage boundary,
 direction), so messages never match the wrong receive.
 
-Gradients: backwards accumulate into ``.grad`` under the gradient-sync
-engine's ``no_sync`` (a rank's backwards interleave micro-batches and
-chunks, so no single one is "the last"); the data axes are reduced after
-the step's last backward (``hpctrain_after_backward``); then the plugin
-sums tied embedding gradients between the first and last stage
-(``sum_tied_gradients``: after the data-parallel average, so both ends add
-the same two tensors and stay bitwise equal). The last
-stage's loss of each micro-batch is scaled by 1/m as in gradient
-accumulation; auxiliary losses of any stage join that stage's backward.
+Gradients: backwards accumulate into ``.grad`` under the data handle's
+``no_sync`` (a rank's backwards interleave micro-batches and chunks, so no
+single one is "the last"); the core's ``finalize_grads`` then reduces the
+data axes and sums tied embedding gradients between the first and last
+stage. The last stage's loss of each micro-batch is scaled by 1/m as in
+gradient accumulation; auxiliary losses of any stage join that stage's
+backward.
 
 Zero-bubble ``B`` computes only the input gradient and ``W`` the weight
 gradients from the gradients B kept (``weight_pass``: one backward's work in
 all); the first stage has no input gradient, so its ``W`` is the whole
-backward. W writes ``.grad`` by hand and marks each gradient ready with the
-engine.
+backward. W writes ``.grad`` by hand and marks each gradient ready with the data
+handle (``mark_ready``).
 """
 from __future__ import annotations
 
@@ -32,13 +30,13 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
-from hpctrain import grad_sync
-from hpctrain.comm.protocol import P2POp, ReduceOp
+from hpctrain.comm.protocol import P2POp
+from hpctrain.mesh import Group
+from hpctrain.parallel.handles import GradientControl
 from hpctrain.model.aux import collect_aux_losses, with_aux
-from hpctrain.shard import get_spec
 from hpctrain.train.schedule import StepResult
 
-from hpctrain_pp.schedules import Action, actions, splits_weight_pass
+from hpctrain.pipeline.schedules import Action, actions, splits_weight_pass
 from hpctrain_pp.timeline import Recorder
 from hpctrain_pp.weight_pass import WeightPass, backward_input
 
@@ -52,23 +50,10 @@ def trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def tied_params(model: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """Parameters held by more than one pipeline stage (tied embeddings)."""
-    return [p for p in model.parameters() if len(dict(get_spec(p).held_on).get("pp", ())) > 1]
-
-
-def sum_tied_gradients(model: torch.nn.Module, ends: Any) -> None:
-    """The first stage's gradient of a tied embedding plus the last's (the output projection's)."""
-    for p in tied_params(model):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        ends.communicator().all_reduce(p.grad, ReduceOp.SUM)
-
-
 class PipelineSchedule:
     """A ``StepSchedule`` running ``schedule`` over the pp group."""
 
-    def __init__(self, schedule: str, group: Any, vpp: int, hidden: Callable[[torch.Tensor], Tuple[int, ...]],
+    def __init__(self, schedule: str, group: Group, vpp: int, hidden: Callable[[torch.Tensor], Tuple[int, ...]],
                  recorder: Optional[Recorder] = None):
         self.schedule, self.group, self.v = schedule, group, vpp
         self.p, self.rank = group.size, group.rank
@@ -87,7 +72,7 @@ class PipelineSchedule:
         """Messages cross stage boundary ``boundary`` (between stages boundary and boundary + 1)."""
         return ((microbatch * self.last + boundary) << 1) | int(backward)
 
-    def run(self, model: torch.nn.Module, microbatches: Sequence[Any], hooks: Any,
+    def run(self, model: torch.nn.Module, microbatches: Sequence[Any], grads: GradientControl,
             autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
         chunks = chunks_of(model)
         comm = self.group.communicator()
@@ -101,7 +86,6 @@ class PipelineSchedule:
         sends: List[Any] = []
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
-        engine = grad_sync.of(model)
         program = self.program(m)
         receives = iter([i for i, a in enumerate(program) if a.kind.startswith("RECV")])
         posted: Dict[int, Tuple[torch.Tensor, List[Any]]] = {}
@@ -124,7 +108,7 @@ class PipelineSchedule:
 
         self.recorder.begin_step()
         post_next()
-        with engine.no_sync() if engine is not None else contextlib.nullcontext():
+        with grads.no_sync():
             for i, a in enumerate(program):
                 key = (a.microbatch, a.chunk)
                 stage = a.chunk * self.p + self.rank
@@ -167,7 +151,7 @@ class PipelineSchedule:
                 elif a.kind == "W":
                     deferred = weight_passes.pop(key, None)
                     if deferred is not None:
-                        deferred.run(engine.mark_ready if engine is not None else lambda p: None)
+                        deferred.run(grads.mark_ready)
                     else:  # the whole backward, towards the weights only
                         torch.autograd.backward(outputs.pop(key), out_grads.pop(key),
                                                 inputs=trainable(chunks[a.chunk]))

@@ -6,44 +6,38 @@ model: rank r keeps the blocks of its virtual stages r, r + p, ... (one
 chunk each, ``Transformer.part``: the first stage also holds the
 embedding, the last the final norm, the output and the loss), and every
 parameter's ShardSpec records that only pp coordinate r holds it (tied
-embeddings: the first and the last). ``hpctrain_step_schedule`` gives the
+embeddings: the first and the last). Its handle (``Pipeline``) gives the
 trainer the executor (``executor.PipelineSchedule``) for the rank's program
-(``schedules.actions``).
+(``hpctrain.pipeline.schedules.actions``).
 
 Validation, before any collective: the schedule can run with the step's
 micro-batches (m = global batch / (micro-batch x dp x ep) >= pp; a
 multiple of pp for interleaved) and the blocks split as asked.
 
-Tied embeddings: the first and last stage each hold a copy and sum their
-gradients after the data axes' reduction (``hpctrain_after_backward``);
-under ZeRO (``parallel.zero.stage`` >= 1) the ZeRO plugin sums them over
-its gradient shards instead (the copy is its own flat group at both ends,
-so rank r's shards cover the same elements), and this plugin leaves them.
+Tied embeddings: the first and last stage each hold a copy; the core's
+``finalize_grads`` sums their gradients after the data axes' reduction,
+whoever reduces those (plain data parallelism or ZeRO's shards).
 """
 from __future__ import annotations
 
 
 from typing import Any, Dict, List, Optional
 
-from omegaconf import OmegaConf
 from torch import nn
 
 from hpctrain.config import plugin_section
 from hpctrain import hookimpl
 from hpctrain.log import log_rank0
-
-TIES_SUMMED_BY_ZERO = "_hpctrain_ties_summed_by_zero"
-"""Set on the staged model when ZeRO sums the tied embedding's gradient shards."""
+from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import PipelineHandle
 from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp.config import PipelineConfig
 from hpctrain_pp import timeline
-from hpctrain_pp.executor import PipelineSchedule, sum_tied_gradients
-from hpctrain_pp.schedules import check
-from hpctrain_pp.split import stage_layers
-
-
-STATE_ATTR = "_hpctrain_pp"
+from hpctrain_pp.executor import PipelineSchedule
+from hpctrain.pipeline.bubble import formula_bubble
+from hpctrain.pipeline.schedules import check
+from hpctrain.pipeline.split import stage_layers
 
 
 class PipelineChunks(nn.Module):
@@ -104,8 +98,28 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     return problems or None
 
 
+class Pipeline(PipelineHandle):
+    """This rank's stage(s) and the schedule that runs them."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Any):
+        super().__init__(model)
+        self.mesh, self.cfg = mesh, cfg
+
+    def step_schedule(self) -> PipelineSchedule:
+        cfg, mesh = self.cfg, self.mesh
+        pc = pipeline_config(cfg)
+        tp = mesh.size("tp")
+        per_token = tp if (tp > 1 and cfg.parallel.sequence_parallel) else 1
+        d_model = cfg.model.d_model
+
+        def hidden(tokens):  # (micro-batch, this rank's tokens) -> the residual stream between stages
+            return (tokens.shape[0], tokens.shape[1] // per_token, d_model)
+
+        return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, timeline.Recorder(pc.timeline))
+
+
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[Pipeline]:
     if axis != "pp":
         return None
     pc = pipeline_config(cfg)
@@ -128,35 +142,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
             set_spec(prm, spec.on("pp", holders))
     log_rank0("pipeline: pp=%d, schedule %s%s, blocks per stage %s", p, pc.schedule,
               f" (vpp {v})" if v > 1 else "", [len(x) for x in layers])
-    staged = chunks[0] if v == 1 else PipelineChunks(chunks)
-    if tied and OmegaConf.select(cfg, "parallel.zero.stage", default=0):
-        setattr(staged, TIES_SUMMED_BY_ZERO, True)
-    return staged
-
-
-@hookimpl
-def hpctrain_step_schedule(cfg: Any, mesh: Any) -> Optional[PipelineSchedule]:
-    if mesh.size("pp") == 1:
-        return None
-    pc = pipeline_config(cfg)
-    tp = mesh.size("tp")
-    per_token = tp if (tp > 1 and cfg.parallel.sequence_parallel) else 1
-    d_model = cfg.model.d_model
-
-    def hidden(tokens):  # (micro-batch, this rank's tokens) -> the residual stream between stages
-        return (tokens.shape[0], tokens.shape[1] // per_token, d_model)
-
-    if cfg.model.tie_embeddings:
-        mesh.pp_ends()  # made before the mesh is sealed; used after each backward
-    return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, timeline.Recorder(pc.timeline))
-
-
-@hookimpl(trylast=True)
-def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
-    """After the data axes' reduction (trylast: the dp or ZeRO plugin has
-    finished), sum tied embedding gradients between the first and last stage."""
-    if mesh.size("pp") > 1 and not getattr(model, TIES_SUMMED_BY_ZERO, False):
-        sum_tied_gradients(model, mesh.pp_ends())
+    return Pipeline(chunks[0] if v == 1 else PipelineChunks(chunks), mesh, cfg)
 
 
 def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Optional[timeline.PipelineTimeline]:
@@ -169,7 +155,7 @@ def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Op
     tl = timeline.gather(schedule.recorder, schedule.schedule, schedule.group, schedule.v,
                          trainer.cursor.num_microbatches)
     if trainer.mesh.world_rank == 0 and (log or run_dir):
-        theory = timeline.formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
+        theory = formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
         where = ""
         if run_dir:
             json_path, png_path = timeline.write(tl, run_dir)
@@ -183,3 +169,8 @@ def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Op
 def hpctrain_on_train_end(trainer: Any, metrics: Dict[str, float]) -> None:
     if trainer.mesh.size("pp") > 1:
         write_timeline(trainer, trainer.run_dir)
+
+
+@hookimpl
+def hpctrain_benchmarks() -> Dict[str, str]:
+    return {"pp": "hpctrain_pp.bench"}

@@ -29,12 +29,13 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from hpctrain_pp.schedules import COMPUTE, Action, actions, splits_weight_pass
-from hpctrain_pp.simulate import simulate
+from hpctrain.pipeline.bubble import formula_bubble
+from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass
+from hpctrain.pipeline.simulate import simulate
 
 JSON_NAME = "pipeline_timeline.json"
 PNG_NAME = "pipeline_timeline.png"
@@ -111,15 +112,6 @@ class PipelineTimeline:
                 d.setdefault(a.kind, []).append(e - s)
             per_rank[r] = {k: sum(x) / len(x) for k, x in d.items()}
         return simulate(self.programs, self.p, self.v, per_rank=per_rank)
-
-
-def formula_bubble(schedule: str, p: int, v: int, m: int) -> float:
-    """The published bubble fractions (idle over compute, equal F, B and W times)."""
-    if schedule == "interleaved":
-        return (p - 1) / (v * m)
-    if schedule == "zb-h1":
-        return (p - 1) / (3 * m)
-    return (p - 1) / m
 
 
 def gather(recorder: Recorder, schedule: str, group: Any, v: int, m: int) -> PipelineTimeline:

@@ -1,90 +1,76 @@
-"""Column- and row-parallel versions of the model's sub-layers.
+"""How tensor parallelism changes the model's sub-layers: it cuts their
+weights and fills the core model's seams, never replacing a block's forward
+(so recomputation, MoE and context parallelism work under it unchanged).
 
-Each wraps the one-process module's own ``nn.Linear`` children (narrowed on
-the meta device, their ShardSpecs recording the split), so parameter names
-stay the one-process names and checkpoints hold logical tensors:
+The one-process ``nn.Linear`` children are narrowed on the meta device,
+their ShardSpecs recording the split, so parameter names stay the
+one-process names and checkpoints hold logical tensors:
 
 - attention: ``wq`` column-parallel by whole heads; ``wk``/``wv`` too, or,
   when tp > n_kv_heads, each rank holds the one key/value head its query
-  heads use (a replicated piece, ``tp / n_kv_heads`` ranks per head);
-  ``wo`` row-parallel;
+  heads use (a replicated piece, ``tp / n_kv_heads`` ranks per head, whose
+  gradient those ranks sum); ``wo`` row-parallel;
 - SwiGLU: ``w1`` (gate) and ``w3`` (up) column-parallel, ``w2`` row-parallel;
+- the projections' seam (``Linears``) becomes ``TensorParallelLinears``:
+  enter the region for the column-parallel projections, leave it after the
+  row-parallel one (``regions``);
 - RMSNorm under sequence parallelism: each rank normalises its own tokens,
-  so the weight's gradient is a partial sum over tp; the weight enters the
-  region through ``copy_to_region`` (bwd all-reduce over tp) to complete it.
+  so the weight's gradient is a partial sum over tp; the norm's weight seam
+  routes it through ``copy_to_region`` (bwd all-reduce over tp).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import copy_to_region
-from hpctrain.model.build import narrow_param as narrow  # noqa: F401 (re-exported for the plugin)
-from hpctrain.model.transformer import RMSNorm, apply_rope
+from hpctrain.mesh import Group, Mesh
+from hpctrain.model.build import narrow_param
+from hpctrain.model.transformer import Linears
 from hpctrain.shard import get_spec
 
 from hpctrain_tp.regions import Regions
 
 
-def column_parallel(linear: nn.Linear, mesh: Any, unit: int = 1, pieces: Optional[int] = None) -> None:
+def column_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1, pieces: Optional[int] = None) -> None:
     """Output features (weight dim 0) cut over tp in whole ``unit``s (a head's rows)."""
-    narrow(linear, "weight", get_spec(linear.weight).split(0, "tp", pieces=pieces, unit=unit), mesh)
+    narrow_param(linear, "weight", get_spec(linear.weight).split(0, "tp", pieces=pieces, unit=unit), mesh)
 
 
-def row_parallel(linear: nn.Linear, mesh: Any, unit: int = 1) -> None:
+def row_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1) -> None:
     """Input features (weight dim 1) cut over tp."""
-    narrow(linear, "weight", get_spec(linear.weight).split(1, "tp", unit=unit), mesh)
+    narrow_param(linear, "weight", get_spec(linear.weight).split(1, "tp", unit=unit), mesh)
 
 
-class ParallelAttention(nn.Module):
-    """This rank's query heads and the key/value heads they use."""
+class TensorParallelLinears(Linears):
+    """Column-parallel projections in, a row-parallel projection out.
 
-    def __init__(self, attn: nn.Module, regions: Regions, kv_replicas: Optional[Any]):
-        super().__init__()
-        self.head_dim = attn.head_dim
-        self.wq, self.wk, self.wv, self.wo, self.core = attn.wq, attn.wk, attn.wv, attn.wo, attn.core
+    ``replicated``: the indices of ``columns``' weights that several tp ranks
+    hold whole (a key/value head shared by their query heads) and the group
+    of those ranks, which sum the weight's gradient."""
+
+    def __init__(self, regions: Regions, replicated: Sequence[int] = (), replicas: Optional[Group] = None):
         self.regions = regions
-        self.kv_replicas = kv_replicas
-        """Ranks holding the same key/value head (tp > n_kv_heads), else None."""
+        self.replicated = tuple(replicated) if replicas is not None else ()
+        self.replicas = replicas
 
-    def _kv_weight(self, linear: nn.Linear) -> torch.Tensor:
-        # every replica computes its query heads' share of the head's gradient: sum them
-        return copy_to_region(linear.weight, self.kv_replicas) if self.kv_replicas is not None else linear.weight
+    def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
+        weights = [copy_to_region(m.weight, self.replicas) if i in self.replicated else m.weight
+                   for i, m in enumerate(linears)]
+        return self.regions.columns(x, weights)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.regions.columns(x, [self.wq.weight, self._kv_weight(self.wk), self._kv_weight(self.wv)])
-        b, t = q.shape[:2]
-        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
-        v = v.view(b, t, -1, self.head_dim)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.regions.exit(self.wo(out.transpose(1, 2).reshape(b, t, -1)))
+    def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        return self.regions.exit(F.linear(y, linear.weight))
 
 
-class ParallelSwiGLU(nn.Module):
-    """This rank's columns of the SwiGLU hidden layer."""
+class SumOverTensorParallel:
+    """The sequence-parallel norm's weight seam: identity forward, gradient summed over tp."""
 
-    def __init__(self, ffn: nn.Module, regions: Regions):
-        super().__init__()
-        self.w1, self.w3, self.w2 = ffn.w1, ffn.w3, ffn.w2
-        self.regions = regions
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.regions.columns(x, [self.w1.weight, self.w3.weight])
-        return self.regions.exit(self.w2(F.silu(gate) * up))
-
-
-class SequenceParallelRMSNorm(RMSNorm):
-    """RMSNorm over this rank's tokens; the weight's gradient summed over tp."""
-
-    def __init__(self, norm: RMSNorm, group: Any):
-        nn.Module.__init__(self)
-        self.eps = norm.eps
-        self.weight = norm.weight
+    def __init__(self, group: Group):
         self.group = group
 
-    def scale(self) -> torch.Tensor:
-        return copy_to_region(self.weight, self.group)
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return copy_to_region(weight, self.group)

@@ -29,12 +29,14 @@ from torch import nn
 
 from hpctrain import hookimpl
 from hpctrain.log import get_logger, log_rank0
+from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import AxisHandle
 from hpctrain.model.shapes import padded_vocab
 from hpctrain.model.transformer import SwiGLU
 from hpctrain.shard import get_spec
 
-from hpctrain_tp.layers import (ParallelAttention, ParallelSwiGLU, SequenceParallelRMSNorm, column_parallel,
-                                narrow, row_parallel)
+from hpctrain.model.build import narrow_param
+from hpctrain_tp.layers import SumOverTensorParallel, TensorParallelLinears, column_parallel, row_parallel
 from hpctrain_tp.regions import Regions
 from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
 
@@ -47,13 +49,13 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     if axis != "tp":
         return None
     group = mesh.group("tp")
     tp = group.size
     if tp == 1:
-        return model
+        return AxisHandle(model)
     if mesh.node_local("tp").size != tp and mesh.world_rank == 0:
         log.warning("the tp group spans nodes (%d of its %d ranks share a node): tensor parallelism's blocking "
                     "collectives will cross the network; launch more ranks per node or put tp first in "
@@ -65,38 +67,40 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
     kv_pieces = None if shape.n_kv_heads >= tp else shape.n_kv_heads
     kv_replicas = mesh.replicas("tp", kv_pieces) if kv_pieces is not None else None
 
-    def parallel_norm(norm: nn.Module) -> nn.Module:
-        return SequenceParallelRMSNorm(norm, group) if sequence_parallel else norm
-
+    attention_linears = TensorParallelLinears(regions, replicated=(1, 2), replicas=kv_replicas)
+    ffn_linears = TensorParallelLinears(regions)
+    norms = []
     for block in model.layers:
         attn = block.attn
         column_parallel(attn.wq, mesh, unit=head_dim)
         column_parallel(attn.wk, mesh, unit=head_dim, pieces=kv_pieces)
         column_parallel(attn.wv, mesh, unit=head_dim, pieces=kv_pieces)
         row_parallel(attn.wo, mesh, unit=head_dim)
-        block.attn = ParallelAttention(attn, regions, kv_replicas)
+        attn.linears = attention_linears
         ffn = block.ffn
         if type(ffn) is SwiGLU:
             column_parallel(ffn.w1, mesh)
             column_parallel(ffn.w3, mesh)
             row_parallel(ffn.w2, mesh)
-            block.ffn = ParallelSwiGLU(ffn, regions)
+            ffn.linears = ffn_linears
         # any other feed-forward (an MoE layer) is replicated over tp and
         # handles the tp region itself (hpctrain_make_module gets the mesh)
-        block.attn_norm = parallel_norm(block.attn_norm)
-        block.ffn_norm = parallel_norm(block.ffn_norm)
+        norms += [block.attn_norm, block.ffn_norm]
 
     _vocab_parallel(model, mesh, regions, padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to))
     if model.norm is not None:
-        model.norm = parallel_norm(model.norm)
+        norms.append(model.norm)
+    if sequence_parallel:
+        for norm in norms:
+            norm.weight_view = SumOverTensorParallel(group)
     log_rank0("tensor parallelism: tp=%d, sequence parallelism %s, vocabulary %d padded to %d, %s", tp,
               "on" if sequence_parallel else "off", shape.vocab_size,
               padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to),
               f"key/value heads replicated on {tp // kv_pieces} ranks each" if kv_pieces else "key/value heads split")
-    return model
+    return AxisHandle(model)
 
 
-def _vocab_parallel(model: nn.Module, mesh: Any, regions: Regions, padded: int) -> None:
+def _vocab_parallel(model: nn.Module, mesh: Mesh, regions: Regions, padded: int) -> None:
     """Cut the embedding and output rows (one tensor when tied) into padded ranges."""
     rows = padded // regions.group.size
     start = mesh.coords["tp"] * rows
@@ -106,7 +110,7 @@ def _vocab_parallel(model: nn.Module, mesh: Any, regions: Regions, padded: int) 
         old = module.weight
         if id(old) not in split:
             spec = get_spec(old).split(0, "tp", padded=padded)
-            split[id(old)] = narrow(module, "weight", spec, mesh)
+            split[id(old)] = narrow_param(module, "weight", spec, mesh)
         return split[id(old)]
 
     if model.tok_embeddings is not None:

@@ -1,5 +1,6 @@
-"""What ZeRO holds per rank: the expected bytes (the ZeRO paper's formulas
-on this layout, padding included) and what the tensors actually hold.
+"""What ZeRO holds per rank: the expected bytes (the core's formulas,
+``hpctrain.planner.memory``, on this layout, padding included) and what the
+tensors actually hold.
 
 With P the padded size of the flat groups (each a multiple of its group
 size n), C = P / n the owned chunks, U the elements of parameters with
@@ -28,9 +29,11 @@ forward gathers; all of them without ``reshard_after_forward``). Activations are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+
+from hpctrain.planner.memory import sharded_states, zero_in_flight
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,10 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _two_largest(values: Iterable[int]) -> int:
-    return sum(sorted(values)[-2:])
-
-
 def expected(setup: Any) -> ZeroMemory:
-    """The formulas of the module docstring for ``setup`` (a ZeroSetup)."""
+    """The core's table (``hpctrain.planner.memory.sharded_states`` and
+    ``zero_in_flight``, the module docstring) for ``setup`` (the plugin's
+    handle, ``Zero``), padding included."""
     from hpctrain_zero.config import dtype_of
 
     z = setup.cfg
@@ -79,27 +80,16 @@ def expected(setup: Any) -> ZeroMemory:
     P = sum(fg.total for fg in flats)
     C = sum(fg.chunk for fg in flats)
     U = sum(p.numel() for p in setup.unsharded)
-    master = 4 * C if setup.stage in (1, 2) and p_size < 4 else 0
-    buckets = _two_largest(fg.total * r_size for fg in flats) if setup.stage >= 2 else 0
-    if setup.stage >= 2 and setup.mesh.size("pp") > 1:  # accumulated whole, reduce-scattered once per step
-        buckets = P * r_size
-    if setup.stage == 1:
-        params, grads = P * p_size, P * r_size + C * r_size
-    elif setup.stage == 2:
-        params, grads = P * p_size, C * r_size
-    else:
-        params, grads = 4 * C, C * r_size
-    optimizer = 8 * C + master
-    if z.offload == "nvme":  # moments paged in one flat group at a time
-        optimizer = master
-        buckets += 8 * max((fg.chunk for fg in flats), default=0)
-    gathered = 0
-    if setup.stage == 3:
-        units = [sum(fg.total for fg in setup.unit_flats[u.name]) * p_size for u in setup.units]
-        gathered = _two_largest(units) if z.reshard_after_forward else sum(units)
-        if z.reshard_after_forward and setup.mesh.size("pp") > 1 and len(units) > 2:
-            gathered = units[-1] + _two_largest(units[:-1])  # the last unit, kept for its backward, meets the next forward
-    return ZeroMemory(params + 4 * U, grads + 4 * U, optimizer + 8 * U, buckets + gathered)
+    nvme = z.offload == "nvme"  # moments paged in one flat group at a time
+    states = sharded_states(setup.stage, P, C, U, p_size, r_size, 0.0 if nvme else 8.0,
+                            master_bytes=4.0 if setup.stage in (1, 2) and p_size < 4 else 0.0)
+    units = [sum(fg.total for fg in setup.unit_flats[u.name]) for u in setup.units] if setup.stage == 3 else []
+    in_flight = zero_in_flight(setup.stage, r_size, p_size, [fg.total for fg in flats], units,
+                               pipeline=setup.mesh.size("pp") > 1, reshard_after_forward=z.reshard_after_forward,
+                               whole_gradient=P)
+    if nvme:
+        in_flight += 8 * max((fg.chunk for fg in flats), default=0)
+    return ZeroMemory(int(states.weights), int(states.grads), int(states.optimizer), int(in_flight))
 
 
 def measured(setup: Any, model: torch.nn.Module, optimizer: Any) -> ZeroMemory:
@@ -115,7 +105,7 @@ def measured(setup: Any, model: torch.nn.Module, optimizer: Any) -> ZeroMemory:
     masters = sum(m.numel() * m.element_size() for m, full in zip(setup.masters, setup.full)
                   if full is not None and not inside(m, full))  # fp32 masters kept apart from 16-bit parameters
     engine = setup.engine
-    shards = sum(b.shard.numel() * b.shard.element_size() for b in engine.buckets)
+    shards = sum(r.shard.numel() * r.shard.element_size() for r in engine.shards())
     kept = engine.buffer_bytes  # stage 1 keeps its gradient buffers between steps
     unsharded_grads = sum(p.grad.numel() * p.grad.element_size() for p in setup.unsharded if p.grad is not None)
     gathered = setup.gatherer.peak_bytes if setup.gatherer is not None else 0

@@ -24,13 +24,19 @@ Parameters whose data group has a single rank (nothing to shard) stay as
 they are and are updated whole. ``param_dtype`` makes gathered / computed
 parameters 16-bit with an fp32 master chunk; ``reduce_dtype`` is the
 reduce-scatter's dtype. Memory per rank is logged at start (``memory``).
+
+The plugin's per-run state is its handle (``Zero``, a ``DataHandle``): the
+trainer's step schedule drives the engine through it, the core's
+``finalize_grads`` asks it to turn the reduced chunks into the shards'
+gradients (``reduce_gradients``) and for the shards holding a tied
+embedding's gradient (``gradients_of``), which the core then sums between
+the pipeline's first and last stage.
 """
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -41,6 +47,8 @@ from hpctrain.comm.protocol import ReduceOp
 from hpctrain.grad_sync.buckets import cap_bytes_from_mb
 from hpctrain.errors import PluginError
 from hpctrain.log import log_rank0
+from hpctrain.mesh import Group, Mesh
+from hpctrain.parallel.handles import DataHandle
 from hpctrain.shard import ShardSpec, get_spec, set_spec
 
 from hpctrain_zero import memory, offload, optimizer
@@ -49,47 +57,182 @@ from hpctrain_zero.flat import FlatGroup
 from hpctrain_zero.gather import UnitFlats, UnitGatherer
 from hpctrain_zero.units import Unit, model_units
 
-STATE_ATTR = "_hpctrain_zero"
 
+class Zero(DataHandle):
+    """The data axes' handle at ZeRO stages 0-3: the flat groups, the engine,
+    the gatherer (stage 3) and the sharded optimizer (module docstring).
+    Made on the meta model by ``hpctrain_parallelize``; its buffers and
+    engine once the weights are real (``after_materialize``)."""
 
-@dataclass
-class ZeroSetup:
-    """What the plugin keeps on the model it parallelised."""
-
-    cfg: ZeroConfig
-    mesh: Any
-    units: List[Unit]
-    flats: List[FlatGroup]
-    """Forward order."""
-    unit_flats: Dict[str, List[FlatGroup]]
-    shapes: Dict[str, List[torch.Size]]
-    """Full (pre-flat) shape of each parameter, per flat group."""
-    unsharded: List[nn.Parameter]
-    full: List[Optional[torch.Tensor]] = field(default_factory=list)
-    """Stages 1-2: each flat group's whole parameter buffer (the parameters are views of it)."""
-    masters: List[torch.Tensor] = field(default_factory=list)
-    """Each flat group's owned chunk, the master copy the optimizer updates."""
-    shards: Dict[int, Tuple[nn.Parameter, ShardSpec]] = field(default_factory=dict)
-    engine: Optional[grad_sync.GradSync] = None
-    gatherer: Optional[UnitGatherer] = None
-    memory: Optional[memory.ZeroMemory] = None
-    """Expected bytes per rank (logged at start)."""
-    device: Optional[torch.device] = None
-    """Where the model computes."""
-    host: bool = False
-    """Masters and optimizer state in host memory (offload=cpu on a GPU)."""
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: ZeroConfig, bucket_mb: float, run_dir: Optional[str],
+                 units: List[Unit], flats: List[FlatGroup], unit_flats: Dict[str, List[FlatGroup]],
+                 shapes: Dict[str, List[torch.Size]], unsharded: List[nn.Parameter]):
+        super().__init__(model)
+        self.cfg, self.mesh, self.bucket_mb, self.run_dir = cfg, mesh, bucket_mb, run_dir
+        self.units = units
+        self.flats = flats
+        """Forward order."""
+        self.unit_flats = unit_flats
+        self.shapes = shapes
+        """Full (pre-flat) shape of each parameter, per flat group."""
+        self.unsharded = unsharded
+        self.full: List[Optional[torch.Tensor]] = []
+        """Stages 1-2: each flat group's whole parameter buffer (the parameters are views of it)."""
+        self.masters: List[torch.Tensor] = []
+        """Each flat group's owned chunk, the master copy the optimizer updates."""
+        self.shards: Dict[int, Tuple[nn.Parameter, ShardSpec]] = {}
+        self.engine: Optional[grad_sync.GradSync] = None
+        self.gatherer: Optional[UnitGatherer] = None
+        self.memory: Optional[memory.ZeroMemory] = None
+        """Expected bytes per rank (logged at start)."""
+        self.device: Optional[torch.device] = None
+        """Where the model computes."""
+        self.host = False
+        """Masters and optimizer state in host memory (offload=cpu on a GPU)."""
 
     @property
     def stage(self) -> int:
         return self.cfg.stage
 
+    # -- once the weights are real ------------------------------------------------
+    def after_materialize(self) -> None:
+        z, mesh = self.cfg, self.mesh
+        if z.stage == 0:  # chosen explicitly at stage 0: plain data parallelism through the same engine
+            self.engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh),
+                                             grad_sync.SyncConfig(cap_bytes=cap_bytes_from_mb(self.bucket_mb)))
+            self.engine.attach([p for p in self.model.parameters() if p.requires_grad])
+            return
+        param_dtype = dtype_of(z.param_dtype)
+        self.device = next(iter(self.model.parameters())).device
+        host = self.host = z.offload == "cpu" and self.device.type == "cuda"  # masters, moments in pinned host memory
+        for fg in self.flats:
+            if z.stage == 3:
+                self.masters.append(_master_chunk_stage3(fg, host))
+                self.full.append(None)
+            else:
+                full, master = _flat_buffers(fg, param_dtype, host)
+                self.full.append(full)
+                self.masters.append(master)
+            for i, p in enumerate(fg.params):
+                a, b = fg.held(i)
+                if b > a:
+                    shard = p if z.stage == 3 else nn.Parameter(self.masters[-1][fg.shard_slice(i)])
+                    if z.stage != 3:
+                        set_spec(shard, fg.flat_spec(i))
+                    self.shards[id(p)] = (shard, fg.flat_spec(i))
+        for p in self.unsharded:
+            self.shards[id(p)] = (p, get_spec(p))
+        numels = {id(p): n for fg in self.flats for p, n in zip(fg.params, fg.numels)}
+        groups = {id(p): fg.group.communicator() for fg in self.flats for p in fg.params}
+        config = grad_sync.SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False,
+                                      every_microbatch=z.stage >= 2 and mesh.size("pp") == 1,
+                                      dtype=dtype_of(z.reduce_dtype), release_buffers=z.stage >= 2, max_in_flight=1,
+                                      device=self.device)
+        self.engine = grad_sync.GradSync(lambda p: groups.get(id(p)), config)
+        params = [p for fg in self.flats for p in fg.params]
+        self.engine.attach(params, buckets=[fg.params for fg in reversed(self.flats)],
+                           numel_of=lambda p: numels[id(p)])
+        if z.stage == 3:
+            units = [UnitFlats(u, self.unit_flats[u.name], [self.masters[self.flats.index(fg)]
+                                                            for fg in self.unit_flats[u.name]],
+                               [self.shapes[fg.name] for fg in self.unit_flats[u.name]])
+                     for u in self.units if self.unit_flats[u.name]]
+            self.gatherer = UnitGatherer(units, param_dtype or torch.float32, z.reshard_after_forward, self.device)
+            self.gatherer.install()
+        self.memory = memory.expected(self)
+        padding = sum(fg.total - fg.numel for fg in self.flats)
+        log_rank0("ZeRO stage %d per rank: %s; %d flat groups over %s (%d padding elements), %d parameters unsharded",
+                  z.stage, self.memory.describe(), len(self.flats),
+                  ", ".join(sorted({fg.group.name for fg in self.flats})) or "-", padding, len(self.unsharded))
+
+    # -- the step ---------------------------------------------------------------
+    def before_backward(self, microbatch: int, num_microbatches: int) -> None:
+        self.engine.begin_microbatch(microbatch, num_microbatches)
+
+    def no_sync(self) -> ContextManager[None]:
+        return self.engine.no_sync()
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        self.engine.mark_ready(param)
+
+    def reduce_gradients(self) -> None:
+        """Each flat group's averaged chunk becomes its shard parameters' gradients."""
+        self.engine.finish()
+        if self.stage == 0:
+            return
+        if self.gatherer is not None:  # units a pipeline stage still holds gathered: back to their shards first
+            self.gatherer.release_all()
+        for reduced, fg in zip(self.engine.shards(), reversed(self.flats)):
+            used_anywhere = reduced.used_anywhere
+            if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
+                across = fg.replicas.communicator()
+                across.all_reduce(reduced.shard, ReduceOp.AVG)
+                used = torch.tensor([float(u) for u in used_anywhere])
+                across.all_reduce(used, ReduceOp.MAX)
+                used_anywhere = [u > 0 for u in used.tolist()]
+            for i, p in enumerate(fg.params):
+                held = self.shards.get(id(p))
+                if held is None:
+                    continue
+                shard = held[0]
+                grad = reduced.shard[fg.shard_slice(i)]
+                if grad.dtype != shard.dtype or grad.device != shard.device:  # fp32 master, or on the host
+                    grad = grad.to(device=shard.device, dtype=shard.dtype)
+                shard.grad = grad if used_anywhere[i] else None
+
+    def gradients_of(self, params: Iterable[nn.Parameter]) -> List[torch.Tensor]:
+        """The gradient of each parameter's part this rank holds: its shard's
+        (a rank may hold none of a parameter; the two ends of a pipeline cut a
+        tied table alike, so they agree on that)."""
+        if self.stage == 0:
+            return super().gradients_of(params)
+        out = []
+        for p in params:
+            held = self.shards.get(id(p))
+            if held is None:
+                continue
+            shard = held[0]
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+            out.append(shard.grad)
+        return out
+
+    def make_optimizer(self, params: List[nn.Parameter], cfg: Any) -> Optional[torch.optim.Optimizer]:
+        if self.stage == 0:
+            return None
+        apart = any(full is not None and not memory.inside(master, full)
+                    for master, full in zip(self.masters, self.full))
+        segments = None
+        if self.cfg.offload == "nvme":
+            directory = self.cfg.offload_dir or os.path.join(self.run_dir or tempfile.gettempdir(), "zero_offload")
+            mapped = offload.mapped_states(directory, self.mesh.world_rank,
+                                           [(fg.name, fg.chunk) for fg in self.flats])
+            segments = [optimizer.Segment(list(fg.params), mapped[fg.name],
+                                          {id(p): fg.shard_slice(i) for i, p in enumerate(fg.params)})
+                        for fg in self.flats]
+            segments.append(optimizer.Segment(list(self.unsharded)))
+            log_rank0("ZeRO offload=nvme: optimizer moments memory-mapped in %s (%d files per rank)", directory,
+                      len(mapped))
+        elif self.cfg.offload == "cpu":
+            log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the "
+                      "host" if self.host else "the run is on the CPU already; nothing moves")
+        return optimizer.ZeroOptimizer(list(params), self.shards, cfg.optim, self._after_step,
+                                       masters_apart=apart, segments=segments)
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        """Stages 1-2: every rank's updated chunks, all-gathered into the whole parameters."""
+        if self.stage == 3:
+            return
+        for fg, full, master in zip(self.flats, self.full, self.masters):
+            mine = full[fg.lo:fg.hi]
+            if mine.data_ptr() != master.data_ptr():
+                mine.copy_(master)
+            fg.group.communicator().all_gather(full, mine)
+
 
 def zero_config(cfg: Any) -> ZeroConfig:
     return plugin_section(cfg, "parallel.zero", ZeroConfig)
-
-
-def setup_of(model: nn.Module) -> Optional[ZeroSetup]:
-    return getattr(model, STATE_ATTR, None)
 
 
 # -- hooks -----------------------------------------------------------------------
@@ -129,7 +272,7 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Optional[nn.Module]:
+def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[Zero]:
     if axis != "dp":
         return None
     z = zero_config(cfg)
@@ -154,15 +297,15 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Any, cfg: Any) -> Op
     shapes = {fg.name: [p.shape for p in fg.params] for fg in flats}
     if z.stage == 3:
         _shard_parameters(model, flats, units)
-    setattr(model, STATE_ATTR, ZeroSetup(z, mesh, units, flats, unit_flats, shapes, unsharded))
-    return model
+    return Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
+                unsharded)
 
 
 def _tied_across_stages(p: nn.Parameter) -> bool:
     return len(dict(get_spec(p).held_on).get("pp", ())) > 1
 
 
-def _shard_groups(mesh: Any, group: Any, z: ZeroConfig) -> Tuple[Any, Tuple[int, ...], Optional[Any]]:
+def _shard_groups(mesh: Mesh, group: Group, z: ZeroConfig) -> Tuple[Group, Tuple[int, ...], Optional[Group]]:
     """(group the chunks are cut over, numels (default), replicas across nodes)
     for parameters averaged over ``group``."""
     if z.shard_group != "node":
@@ -197,59 +340,6 @@ def _shard_parameters(model: nn.Module, flats: List[FlatGroup], units: List[Unit
         unit.params = [new.get(id(p), p) for p in unit.params]
 
 
-@hookimpl
-def hpctrain_after_materialize(model: nn.Module, mesh: Any, cfg: Any) -> None:
-    setup = setup_of(model)
-    if setup is None:
-        return
-    z = setup.cfg
-    if z.stage == 0:  # chosen explicitly at stage 0: plain data parallelism through the same engine
-        engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh), cap_bytes_from_mb(cfg.comm.bucket_mb))
-        setup.engine = grad_sync.attach_to(model, engine.attach([p for p in model.parameters() if p.requires_grad]))
-        return
-    param_dtype = dtype_of(z.param_dtype)
-    setup.device = next(iter(model.parameters())).device
-    host = setup.host = z.offload == "cpu" and setup.device.type == "cuda"  # masters, moments in pinned host memory
-    for fg in setup.flats:
-        if z.stage == 3:
-            setup.masters.append(_master_chunk_stage3(fg, host))
-            setup.full.append(None)
-        else:
-            full, master = _flat_buffers(fg, param_dtype, host)
-            setup.full.append(full)
-            setup.masters.append(master)
-        for i, p in enumerate(fg.params):
-            a, b = fg.held(i)
-            if b > a:
-                shard = p if z.stage == 3 else nn.Parameter(setup.masters[-1][fg.shard_slice(i)])
-                if z.stage != 3:
-                    set_spec(shard, fg.flat_spec(i))
-                setup.shards[id(p)] = (shard, fg.flat_spec(i))
-    for p in setup.unsharded:
-        setup.shards[id(p)] = (p, get_spec(p))
-    numels = {id(p): n for fg in setup.flats for p, n in zip(fg.params, fg.numels)}
-    groups = {id(p): fg.group.communicator() for fg in setup.flats for p in fg.params}
-    engine = grad_sync.GradSync(lambda p: groups.get(id(p)), 0, reduce_scatter=True, keep_grads=False,
-                                every_microbatch=z.stage >= 2 and mesh.size("pp") == 1,
-                                dtype=dtype_of(z.reduce_dtype),
-                                release_buffers=z.stage >= 2, max_in_flight=1, device=setup.device)
-    params = [p for fg in setup.flats for p in fg.params]
-    engine.attach(params, buckets=[fg.params for fg in reversed(setup.flats)], numel_of=lambda p: numels[id(p)])
-    setup.engine = grad_sync.attach_to(model, engine)
-    if z.stage == 3:
-        units = [UnitFlats(u, setup.unit_flats[u.name], [setup.masters[setup.flats.index(fg)]
-                                                         for fg in setup.unit_flats[u.name]],
-                           [setup.shapes[fg.name] for fg in setup.unit_flats[u.name]])
-                 for u in setup.units if setup.unit_flats[u.name]]
-        setup.gatherer = UnitGatherer(units, param_dtype or torch.float32, z.reshard_after_forward, setup.device)
-        setup.gatherer.install()
-    setup.memory = memory.expected(setup)
-    padding = sum(fg.total - fg.numel for fg in setup.flats)
-    log_rank0("ZeRO stage %d per rank: %s; %d flat groups over %s (%d padding elements), %d parameters unsharded",
-              z.stage, setup.memory.describe(), len(setup.flats),
-              ", ".join(sorted({fg.group.name for fg in setup.flats})) or "-", padding, len(setup.unsharded))
-
-
 def _flat_buffers(fg: FlatGroup, param_dtype: Optional[torch.dtype], host: bool = False
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Stages 1-2: the whole flat parameter buffer (the parameters become
@@ -282,78 +372,3 @@ def _master_chunk_stage3(fg: FlatGroup, host: bool = False) -> torch.Tensor:
         view.copy_(p.detach().reshape(-1))
         p.data = view
     return chunk
-
-
-@hookimpl
-def hpctrain_make_optimizer(params: List[nn.Parameter], model: nn.Module, mesh: Any, cfg: Any) -> Optional[Any]:
-    setup = setup_of(model)
-    if setup is None or setup.stage == 0:
-        return None
-    apart = any(full is not None and not memory.inside(master, full) for master, full in zip(setup.masters, setup.full))
-    segments = None
-    if setup.cfg.offload == "nvme":
-        directory = setup.cfg.offload_dir or os.path.join(cfg.run_dir or tempfile.gettempdir(), "zero_offload")
-        mapped = offload.mapped_states(directory, mesh.world_rank, [(fg.name, fg.chunk) for fg in setup.flats])
-        segments = [optimizer.Segment(list(fg.params), mapped[fg.name],
-                                      {id(p): fg.shard_slice(i) for i, p in enumerate(fg.params)})
-                    for fg in setup.flats]
-        segments.append(optimizer.Segment(list(setup.unsharded)))
-        log_rank0("ZeRO offload=nvme: optimizer moments memory-mapped in %s (%d files per rank)", directory,
-                  len(mapped))
-    elif setup.cfg.offload == "cpu":
-        log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the host"
-                  if setup.host else "the run is on the CPU already; nothing moves")
-    return optimizer.ZeroOptimizer(list(params), setup.shards, cfg.optim, lambda: _after_step(setup),
-                                   masters_apart=apart, segments=segments)
-
-
-
-@torch.no_grad()
-def _after_step(setup: ZeroSetup) -> None:
-    """Stages 1-2: every rank's updated chunks, all-gathered into the whole parameters."""
-    if setup.stage == 3:
-        return
-    for fg, full, master in zip(setup.flats, setup.full, setup.masters):
-        mine = full[fg.lo:fg.hi]
-        if mine.data_ptr() != master.data_ptr():
-            mine.copy_(master)
-        fg.group.communicator().all_gather(full, mine)
-
-
-@hookimpl
-def hpctrain_before_backward(model: nn.Module, microbatch: int, num_microbatches: int) -> None:
-    setup = setup_of(model)
-    if setup is not None and setup.engine is not None:
-        setup.engine.begin_microbatch(microbatch, num_microbatches)
-
-
-@hookimpl
-def hpctrain_after_backward(model: nn.Module, mesh: Any) -> None:
-    setup = setup_of(model)
-    if setup is None or setup.engine is None:
-        return
-    setup.engine.finish()
-    if setup.stage == 0:
-        return
-    if setup.gatherer is not None:  # units a pipeline stage still holds gathered: back to their shards first
-        setup.gatherer.release_all()
-    for bucket, fg in zip(setup.engine.buckets, reversed(setup.flats)):
-        if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
-            across = fg.replicas.communicator()
-            across.all_reduce(bucket.shard, ReduceOp.AVG)
-            used = torch.tensor([float(u) for u in bucket.used_anywhere])
-            across.all_reduce(used, ReduceOp.MAX)
-            bucket.used_anywhere = [u > 0 for u in used.tolist()]
-        for i, p in enumerate(fg.params):
-            held = setup.shards.get(id(p))
-            if held is None:
-                continue
-            shard = held[0]
-            grad = bucket.shard[fg.shard_slice(i)]
-            if grad.dtype != shard.dtype or grad.device != shard.device:  # fp32 master, or on the host (offload=cpu)
-                grad = grad.to(device=shard.device, dtype=shard.dtype)
-            shard.grad = grad if bucket.used_anywhere[i] else None
-            if _tied_across_stages(p):  # the embedding's shard plus the output projection's (the same elements)
-                if shard.grad is None:
-                    shard.grad = torch.zeros_like(shard)
-                mesh.pp_ends().communicator().all_reduce(shard.grad, ReduceOp.SUM)

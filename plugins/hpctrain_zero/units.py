@@ -13,6 +13,8 @@ from typing import List
 
 from torch import nn
 
+from hpctrain.model.transformer import Transformer
+
 
 @dataclass
 class Unit:
@@ -25,13 +27,18 @@ class Unit:
 
 
 def model_units(model: nn.Module) -> List[Unit]:
-    """The units of ``model`` (a ``Transformer``, possibly one pipeline stage's
-    part, or an interleaved pipeline's chunks: each chunk's units in turn,
-    named ``chunks.<c>.<unit>``, since the schedule calls the chunks directly)."""
-    chunks = getattr(model, "chunks", None)
-    if isinstance(chunks, nn.ModuleList):
-        return [Unit(f"chunks.{c}.{u.name}", u.modules, u.params, [f"chunks.{c}.{d}" for d in u.depends])
-                for c, chunk in enumerate(chunks) for u in model_units(chunk)]
+    """The units of ``model``: of every part of the core's model it runs (a
+    ``Transformer``, one pipeline stage's part of it, or an interleaved
+    rank's several parts), in order; with several parts each unit's name
+    starts with ``part<i>.``."""
+    parts = [m for m in model.modules() if isinstance(m, Transformer)]
+    if len(parts) > 1:
+        return [Unit(f"part{i}.{u.name}", u.modules, u.params, [f"part{i}.{d}" for d in u.depends])
+                for i, part in enumerate(parts) for u in _part_units(part)]
+    return _part_units(model)
+
+
+def _part_units(model: nn.Module) -> List[Unit]:
     found: List[Unit] = []
     if getattr(model, "tok_embeddings", None) is not None:
         found.append(Unit("embed", [model.tok_embeddings]))

@@ -20,17 +20,18 @@ from hpctrain.parity import record as _record
 
 
 def data_parallel(model, mesh, cfg, pm):
-    """``model`` (real tensors, any nn.Module) set up for data parallelism as
-    the trainer sets up its model: ShardSpecs, the dp plugin's
-    ``hpctrain_parallelize`` and ``hpctrain_after_materialize`` (which
-    attaches the gradient-sync engine, ``hpctrain.grad_sync.of(model)``)."""
+    """The data axes' handle for ``model`` (real tensors, any nn.Module) set up
+    as the trainer's composition sets up its model: ShardSpecs, the chosen
+    plugin's ``hpctrain_parallelize``, then ``after_materialize`` (which
+    attaches the gradient-sync engine). Drive it with ``before_backward``
+    and ``reduce_gradients``; ``handle.model`` is the model."""
     from hpctrain.model.build import assign_specs
     from hpctrain.plugins import axis_plugin, parallelize_caller
 
     assign_specs(model)
-    model = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
-    pm.hook.hpctrain_after_materialize(model=model, mesh=mesh, cfg=cfg)
-    return model
+    handle = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
+    handle.after_materialize()
+    return handle
 
 
 def record(trainer, steps: int, comm=None) -> List[StepRecord]:

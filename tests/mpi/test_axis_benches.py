@@ -50,7 +50,7 @@ def test_tp_bench_runs_and_agrees_with_torch_tp(world, capsys):
 
 @pytest.mark.mpi(min_size=2)
 def test_pp_bench_runs_and_agrees_with_torch_pipelining(world, capsys):
-    from hpctrain.bench import pp
+    from hpctrain_pp import bench as pp
 
     n = world.Get_size()
     if n > MAX_RANKS:
@@ -76,7 +76,7 @@ def test_pp_bench_runs_and_agrees_with_torch_pipelining(world, capsys):
 def test_moe_bench_runs(world, capsys):
     """Every contender's row and the layer table; the bench itself checks
     that our exchange moves the same rows as raw Alltoallv."""
-    from hpctrain.bench import moe
+    from hpctrain_moe import bench as moe
 
     if world.Get_size() > MAX_RANKS:
         pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
@@ -95,7 +95,7 @@ def test_moe_bench_runs(world, capsys):
 def test_cp_bench_runs(world, capsys):
     """Every row of both tables; the bench itself checks each layout's
     output rows against one process's attention."""
-    from hpctrain.bench import cp
+    from hpctrain_cp import bench as cp
 
     n = world.Get_size()
     if n > MAX_RANKS:

@@ -78,11 +78,12 @@ def test_compressed_average_is_within_two_roundings(compress, backend, world, ma
     mesh = build_mesh(cfg, with_device("cpu"), pm)
     spy = Recorder(mesh.group("dp").communicator())
     mesh.group("dp").comm = spy
-    model = data_parallel(Linearish(), mesh, cfg, pm)
+    data = data_parallel(Linearish(), mesh, cfg, pm)
+    model = data.model
     mine = _rank_grads(rank)
-    pm.hook.hpctrain_before_backward(model=model, microbatch=0, num_microbatches=1)
+    data.before_backward(0, 1)
     model(mine).backward()
-    pm.hook.hpctrain_after_backward(model=model, mesh=mesh)
+    data.reduce_gradients()
 
     everyone = [_rank_grads(r) for r in range(n)]
     for i, p in enumerate(model.ps):

@@ -119,10 +119,9 @@ def test_dp_trains_like_one_process(case, reference, world, make_config, pm):
         assert m["loss"] == pytest.approx(ref_loss, rel=loss_rtol), f"step {m['step']} loss"
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=norm_rtol), f"step {m['step']} grad_norm"
 
-    from hpctrain import grad_sync
 
-    trace = grad_sync.of(trainer.model).trace
-    n_buckets = len(grad_sync.of(trainer.model).buckets)
+    trace = trainer.data.engine.trace
+    n_buckets = len(trainer.data.engine.buckets)
     assert [x.bucket for x in trace.launches] == list(range(n_buckets))  # once each, in order
     if case in ("tiny_buckets_accumulation", "mpi_backend"):
         assert trace.num_microbatches > 1

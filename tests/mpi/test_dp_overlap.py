@@ -2,7 +2,7 @@
 
 Evidence from two sides, neither based on wall-clock time:
 - a spy wrapped around the dp group's communicator records each call with
-  the micro-batch announced by a test plugin (``hpctrain_before_backward``),
+  the micro-batch announced to the data axes' handle (``before_backward``),
   and a test hook on the token embedding (the parameter whose gradient
   backward produces last) records how many calls had been made by then;
 - the plugin's own trace (bucket order, hooks fired before each launch).
@@ -14,7 +14,6 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
-from hpctrain import hookimpl
 from hpctrain.comm.protocol import ReduceOp
 
 
@@ -42,20 +41,21 @@ class SpyComm:
         return self.inner.all_gather(output, input, async_op)
 
 
-class PhaseRecorder:
-    """A test plugin: tells the spy which micro-batch's backward is running.
-    Registered after the built-ins, so pluggy calls it before the dp plugin."""
+def record_phases(data, spy: SpyComm) -> None:
+    """Tell the spy which micro-batch's backward is running: the data axes'
+    handle is told before each backward (``before_backward``) and once they
+    are all done (``reduce_gradients``); the spy hears it first."""
+    before, reduce = data.before_backward, data.reduce_gradients
 
-    def __init__(self, spy: SpyComm):
-        self.spy = spy
+    def before_backward(microbatch, num_microbatches):
+        spy.phase = microbatch
+        before(microbatch, num_microbatches)
 
-    @hookimpl
-    def hpctrain_before_backward(self, model, microbatch, num_microbatches):
-        self.spy.phase = microbatch
+    def reduce_gradients():
+        spy.phase = "after"
+        reduce()
 
-    @hookimpl
-    def hpctrain_after_backward(self, model, mesh):
-        self.spy.phase = "after"
+    data.before_backward, data.reduce_gradients = before_backward, reduce_gradients
 
 
 @pytest.mark.mpi(min_size=2)
@@ -63,7 +63,6 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     from hpctrain.bootstrap import with_device
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
-    from hpctrain import grad_sync
 
     n = world.Get_size()
     cfg = make_config("trainer.micro_batch_size=1", f"trainer.global_batch_size={3 * n}", "trainer.seq_len=32",
@@ -74,7 +73,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     spy = SpyComm(mesh.group("dp").communicator())
     mesh.group("dp").comm = spy  # the engine takes its communicators when it attaches, in Trainer()
     trainer = Trainer(cfg, mesh, pm, rt.device)
-    pm.register(PhaseRecorder(spy))
+    record_phases(trainer.data, spy)
 
     last_grad: List[int] = []
     embedding = trainer.model.tok_embeddings.weight
@@ -84,7 +83,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
         spy.calls.clear()
         last_grad.clear()
         trainer.train_step()
-        reducer = grad_sync.of(trainer.model)
+        reducer = trainer.data.engine
         n_buckets = len(reducer.buckets)
         assert n_buckets >= 4
         grads = [c for c in spy.calls if c[3] == torch.float32]  # the float64 one is the trainer's loss and norm

@@ -46,7 +46,6 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
     from hpctrain.bootstrap import with_device
     from hpctrain.plugins import capabilities
     from hpctrain.run import build_mesh
-    from hpctrain import grad_sync
 
     n, rank = world.Get_size(), world.Get_rank()
     if n & (n - 1):
@@ -56,14 +55,15 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
     cfg = make_config("comm.bucket_mb=0", f"comm.dp.overlap={str(overlap).lower()}", "trainer.device=cpu",
                       f"comm.backend={backend}")
     mesh = build_mesh(cfg, with_device("cpu"), pm)
-    model = data_parallel(Branchy(), mesh, cfg, pm)
+    data = data_parallel(Branchy(), mesh, cfg, pm)
+    model = data.model
     micro = 2
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         for m in range(micro):
-            pm.hook.hpctrain_before_backward(model=model, microbatch=m, num_microbatches=micro)
+            data.before_backward(m, micro)
             (model(_x(rank, m), _uses_b(rank, m)) / micro).backward()
-        pm.hook.hpctrain_after_backward(model=model, mesh=mesh)
+        data.reduce_gradients()
 
         def expected(width, used=lambda r, m: True):
             total = sum(_x(r, m)[:width] / micro for r in range(n) for m in range(micro) if used(r, m))
@@ -74,7 +74,7 @@ def test_unused_parameters_neither_hang_nor_get_a_gradient(backend, overlap, wor
         assert torch.equal(model.b.grad, expected(5, _uses_b))  # rank 2, 3, ... never used it
         assert model.never.grad is None
 
-    reducer = grad_sync.of(model)
+    reducer = data.engine
     order = [bucket.params[0] for bucket in reducer.buckets]
     assert order == [model.d, model.never, model.b, model.a]  # reverse registration, one per bucket
     launches = reducer.trace.launches

@@ -68,7 +68,8 @@ def test_ep2_with_tensor_parallel_attention(world, pm, sequence_parallel):
     trainer = _check(pm, (), "parallel.ep=2", "parallel.tp=2",
                      f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
     block = trainer.model.layers[0]
-    assert type(block.attn).__name__ == "ParallelAttention"  # attention split over tp, experts over ep
+    # attention split over tp (its projections' seam filled by tensor parallelism), experts over ep
+    assert type(block.attn.linears).__name__ == "TensorParallelLinears"
     assert _experts_per_rank(trainer) == 2
 
 

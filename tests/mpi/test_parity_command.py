@@ -13,6 +13,7 @@ import torch
 
 from hpctrain import grad_sync, hookimpl
 from hpctrain.grad_sync.buckets import cap_bytes_from_mb
+from hpctrain.parallel.handles import DataHandle
 from hpctrain.parity_cli import check, parse_args
 from hpctrain.shard import get_spec
 
@@ -21,38 +22,35 @@ ARGS = ["--steps", "2", "trainer.global_batch_size=8", "trainer.micro_batch_size
         "trainer.device=cpu", "trainer.log_every=100", "parallel.tp=2", "parallel.dp=2"]
 
 
+class SkipsOne(DataHandle):
+    """The real data-parallel engine attached to every parameter but ``SKIPPED``."""
+
+    def __init__(self, model: torch.nn.Module, mesh):
+        super().__init__(model)
+        self.mesh = mesh
+
+    def after_materialize(self) -> None:
+        kept = [p for p in self.model.parameters() if p.requires_grad and get_spec(p).logical_name != SKIPPED]
+        self.engine = grad_sync.GradSync(grad_sync.reduction_comm(self.mesh),
+                                         grad_sync.SyncConfig(cap_bytes=cap_bytes_from_mb(1.0))).attach(kept)
+
+    def before_backward(self, microbatch: int, num_microbatches: int) -> None:
+        self.engine.begin_microbatch(microbatch, num_microbatches)
+
+    def reduce_gradients(self) -> None:
+        self.engine.finish()
+
+
 class SkipsOneReduction:
     """Serves axis dp like hpctrain_dp, but never reduces ``SKIPPED``'s gradient."""
-
-    ATTR = "_skips_one_reduction"
 
     @hookimpl
     def hpctrain_capabilities(self) -> Dict[str, List[str]]:
         return {"parallel": ["dp"]}
 
     @hookimpl
-    def hpctrain_parallelize(self, model: torch.nn.Module, axis: str, mesh, cfg: Any) -> Optional[torch.nn.Module]:
-        if axis != "dp":
-            return None
-        setattr(model, self.ATTR, True)
-        return model
-
-    @hookimpl
-    def hpctrain_after_materialize(self, model: torch.nn.Module, mesh, cfg: Any) -> None:
-        if getattr(model, self.ATTR, False):
-            engine = grad_sync.GradSync(grad_sync.reduction_comm(mesh), cap_bytes_from_mb(1.0), None, True)
-            kept = [p for p in model.parameters() if p.requires_grad and get_spec(p).logical_name != SKIPPED]
-            grad_sync.attach_to(model, engine.attach(kept))
-
-    @hookimpl
-    def hpctrain_before_backward(self, model: torch.nn.Module, microbatch: int, num_microbatches: int) -> None:
-        if getattr(model, self.ATTR, False):
-            grad_sync.of(model).begin_microbatch(microbatch, num_microbatches)
-
-    @hookimpl
-    def hpctrain_after_backward(self, model: torch.nn.Module, mesh) -> None:
-        if getattr(model, self.ATTR, False):
-            grad_sync.of(model).finish()
+    def hpctrain_parallelize(self, model: torch.nn.Module, axis: str, mesh, cfg: Any) -> Optional[SkipsOne]:
+        return SkipsOne(model, mesh) if axis == "dp" else None
 
 
 @pytest.mark.mpi(min_size=4)

@@ -50,6 +50,6 @@ def test_the_documented_tp_plugin_trains_like_one_process(world, pm):
     configure_torch(cfg, rt)
     trainer = Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
     ffn = trainer.model.layers[0].ffn
-    assert type(ffn).__name__ == "ParallelSwiGLU" and ffn.w2.weight.shape == (64, 192 // 2)
+    assert type(ffn.linears).__name__ == "ColumnsThenRow" and ffn.w2.weight.shape == (64, 192 // 2)
     assert_parity(record(trainer, STEPS), want, 1e-6, 1e-5, 1e-6)
     assert trainer.metrics["comm_bytes.tp"] > 0

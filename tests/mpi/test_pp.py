@@ -94,14 +94,13 @@ def test_tied_embeddings_with_hierarchical_zero(world, pm, stage, schedule):
     nodes of 2 ranks: each stage's dp group spans 2 nodes, ZeRO cuts its
     flat groups over a node's 2 ranks and replicates them across the nodes,
     and the two ends' tied-table shards still meet element for element."""
-    from hpctrain_zero.plugin import setup_of
 
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     model = FOUR + ("model.tie_embeddings=true",)
     layout = ("parallel.pp=2", f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
               f"parallel.pipeline.schedule={schedule}", *vpp)
     trainer = world_trainer(pm, *BASE, *model, *layout, rank_nodes=[r // 2 for r in range(world.Get_size())])
-    flats = setup_of(trainer.model).flats
+    flats = trainer.data.flats
     assert flats and all(fg.group.size == 2 and fg.replicas.size == 2 for fg in flats)
     assert_parity(record(trainer, STEPS), one_process(*model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
@@ -147,7 +146,6 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     where the plugin gathers its actual units (the embedding and the head
     are smaller than a block): an upper bound within one block."""
     from hpctrain_zero.memory import measured
-    from hpctrain_zero.plugin import setup_of
 
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.estimate import Workload, stage_memory
@@ -157,7 +155,7 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     trainer = _check(pm, FOUR, "parallel.pp=2", f"parallel.zero.stage={stage}",
                      f"parallel.pipeline.schedule={schedule}", *vpp)
-    setup = setup_of(trainer.model)
+    setup = trainer.data
     want, seen = setup.memory, measured(setup, trainer.model, trainer.optimizer)
     assert (seen.params, seen.grads, seen.optimizer) == (want.params, want.grads, want.optimizer)
     assert 0 < seen.in_flight <= want.in_flight

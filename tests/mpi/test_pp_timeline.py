@@ -13,7 +13,7 @@ import tempfile
 from collections import Counter
 
 import pytest
-from hpctrain_pp.schedules import COMPUTE, actions, stage_of
+from hpctrain.pipeline.schedules import COMPUTE, actions, stage_of
 from hpctrain_pp.timeline import JSON_NAME, PNG_NAME, measured_actions
 
 from parity import world_trainer

@@ -37,13 +37,12 @@ def _trainer(pm, *overrides):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_stage_trains_like_one_process(world, pm, one_process, stage):
     from hpctrain_zero.optimizer import ZeroOptimizer
-    from hpctrain_zero.plugin import setup_of
 
     trainer = _trainer(pm, f"parallel.zero.stage={stage}", "comm.backend=mpi" if stage == 2 else "comm.backend=torch")
     assert isinstance(trainer.optimizer, ZeroOptimizer)
     n = world.Get_size()
     assert trainer.cursor.num_microbatches == 16 // n
-    setup = setup_of(trainer.model)
+    setup = trainer.data
     params = list(trainer.model.parameters())
     if stage == 3:  # between uses every parameter is its shard
         assert sum(p.numel() for p in params) == sum(fg.chunk for fg in setup.flats)
@@ -65,10 +64,9 @@ def get_spec_shape(p):
 def test_stage3_gathers_each_unit_twice_per_microbatch_and_frees_it(world, pm, one_process):
     """Forward and backward each gather a unit once (the last unit's forward
     gather serves its backward); after the step nothing stays gathered."""
-    from hpctrain_zero.plugin import setup_of
 
     trainer = _trainer(pm, "parallel.zero.stage=3")
-    gatherer = setup_of(trainer.model).gatherer
+    gatherer = trainer.data.gatherer
     trainer.train_step()
     units = len(gatherer.units)
     assert gatherer.gathers == trainer.cursor.num_microbatches * (2 * units - 1)
@@ -76,7 +74,7 @@ def test_stage3_gathers_each_unit_twice_per_microbatch_and_frees_it(world, pm, o
     assert all(b.untyped_storage().nbytes() == 0 for u in gatherer.units for b in u.buffers)
     keep = _trainer(pm, "parallel.zero.stage=3", "parallel.zero.reshard_after_forward=false")
     got = record(keep, STEPS)
-    assert setup_of(keep.model).gatherer.gathers == STEPS * keep.cursor.num_microbatches * units
+    assert keep.data.gatherer.gathers == STEPS * keep.cursor.num_microbatches * units
     assert_parity(got, one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 
@@ -115,14 +113,13 @@ def test_memory_log_is_the_zero_formula_to_the_byte(world, pm, stage):
     """What the plugin logs at start equals the formula on this layout, and
     what the tensors hold after a step equals it too (in-flight: at most)."""
     from hpctrain_zero.memory import measured
-    from hpctrain_zero.plugin import setup_of
 
     n = world.Get_size()
     trainer = _trainer(pm, f"parallel.zero.stage={stage}")
     m = trainer.model
     d, f, kv, v = 64, 192, 32, 256  # tiny: d_model 64, SwiGLU width 192, 2 of 4 heads for k/v, bytes
     units = [v * d] + [2 * d * d + 2 * kv * d + 3 * d * f + 2 * d] * 2 + [d + v * d]  # embed, 2 blocks, head
-    setup = setup_of(m)
+    setup = trainer.data
     want = _formula(stage, n, units)
     got = setup.memory
     assert (got.params, got.grads, got.optimizer, got.in_flight) == want
@@ -141,7 +138,6 @@ def test_planner_predicts_the_bytes_zero_holds(world, pm, stage):
     The tiny model's flat groups need no padding at 2, 4 or 8 ranks, which the
     planner does not model, so the two must agree to the byte."""
     from hpctrain_zero.memory import measured
-    from hpctrain_zero.plugin import setup_of
 
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.estimate import Workload, memory_per_gpu
@@ -150,7 +146,7 @@ def test_planner_predicts_the_bytes_zero_holds(world, pm, stage):
 
     n = world.Get_size()
     trainer = _trainer(pm, f"parallel.zero.stage={stage}")
-    setup = setup_of(trainer.model)
+    setup = trainer.data
     arch = Arch.from_model_config(trainer.cfg.model)
     assert sum(fg.total for fg in setup.flats) == arch.total_params  # no padding, nothing left unsharded
     assert not setup.unsharded
@@ -172,7 +168,6 @@ def test_bf16_parameters_with_fp32_masters_and_reduction(world, pm, one_process)
     weight and activation product is rounded a few times: measured 5e-5 on
     the loss and 1.0e-2 on the gradients over 3 steps at 2 ranks. A missing
     or doubled reduction, or a wrong shard, is off by 50 % or more."""
-    from hpctrain_zero.plugin import setup_of
 
     for stage in (1, 2, 3):
         trainer = _trainer(pm, f"parallel.zero.stage={stage}", "parallel.zero.param_dtype=bf16")
@@ -185,7 +180,7 @@ def test_bf16_parameters_with_fp32_masters_and_reduction(world, pm, one_process)
             for name, ref in w.grads.items():
                 err = float(torch.linalg.norm(g.grads[name] - ref) / torch.linalg.norm(ref))
                 assert err < 3e-2, f"stage {stage} step {step} gradient of {name}: {err:.2e}"
-        masters = [s for s in setup_of(trainer.model).masters]
+        masters = [s for s in trainer.data.masters]
         assert all(m.dtype == torch.float32 for m in masters)
         if stage < 3:  # the fp32 master is checkpointed as optimizer state beside the bf16 parameter
             p = next(iter(trainer.model.parameters()))
@@ -199,12 +194,11 @@ def test_hierarchical_sharding_within_emulated_nodes(world, pm, one_process, sta
     """``shard_group=node`` with nodes of 2 ranks (4 ranks: 2 nodes of 2):
     chunks are cut over a node's 2 ranks and replicated on the other nodes;
     the model trains like one process (the parity tolerances above)."""
-    from hpctrain_zero.plugin import setup_of
 
     n = world.Get_size()
     trainer = world_trainer(pm, *BASE, f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
                             rank_nodes=[r // 2 for r in range(n)])
-    for fg in setup_of(trainer.model).flats:
+    for fg in trainer.data.flats:
         assert fg.group.size == 2 and fg.replicas.size == n // 2 and fg.chunk == fg.total // 2
     assert_parity(record(trainer, STEPS), one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     assert trainer.metrics["comm_bytes.dp:across"] > 0 and trainer.metrics["comm_bytes.dp:node"] > 0

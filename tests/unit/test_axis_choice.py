@@ -10,6 +10,7 @@ from hpctrain.comm.protocol import LocalCommunicator
 from hpctrain.config.validate import validate
 from hpctrain.errors import PluginError
 from hpctrain.mesh import Mesh
+from hpctrain.parallel.handles import AxisHandle
 from hpctrain.plugins import axis_plugin, axis_plugins, parallelize_caller
 
 
@@ -37,8 +38,9 @@ class TensorParallelStub:
         if axis != "tp":
             return None
         self.asked.append(axis)
-        model.chosen_by = self.tag
-        return model
+        handle = AxisHandle(model)
+        handle.chosen_by = self.tag
+        return handle
 
 
 def test_one_plugin_serving_an_axis_is_used_without_a_choice(pm, make_config):
@@ -82,7 +84,7 @@ def test_only_the_chosen_plugin_is_asked(pm, make_config):
     mesh = Mesh({"tp": 2}, world_rank=0, world_size=2)
     mesh.attach_backends(lambda group: LocalCommunicator())
     trainer = Trainer(cfg, mesh, pm, torch.device("cpu"))
-    assert trainer.model.chosen_by == "b" and a.asked == ["tp"] and b.asked == ["tp"]
+    assert trainer.parallel.handles["tp"].chosen_by == "b" and a.asked == ["tp"] and b.asked == ["tp"]
 
 
 def test_ep_of_a_dense_model_is_a_data_axis(pm, make_config):

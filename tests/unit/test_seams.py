@@ -1,12 +1,12 @@
 """The seams later plugins need exist and are used: replaceable attention and
-feed-forward, a replaceable step schedule and optimizer, lifecycle hooks."""
-import torch
-
+feed-forward, lifecycle hooks around the step (finished gradients, the
+update), metrics. (The axes' seams, the handles of ``hpctrain.parallel``,
+are exercised by the multi-rank tests and the example plugins.)"""
 from hpctrain import hookimpl
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.transformer import SwiGLU
+from hpctrain.parallel.handles import LocalData
 from hpctrain.run import reference_run
-from hpctrain.train.schedule import GradAccumulation
 
 
 class CountingAttention(SdpaAttention):
@@ -41,27 +41,16 @@ class Recorder:
         return None
 
     @hookimpl
-    def hpctrain_step_schedule(self, cfg, mesh):
-        outer = self
-
-        class Counting(GradAccumulation):
-            def run(self, *a, **kw):
-                outer.schedule_runs += 1
-                return super().run(*a, **kw)
-
-        return Counting()
-
-    @hookimpl
-    def hpctrain_make_optimizer(self, params, mesh, cfg):
-        return torch.optim.SGD(params, lr=cfg.optim.lr)
-
-    @hookimpl
     def hpctrain_on_train_start(self, trainer):
         self.events.append(("start", type(trainer.optimizer).__name__))
 
     @hookimpl
-    def hpctrain_before_backward(self, model, microbatch, num_microbatches):
-        self.events.append(("backward", microbatch, num_microbatches))
+    def hpctrain_after_finalize_grads(self, trainer):
+        self.events.append(("finalized", trainer.step + 1, all(p.grad is not None for p in trainer.params)))
+
+    @hookimpl
+    def hpctrain_after_optimizer_step(self, trainer, step):
+        self.events.append(("updated", step))
 
     @hookimpl
     def hpctrain_on_step_end(self, trainer, step, metrics):
@@ -83,10 +72,9 @@ def test_plugin_parts_and_hooks_are_used(pm, make_config):
     # 2 steps x 2 micro-batches x 2 layers
     assert CountingAttention.calls == 8
     assert rec.ffn_layers == [0, 1]
-    assert rec.schedule_runs == 2
-    assert rec.events[0] == ("start", "SGD")
-    assert [e for e in rec.events if e[0] == "backward"] == [("backward", 0, 2), ("backward", 1, 2)] * 2
-    assert [e for e in rec.events if e[0] in ("step", "end")] == [("step", 1), ("step", 2), ("end", 2)]
+    assert rec.events[0] == ("start", "AdamW")
+    assert rec.events[1:] == [("finalized", 1, True), ("updated", 1), ("step", 1),
+                              ("finalized", 2, True), ("updated", 2), ("step", 2), ("end", 2)]
 
 
 class SeamRecorder:
@@ -98,16 +86,6 @@ class SeamRecorder:
     @hookimpl
     def hpctrain_make_module(self, kind, name, cfg, layer_index, mesh):
         self.seen.setdefault("module_mesh", []).append(mesh)
-
-    @hookimpl
-    def hpctrain_after_materialize(self, model, mesh, cfg):
-        self.seen["materialized"] = all(p.device.type != "meta" for p in model.parameters())
-        self.seen["mesh"] = mesh
-
-    @hookimpl
-    def hpctrain_make_optimizer(self, params, model, mesh, cfg):
-        self.seen["optimizer_model"] = model
-        return None  # the core's AdamW
 
     @hookimpl
     def hpctrain_step_metrics(self, trainer, step, metrics):
@@ -125,8 +103,10 @@ def test_newer_seams_get_the_mesh_the_model_and_add_metrics(pm, make_config, tmp
     trainer = reference_trainer(make_config("trainer.steps=2", "trainer.global_batch_size=4",
                                             "trainer.micro_batch_size=2"), pm, run_dir=str(tmp_path))
     assert rec.seen["module_mesh"] == [trainer.mesh] * 4  # attention + ffn, 2 layers
-    assert rec.seen["materialized"] and rec.seen["mesh"] is trainer.mesh
-    assert rec.seen["optimizer_model"] is trainer.model
+    # one process: no axis to implement, the data handle reduces nothing, the core's AdamW
+    assert trainer.parallel.handles == {} and isinstance(trainer.data, LocalData)
+    assert all(p.device.type != "meta" for p in trainer.model.parameters())
+    assert type(trainer.optimizer).__name__ == "AdamW"
     trainer.fit()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["seams.step_twice"] for r in rows] == [2.0, 4.0]

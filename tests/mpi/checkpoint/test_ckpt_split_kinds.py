@@ -33,6 +33,7 @@ from torch import nn
 
 from ckpt_helpers import build_trainer, on_rank0
 from hpctrain import hookimpl
+from hpctrain.parallel.handles import AxisHandle, DataHandle
 from hpctrain.plugins import get_manager
 from hpctrain.shard import SPEC_ATTR, Block, ShardSpec, get_spec, replicated_spec, set_spec
 
@@ -127,7 +128,7 @@ class SplitKinds:
         if axis not in ("tp", "dp"):
             return None
         if getattr(model, "_split_kinds_done", False):  # both axes asked: the first one does it all
-            return model
+            return AxisHandle(model) if axis == "tp" else DataHandle(model)
         model._split_kinds_done = True
         coords, sizes = mesh.coords, mesh.sizes
         for name, spec in _specs(model, sizes["tp"], sizes["dp"]).items():
@@ -139,7 +140,7 @@ class SplitKinds:
         buf = torch.empty(spec.local_shape(coords, sizes), device="meta")
         setattr(buf, SPEC_ATTR, spec)
         model.register_buffer("split_kinds_buf", buf, persistent=True)
-        return model
+        return AxisHandle(model) if axis == "tp" else DataHandle(model)  # gradients left as they are
 
     @hookimpl
     def hpctrain_make_optimizer(self, params, model, mesh, cfg):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
-from hpctrain_cp.ring import Layout
+from hpctrain.data.sequence import SequenceLayout as Layout
 
 B, H, HK, T, D = 2, 4, 2, 24, 8
 

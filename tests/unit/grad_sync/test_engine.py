@@ -14,6 +14,7 @@ from torch import nn
 
 from hpctrain.comm.protocol import CompletedWork, ReduceOp
 from hpctrain.errors import CommError
+from hpctrain.grad_sync.config import SyncConfig
 from hpctrain.grad_sync.engine import GradSync
 
 
@@ -85,7 +86,7 @@ def _step(model, reducer, n_micro: int):
 @pytest.mark.parametrize("n_micro", [1, 3])
 def test_grads_are_views_into_buckets_and_match_plain_backward(n_micro):
     model, comm = _model(), MirrorComm()
-    reducer = GradSync(comm, cap_bytes=400)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=400))
     reducer.attach(list(model.parameters()))
     for _ in range(2):  # the second step re-attaches after zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -106,7 +107,7 @@ def test_grads_are_views_into_buckets_and_match_plain_backward(n_micro):
 
 def test_first_bucket_is_launched_while_backward_still_runs():
     model, comm = _model(), MirrorComm()
-    reducer = GradSync(comm, cap_bytes=400)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=400))
     reducer.attach(list(model.parameters()))
     first = model[0].weight  # registered first, so its gradient is produced last
     seen_at_last_grad = []
@@ -122,7 +123,7 @@ def test_first_bucket_is_launched_while_backward_still_runs():
 
 def test_overlap_off_launches_everything_after_backward():
     model, comm = _model(), MirrorComm()
-    reducer = GradSync(comm, cap_bytes=400, overlap=False)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=400, overlap=False))
     reducer.attach(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     _step(model, reducer, 2)
@@ -134,7 +135,7 @@ def test_unused_parameter_gets_no_grad_and_later_buckets_still_go_out():
     spare = nn.Parameter(torch.ones(3))  # never used by forward
     params = list(model.parameters())
     params.insert(3, spare)  # in the middle of the bucket order
-    reducer = GradSync(comm, cap_bytes=0)  # one bucket per parameter
+    reducer = GradSync(comm, SyncConfig(cap_bytes=0))  # one bucket per parameter
     reducer.attach(params)
     model.zero_grad(set_to_none=True)
     _step(model, reducer, 1)
@@ -149,7 +150,7 @@ def test_unused_parameter_gets_no_grad_and_later_buckets_still_go_out():
 
 def test_without_before_backward_the_grads_are_still_reduced():
     model, comm = _model(), MirrorComm(size=4)
-    reducer = GradSync(comm, cap_bytes=1 << 20)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=1 << 20))
     reducer.attach(list(model.parameters()))
     (_loss(model, _batch(0))).backward()  # a schedule that never announced its micro-batches
     reducer.finish()
@@ -162,7 +163,7 @@ def test_without_before_backward_the_grads_are_still_reduced():
 
 def test_second_backward_in_the_last_microbatch_is_an_error():
     model, comm = _model(), MirrorComm()
-    reducer = GradSync(comm, cap_bytes=0)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=0))
     reducer.attach(list(model.parameters()))
     reducer.begin_microbatch(0, 1)
     _loss(model, _batch(0)).backward()
@@ -173,7 +174,7 @@ def test_second_backward_in_the_last_microbatch_is_an_error():
 @pytest.mark.parametrize("wire,unit_roundoff", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
 def test_compressed_reduction_uses_the_wire_dtype_and_rounds_once_each_way(wire, unit_roundoff):
     model, comm = _model(), MirrorComm(size=3)  # 3 does not divide the bucket: exercises padding
-    reducer = GradSync(comm, cap_bytes=400, wire_dtype=wire)
+    reducer = GradSync(comm, SyncConfig(cap_bytes=400, wire_dtype=wire))
     reducer.attach(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     _step(model, reducer, 2)
@@ -193,7 +194,7 @@ def test_compressed_reduction_uses_the_wire_dtype_and_rounds_once_each_way(wire,
 def test_no_sync_blocks_accumulate_and_the_next_backward_syncs():
     """A schedule that does not announce micro-batches (a pipeline's) uses no_sync()."""
     model, comm = _model(), MirrorComm()
-    engine = GradSync(comm, cap_bytes=400).attach(list(model.parameters()))
+    engine = GradSync(comm, SyncConfig(cap_bytes=400)).attach(list(model.parameters()))
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         comm.calls.clear()
@@ -212,7 +213,7 @@ def test_mark_ready_launches_a_gradient_written_by_hand():
     model, comm = _model(), MirrorComm()
     extra = nn.Parameter(torch.zeros(5))  # no forward uses it: only the hand-written gradient
     params = list(model.parameters()) + [extra]
-    engine = GradSync(comm, cap_bytes=0).attach(params)  # one bucket each; ``extra``'s is bucket 0
+    engine = GradSync(comm, SyncConfig(cap_bytes=0)).attach(params)  # one bucket each; ``extra``'s is bucket 0
     model.zero_grad(set_to_none=True)
     engine.begin_microbatch(0, 1)
     _loss(model, _batch(0)).backward()
@@ -226,7 +227,7 @@ def test_mark_ready_launches_a_gradient_written_by_hand():
 
 def test_reduce_scatter_mode_keeps_this_ranks_shard_of_each_bucket():
     model, comm = _model(), MirrorComm(size=3)  # 3 divides no bucket: exercises the padding
-    engine = GradSync(comm, cap_bytes=400, reduce_scatter=True).attach(list(model.parameters()))
+    engine = GradSync(comm, SyncConfig(cap_bytes=400, reduce_scatter=True)).attach(list(model.parameters()))
     model.zero_grad(set_to_none=True)
     _step(model, engine, 2)
     refs = dict(zip(map(id, model.parameters()), _reference_grads(2)))
@@ -244,7 +245,7 @@ def test_parameters_of_different_groups_never_share_a_bucket():
     a, b = MirrorComm(size=2), MirrorComm(size=4)
     params = list(model.parameters())
     expert = {id(p) for p in params[2:4]}  # the middle layer stands for expert weights
-    engine = GradSync(lambda p: b if id(p) in expert else a, cap_bytes=1 << 20).attach(params)
+    engine = GradSync(lambda p: b if id(p) in expert else a, SyncConfig(cap_bytes=1 << 20)).attach(params)
     assert [len(x.params) for x in engine.buckets] == [4, 2]  # launch order: the last layers' group first
     assert {id(p) for p in engine.buckets[1].params} == expert and engine.buckets[1].comm is b
     model.zero_grad(set_to_none=True)
@@ -258,7 +259,7 @@ def test_a_group_of_one_is_left_alone():
     model = _model()
     params = list(model.parameters())
     comm = MirrorComm()
-    engine = GradSync(lambda p: None if p is params[0] else comm, cap_bytes=1 << 20).attach(params)
+    engine = GradSync(lambda p: None if p is params[0] else comm, SyncConfig(cap_bytes=1 << 20)).attach(params)
     assert all(p is not params[0] for bucket in engine.buckets for p in bucket.params)
 
 
@@ -280,7 +281,7 @@ def test_copy_in_mode_keeps_no_full_gradients(every_microbatch):
     model, comm = _model(), MirrorComm(size=2)
     params = list(model.parameters())
     layers = [params[0:2], params[2:4], params[4:6]]
-    engine = GradSync(comm, 0, reduce_scatter=True, keep_grads=False, every_microbatch=every_microbatch)
+    engine = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, every_microbatch=every_microbatch))
     engine.attach(params, buckets=list(reversed(layers)))  # launch order: last layer first
     assert [b.params for b in engine.buckets] == list(reversed(layers))
     n_micro = 3
@@ -307,7 +308,7 @@ def test_copy_in_mode_reduces_in_its_own_dtype_and_tells_unused_parameters():
     model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4)).to(torch.bfloat16)
     spare = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     comm = MirrorComm(size=2)
-    engine = GradSync(comm, 1 << 20, reduce_scatter=True, keep_grads=False, dtype=torch.float32)
+    engine = GradSync(comm, SyncConfig(cap_bytes=1 << 20, reduce_scatter=True, keep_grads=False, dtype=torch.float32))
     engine.attach(list(model.parameters()) + [spare])
     engine.begin_microbatch(0, 1)
     model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
@@ -336,8 +337,8 @@ def test_copy_in_buffers_exist_only_while_in_flight_unless_kept():
     params = list(model.parameters())
     layers = [params[4:6], params[2:4], params[0:2]]
     sizes = [4 * (sum(p.numel() for p in layer) + sum(p.numel() for p in layer) % 2) for layer in layers]
-    released = GradSync(comm, 0, reduce_scatter=True, keep_grads=False, every_microbatch=True).attach(params, layers)
-    kept = GradSync(MirrorComm(size=2), 0, reduce_scatter=True, keep_grads=False, release_buffers=False)
+    released = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, every_microbatch=True)).attach(params, layers)
+    kept = GradSync(MirrorComm(size=2), SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, release_buffers=False))
     model2 = _model()
     params2 = list(model2.parameters())
     kept.attach(params2, [params2[4:6], params2[2:4], params2[0:2]])

@@ -148,15 +148,16 @@ def _materialized(cfg, seed=0):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_stages_chained_compute_the_whole_model(make_config, tied):
-    """keep_stage leaves each stage only its parts; running them one after
+    """``part`` gives each stage only its parts; running them one after
     another (hidden states in, hidden states out) equals the whole model,
     loss and gradients of every parameter included."""
     cfg = make_config("model.n_layers=4", f"model.tie_embeddings={str(tied).lower()}")
     whole = _materialized(cfg)
     split = [(range(0, 1), True, False), (range(1, 3), False, False), (range(3, 4), False, True)]
-    stages = [_materialized(cfg).keep_stage(layers, first, last) for layers, first, last in split]
-    assert stages[0].has_embedding and not stages[0].has_head and list(stages[1].layers.keys()) == ["1", "2"]
-    assert stages[1].tok_embeddings is None and stages[1].output is None and stages[2].has_head
+    stages = [_materialized(cfg).part(layers, first, last) for layers, first, last in split]
+    assert stages[0].tok_embeddings is not None and stages[0].output is None
+    assert list(stages[1].layers.keys()) == ["1", "2"]
+    assert stages[1].tok_embeddings is None and stages[1].output is None and stages[2].output is not None
     names = {n for s in stages for n, _ in s.named_parameters()}
     assert names <= {n for n, _ in whole.named_parameters()} | {"output.weight"}  # one-process names
     if tied:  # the last stage keeps the tied weight as output.weight, named tok_embeddings.weight
@@ -189,6 +190,7 @@ def test_aux_loss_channel_adds_to_the_objective_not_to_the_logged_loss(make_conf
     from hpctrain.data.cursor import MicroBatch
     from hpctrain.model.aux import add_aux_loss, collect_aux_losses
     from hpctrain.model.transformer import SwiGLU
+    from hpctrain.parallel.handles import LocalData
     from hpctrain.train.schedule import GradAccumulation
 
     class PenalisedFFN(SwiGLU):
@@ -213,11 +215,7 @@ def test_aux_loss_channel_adds_to_the_objective_not_to_the_logged_loss(make_conf
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     mbs = [MicroBatch(tokens, torch.roll(tokens, -1, 1)), MicroBatch(tokens.flip(1), tokens)]
 
-    class Hooks:
-        def hpctrain_before_backward(self, **kw):
-            pass
-
-    result = GradAccumulation().run(model, mbs, Hooks())
+    result = GradAccumulation().run(model, mbs, LocalData(model))
     grad = model.layers[0].ffn.w1.weight.grad.clone()
     with torch.no_grad():
         lm = [float(model(mb.inputs, mb.targets)) for mb in mbs]

@@ -1,14 +1,14 @@
 """Every pipeline schedule, for every small (p, v, m), played on paper
-(``hpctrain_pp.simulate``): well-formed programs, no deadlock, bounded
+(``hpctrain.pipeline.simulate``): well-formed programs, no deadlock, bounded
 activations, and the bubble of theory, exactly, with unit action times
 (F = B = W = 1; without a separate W pass a backward takes B + W = 2)."""
 from __future__ import annotations
 
 import pytest
-from hpctrain_pp.schedules import Action, actions, check, compute_order
-from hpctrain_pp.simulate import ScheduleError, check_programs, simulate
+from hpctrain.pipeline.schedules import Action, actions, check, compute_order
+from hpctrain.pipeline.simulate import ScheduleError, check_programs, simulate
 
-from hpctrain.planner.schedules import bubble_time, in_flight
+from hpctrain.pipeline.bubble import bubble_time, in_flight
 
 SMALL = [(p, m) for p in (2, 3, 4) for m in range(1, 13)]
 

@@ -10,7 +10,7 @@ from hpctrain.config.validate import check_layout
 from hpctrain.planner import comm_model as cm
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.layouts import Layout, enumerate_layouts
-from hpctrain.planner.schedules import bubble_fraction, bubble_time, check_schedule, in_flight
+from hpctrain.pipeline.bubble import bubble_fraction, bubble_time, check_schedule, in_flight
 
 INTRA, INTER = cm.Link(busbw=100e9, alpha=0.0), cm.Link(busbw=10e9, alpha=0.0)
 
@@ -62,7 +62,7 @@ def test_in_flight_micro_batches():
     assert in_flight("1f1b", 8, 1, 4, stage=0) == 4
     assert in_flight("gpipe", 8, 1, 32, stage=0) == 32
     assert in_flight("interleaved", 8, 2, 32, stage=0) == pytest.approx(8 * (1 + 7 / 16))
-    assert "multiple of pp" in check_schedule("interleaved", 4, 2, 6)
+    assert "multiple of parallel.pp" in check_schedule("interleaved", 4, 2, 6)
 
 
 # -- our model's counts -----------------------------------------------------------

@@ -72,7 +72,8 @@ def run(args: Any, rt: Any, pm: Any) -> None:
     from hpctrain.model.attention import SdpaAttention
     from hpctrain.run import build_mesh
     from hpctrain_cp.allgather import AllGatherAttention
-    from hpctrain_cp.ring import ComputeTime, Layout, RingAttention
+    from hpctrain.data.sequence import SequenceLayout as Layout
+    from hpctrain_cp.ring import ComputeTime, RingAttention
 
     world, n = rt.mpi_comm, rt.world_size
     cfg = to_config({"comm": {"backend": args.backend}, "parallel": {"cp": n},

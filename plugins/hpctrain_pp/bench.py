@@ -76,7 +76,7 @@ class TorchPipelineLoop:
         from hpctrain.model.build import build_model
         from hpctrain.shard import get_spec
         from hpctrain.train.optim import build_adamw
-        from hpctrain_pp.split import stage_layers
+        from hpctrain.pipeline.split import stage_layers
 
         self.cfg, self.dist = cfg, dist
         cls_name, v = SCHEDULES[schedule]
@@ -175,7 +175,7 @@ def measured_bubbles(trainer: Any, steps: int) -> Dict[str, float]:
         theory = tl.simulated_per_rank()
         measured.append(tl.bubble())
         simulated.append(sum(theory.bubble(r) for r in range(tl.p)) / tl.p)
-    from hpctrain_pp.timeline import formula_bubble
+    from hpctrain.pipeline.bubble import formula_bubble
 
     return {"measured": statistics.median(measured), "simulated": statistics.median(simulated),
             "formula": formula_bubble(tl.schedule, tl.p, tl.v, tl.m), "m": tl.m, "v": tl.v}

@@ -1,4 +1,5 @@
-"""Pipeline schedules as the planner sees them: bubble time and in-flight micro-batches.
+"""Pipeline schedules' costs: bubble time and in-flight micro-batches (the planner, the
+timeline and the benchmarks use these).
 
 With p stages, m micro-batches, v model chunks per stage (interleaving) and
 per-micro-batch stage times t_f (forward) and t_b (backward):
@@ -22,23 +23,20 @@ completeness; it is never better than 1F1B (same bubble, more memory).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from hpctrain.pipeline.schedules import SCHEDULES, check
 
-SCHEDULES: Tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+__all__ = ["SCHEDULES", "NO_PIPELINE", "check_schedule", "bubble_time", "bubble_fraction", "formula_bubble",
+           "in_flight"]
+
 NO_PIPELINE = "none"
+"""The planner's schedule name for a layout without pipeline parallelism."""
 
 
 def check_schedule(schedule: str, pp: int, vpp: int, microbatches: int) -> str:
-    """'' when the schedule can run, else the reason."""
+    """'' when the schedule can run, else the reason (``schedules.check``; pp 1 takes ``none``)."""
     if pp == 1:
         return "" if schedule == NO_PIPELINE and vpp == 1 else "without pipeline parallelism the schedule is 'none' and vpp=1"
-    if schedule not in SCHEDULES:
-        return f"unknown pipeline schedule {schedule!r} (known: {', '.join(SCHEDULES)})"
-    if (schedule == "interleaved") != (vpp > 1):
-        return "vpp > 1 goes with the interleaved schedule, and only with it"
-    if schedule == "interleaved" and microbatches % pp:
-        return f"the interleaved schedule needs the micro-batch count ({microbatches}) to be a multiple of pp ({pp})"
-    return ""
+    return check(schedule, pp, vpp, microbatches)
 
 
 def bubble_time(schedule: str, pp: int, vpp: int, t_f: float, t_b: float, t_w: float) -> float:
@@ -73,3 +71,11 @@ def in_flight(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -
     if schedule == "interleaved":
         held *= 1.0 + (pp - 1) / (pp * vpp)
     return held
+
+
+def formula_bubble(schedule: str, p: int, v: int, m: int) -> float:
+    """The published bubble fraction as idle over compute time, with equal
+    forward, input-gradient and weight-gradient times: (p-1)/m for GPipe and
+    1F1B, (p-1)/(v m) interleaved, (p-1)/(3 m) for ZB-H1."""
+    t_f, t_b, t_w = 1.0, 2.0, 1.0
+    return bubble_time(schedule, p, v, t_f, t_b, t_w) / (m * (t_f + t_b))

@@ -1,0 +1,1 @@
+"""Sample third-party axis plugin: the data axes through torch's DistributedDataParallel."""
