@@ -137,8 +137,9 @@ def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], model: "torch.nn
 
 
 @hookspec(firstresult=True)
-def hpctrain_make_checkpointer(name: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["Checkpointer"]:
-    """Return a checkpointer for format ``name`` or None."""
+def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConfig") -> Optional["Checkpointer"]:
+    """Return a checkpointer for format ``name`` or None. ``mesh`` is the
+    run's layout (None outside a run, e.g. the checkpoint benchmark)."""
 
 
 @hookspec

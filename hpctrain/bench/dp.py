@@ -37,11 +37,14 @@ import contextlib
 import copy
 import statistics
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.mesh import Mesh
 
 # A wider tiny model than the default (3.3M parameters, 12.8 MiB of gradients,
 # so communication is a visible share of the step), with a small batch so one
@@ -70,7 +73,7 @@ class StepLoop:
     """One training step in plain torch; ``sync`` says how gradients are averaged:
     ``"ddp"``, ``"local"`` (not at all) or ``"hpctrain"`` (the dp plugin over ``mesh``)."""
 
-    def __init__(self, cfg: Any, rt, pm, sync: str, mesh=None):
+    def __init__(self, cfg: Any, rt, pm, sync: str, mesh: Optional[Mesh] = None):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 

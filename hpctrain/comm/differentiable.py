@@ -87,7 +87,7 @@ def _shift(x: torch.Tensor, group: Group, shift: int) -> torch.Tensor:
 # -- autograd functions ---------------------------------------------------------
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: Group):
         ctx.group = group
         return x.view_as(x)
 
@@ -98,7 +98,7 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group: Group):
         return _all_reduce(x, group)
 
     @staticmethod
@@ -110,7 +110,7 @@ def _along_dim(name: str, forward, backward) -> type:
     """An autograd Function over (x, group, dim): ``forward`` going forward,
     ``backward`` on the gradient (both ``f(tensor, group, dim)``)."""
 
-    def fwd(ctx, x, group, dim):
+    def fwd(ctx, x, group: Group, dim: int):
         ctx.group, ctx.dim = group, dim
         return forward(x, group, dim)
 
@@ -128,7 +128,7 @@ _ReduceScatterToSequenceRegion = _along_dim("_ReduceScatterToSequenceRegion", _r
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits):
+    def forward(ctx, x, group: Group, output_splits, input_splits):
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
         return _all_to_all(x, group, output_splits, input_splits)
 
@@ -139,7 +139,7 @@ class _AllToAll(torch.autograd.Function):
 
 class _RingShift(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, shift):
+    def forward(ctx, x, group: Group, shift: int):
         ctx.group, ctx.shift = group, shift
         return _shift(x, group, shift)
 

@@ -23,7 +23,7 @@ same order. Launching strictly in index order keeps that true regardless.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,8 +38,9 @@ class BucketPlan:
     indices: Tuple[int, ...]
     offsets: Tuple[int, ...]
     numel: int
-    group: Any = None
-    """What its parameters are reduced over (``plan_buckets``'s ``groups`` entry)."""
+    group: Hashable = None
+    """What its parameters are reduced over: ``plan_buckets``'s ``groups`` entry, a
+    hashable key (the engine passes its communicator's id), not a mesh Group."""
 
     @property
     def nbytes(self) -> int:
@@ -51,7 +52,7 @@ class _Open:
     order: int
     dtype: torch.dtype
     device: torch.device
-    group: Any
+    group: Hashable
     indices: List[int] = field(default_factory=list)
     offsets: List[int] = field(default_factory=list)
     numel: int = 0
@@ -62,14 +63,14 @@ class _Open:
 
 
 def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
-                 groups: Optional[Sequence[Any]] = None) -> List[BucketPlan]:
+                 groups: Optional[Sequence[Hashable]] = None) -> List[BucketPlan]:
     """Buckets for ``params`` (in registration order), in launch order.
     ``groups[i]`` (hashable; default all the same) is what parameter ``i`` is
     reduced over."""
     if cap_bytes < 0:
         raise ValueError(f"bucket cap must be >= 0 bytes, got {cap_bytes}")
     closed: List[_Open] = []
-    open_by_key: Dict[Tuple[Any, torch.dtype, torch.device], _Open] = {}
+    open_by_key: Dict[Tuple[Hashable, torch.dtype, torch.device], _Open] = {}
     opened = 0
     for i in reversed(range(len(params))):
         p = params[i]
@@ -99,7 +100,7 @@ def cap_bytes_from_mb(bucket_mb: float) -> int:
 
 
 def given_buckets(params: Sequence[torch.Tensor], buckets: Sequence[Sequence[torch.Tensor]],
-                  groups: Optional[Sequence[Any]] = None,
+                  groups: Optional[Sequence[Hashable]] = None,
                   numel_of: Optional[Callable[[torch.Tensor], int]] = None) -> List[BucketPlan]:
     """BucketPlans for buckets chosen by the caller (a ZeRO plugin's flat
     groups), in the order given; members keep their order, laid out end to

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hpctrain.boxes import Box, box_shape, full_box, intersect
-from hpctrain.mesh import AXES
+from hpctrain.mesh import AXES, Mesh
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import Block, SwiGLU, Transformer
@@ -32,7 +32,7 @@ BUILTIN_FFN = {"swiglu": SwiGLU}
 
 
 def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, shape: ModelShape, layer: int,
-               mesh: Any) -> nn.Module:
+               mesh: Optional[Mesh]) -> nn.Module:
     if pm is not None:
         part = pm.hook.hpctrain_make_module(kind=kind, name=name, cfg=cfg, layer_index=layer, mesh=mesh)
         if part is not None:
@@ -46,7 +46,7 @@ def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, sha
     )
 
 
-def build_model(cfg: Any, pm=None, mesh: Any = None) -> Transformer:
+def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
     """The full (one-process) model on the meta device, a ShardSpec on every parameter.
 
     ``cfg`` is the whole run config (plugins building parts may read any
@@ -69,7 +69,7 @@ def build_model(cfg: Any, pm=None, mesh: Any = None) -> Transformer:
     return model
 
 
-def narrow_param(module: nn.Module, name: str, spec: ShardSpec, mesh: Any) -> nn.Parameter:
+def narrow_param(module: nn.Module, name: str, spec: ShardSpec, mesh: Mesh) -> nn.Parameter:
     """Replace ``module.<name>`` (on the meta device) by this rank's piece as
     ``spec`` cuts it (an axis plugin splitting a weight in ``hpctrain_parallelize``)."""
     old = getattr(module, name)

@@ -14,9 +14,13 @@ CommError at start-up.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from hpctrain import hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.comm.protocol import Communicator
+    from hpctrain.mesh import Group
 
 NAME = "hier"
 UNEVEN_CHOICES = ("flat", "error")
@@ -86,7 +90,7 @@ def hpctrain_validate(cfg, world_size) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_make_backend(name, group, cfg):
+def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name != NAME:
         return None
     from hpctrain_comm_hier.build import build_hier

@@ -7,9 +7,13 @@ for this backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from hpctrain import hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.comm.protocol import Communicator
+    from hpctrain.mesh import Group
 
 NAME = "mpi"
 CUDA_AWARE_CHOICES = ("auto", "on", "off")
@@ -49,7 +53,7 @@ def hpctrain_register_configs(config_store):
 
 
 @hookimpl
-def hpctrain_make_backend(name, group, cfg):
+def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name != NAME:
         return None
     from hpctrain.bootstrap import get_runtime

@@ -1,8 +1,14 @@
 """Plugin registration for the torch.distributed backend."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional
+
 from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime, init_torch_distributed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.comm.protocol import Communicator
+    from hpctrain.mesh import Group
 
 NAMES = ("torch", "gloo", "nccl")
 
@@ -13,7 +19,7 @@ def hpctrain_capabilities():
 
 
 @hookimpl
-def hpctrain_make_backend(name, group, cfg):
+def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name not in NAMES:
         return None
     from hpctrain_comm_torch.communicator import TorchCommunicator

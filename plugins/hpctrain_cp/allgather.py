@@ -21,6 +21,7 @@ from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
 
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 from hpctrain.data.sequence import SequenceLayout
+from hpctrain.mesh import Group
 
 
 def _pairs(layout: SequenceLayout, rank: int):
@@ -36,7 +37,7 @@ def _pairs(layout: SequenceLayout, rank: int):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float):
         rank, heads = group.rank, q.shape[1]
         c = q.shape[2] // len(layout.chunks[rank])
         kv = all_gather_along(torch.stack([k, v]), group, dim=3)  # (2, b, kv_heads, T, d), rank order
@@ -81,7 +82,7 @@ class AllGatherAttention(nn.Module):
     and values all-gathered per call; grouped-query attention when k/v have
     fewer heads."""
 
-    def __init__(self, group: Any, layout: SequenceLayout):
+    def __init__(self, group: Group, layout: SequenceLayout):
         super().__init__()
         self.group, self.layout = group, layout
 

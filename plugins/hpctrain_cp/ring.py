@@ -36,6 +36,7 @@ from hpctrain.comm.protocol import P2POp
 from hpctrain.data.sequence import SequenceLayout
 
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
+from hpctrain.mesh import Group
 
 TAG_KV, TAG_DKV = 31, 32
 
@@ -68,7 +69,7 @@ def _pairs(mine: Sequence[int], theirs: Sequence[int]):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime]):
+    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime]):
         comm, rank, n = group.communicator(), group.rank, group.size
         heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
         q32 = q.float()
@@ -138,7 +139,7 @@ class RingAttention(nn.Module):
     says; grouped-query attention when k/v have fewer heads. ``clock``
     (optional) accumulates this rank's compute time."""
 
-    def __init__(self, group: Any, layout: SequenceLayout, clock: Optional[ComputeTime] = None):
+    def __init__(self, group: Group, layout: SequenceLayout, clock: Optional[ComputeTime] = None):
         super().__init__()
         self.group, self.layout, self.clock = group, layout, clock
 

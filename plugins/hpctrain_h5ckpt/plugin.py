@@ -7,12 +7,16 @@ the same point on every rank.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime
 
 from hpctrain_h5ckpt import options
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.mesh import Mesh
+    from hpctrain.checkpoint import Checkpointer
 
 FORMAT = "hdf5"
 
@@ -51,7 +55,7 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_make_checkpointer(name: str, mesh: Any, cfg: Any) -> Optional[Any]:
+def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Optional[Checkpointer]:
     if name != FORMAT:
         return None
     from hpctrain_h5ckpt.checkpointer import H5Checkpointer

@@ -47,6 +47,7 @@ from hpctrain.train.optim import lr_at
 
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, splits_json
+from hpctrain.mesh import Mesh
 
 log = get_logger(__name__)
 
@@ -101,7 +102,7 @@ class Held:
     spec: ShardSpec
     """What of the logical tensor it holds (``ShardSpec.pieces``)."""
 
-    def pieces(self, mesh: Any) -> List[Piece]:
+    def pieces(self, mesh: Mesh) -> List[Piece]:
         shape = self.spec.local_shape(mesh.coords, mesh.sizes)
         if tuple(shape) != tuple(self.tensor.shape):
             raise CheckpointError(f"{self.path}: ShardSpec gives a local shape {tuple(shape)} but the tensor "
@@ -225,7 +226,7 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
     return view
 
 
-def _add_tensor(view: StateView, held: Held, mesh: Any) -> None:
+def _add_tensor(view: StateView, held: Held, mesh: Mesh) -> None:
     """Declare ``held``'s logical dataset and add each piece this rank holds
     (a view of the live tensor; padding is never part of a piece)."""
     decl = _decl(held.path, held.spec.global_shape, held.tensor.dtype, splits=splits_json(held.spec))

@@ -40,11 +40,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.mesh import Group
 
 DEFAULT_OVERRIDES = (  # 8 experts of width 1024 on d_model 512, top-2; 2048 tokens per rank
     "model=tiny-moe", "model.d_model=512", "model.ffn_hidden=1024", "model.moe.num_experts=8",
@@ -52,7 +55,7 @@ DEFAULT_OVERRIDES = (  # 8 experts of width 1024 on d_model 512, top-2; 2048 tok
 )
 
 
-def make_layer(cfg: Any, group: Any, seed: int = 0):
+def make_layer(cfg: Any, group: Optional[Group], seed: int = 0):
     """The MoE layer of ``cfg`` with random weights (the same on every rank),
     holding this rank's experts of ``group`` (None: all of them)."""
     from hpctrain.config import plugin_section

@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from hpctrain.comm.differentiable import all_to_all
+from hpctrain.mesh import Group
 
 
 @dataclass
@@ -49,7 +50,7 @@ class DispatchPlan:
 
 
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int,
-                  group: Any) -> DispatchPlan:
+                  group: Group) -> DispatchPlan:
     """The plan for (N, k) ``experts`` and ``weights``, ``keep`` (N, k) the
     assignments within capacity (None: all). Collective over ``group`` (the
     ep group; None or size 1: no exchange)."""
@@ -76,13 +77,13 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True)
 
 
-def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Any) -> torch.Tensor:
+def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
     """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``)."""
     rows = tokens[plan.token]
     return all_to_all(rows, group, plan.recv_splits, plan.send_splits) if plan.exchange else rows
 
 
-def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Any, n_tokens: int) -> torch.Tensor:
+def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Group, n_tokens: int) -> torch.Tensor:
     """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
     sum of its experts' outputs times their router weights."""
     if plan.exchange:

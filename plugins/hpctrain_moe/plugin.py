@@ -121,7 +121,7 @@ def _regions(mesh: Optional[Mesh], cfg: Any) -> MoERegions:
 
 
 @hookimpl
-def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh: Any) -> Optional[nn.Module]:
+def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh: Optional[Mesh]) -> Optional[nn.Module]:
     if kind != "ffn" or name != "moe":
         return None
     m = moe_config(cfg)

@@ -36,6 +36,7 @@ import torch
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass
 from hpctrain.pipeline.simulate import simulate
+from hpctrain.mesh import Group
 
 JSON_NAME = "pipeline_timeline.json"
 PNG_NAME = "pipeline_timeline.png"
@@ -114,7 +115,7 @@ class PipelineTimeline:
         return simulate(self.programs, self.p, self.v, per_rank=per_rank)
 
 
-def gather(recorder: Recorder, schedule: str, group: Any, v: int, m: int) -> PipelineTimeline:
+def gather(recorder: Recorder, schedule: str, group: Group, v: int, m: int) -> PipelineTimeline:
     """All-gather the pp group's recorded times (every pp rank gets the whole timeline)."""
     p = group.size
     programs = actions(schedule, p, v, m)

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
+from hpctrain.mesh import Group
 
 SEQUENCE_DIM = 1
 
 
 class _SequenceParallelColumns(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, *weights: torch.Tensor):
+    def forward(ctx, x: torch.Tensor, group: Group, *weights: torch.Tensor):
         device = x.device.type
         ctx.group = group
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -58,7 +59,7 @@ class _SequenceParallelColumns(torch.autograd.Function):
         return (grad_x, None, *weight_grads)
 
 
-def sequence_parallel_columns(x: torch.Tensor, group: Any, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def sequence_parallel_columns(x: torch.Tensor, group: Group, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """``[F.linear(all_gather(x), w) for w in weights]``, keeping only ``x`` (the shard) for backward."""
     if group.size == 1:
         return [F.linear(x, w) for w in weights]

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from hpctrain.comm.differentiable import copy_to_region, reduce_from_region, reduce_scatter_to_sequence_region
 
 from hpctrain_tp.columns import SEQUENCE_DIM, sequence_parallel_columns
+from hpctrain.mesh import Group
 
 
 @dataclass(frozen=True)
 class Regions:
-    group: Any
+    group: Group
     """The tp group."""
     sequence_parallel: bool
 

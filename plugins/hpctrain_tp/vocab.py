@@ -22,6 +22,7 @@ from hpctrain.comm.differentiable import reduce_from_region
 from hpctrain.comm.protocol import ReduceOp
 
 from hpctrain_tp.regions import Regions
+from hpctrain.mesh import Group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -58,7 +59,7 @@ class VocabParallelCrossEntropy(nn.Module):
     """Mean token cross-entropy in fp32 from vocab-split logits; every tp rank
     gets the whole loss. The gradient reaches each rank's own columns only."""
 
-    def __init__(self, group: Any, start: int, vocab_size: int):
+    def __init__(self, group: Group, start: int, vocab_size: int):
         super().__init__()
         self.group = group
         self.start = start
