@@ -89,7 +89,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
         if e.on_every_rank and rt.world_size > 1:
             rt.mpi_comm.Barrier()  # rank 0 has written its line before any rank exits
         return code
-    except Exception:
+    except Exception:  # noqa: BLE001 - any other failure: a traceback and an MPI abort, never a hang
         return crash(rt)
 
 
@@ -126,7 +126,7 @@ def _hydra_main(argv: List[str], world) -> int:
             codes.append(code)
             if HydraConfig.get().mode.name == "MULTIRUN":
                 return code
-            raise SystemExit(code)
+            raise SystemExit(code) from None
         if world is not None:
             world.bcast((_RUN, cfg_yaml, run_dir), root=0)
         code = _execute(cfg_yaml, run_dir)
@@ -149,7 +149,7 @@ def _hydra_main(argv: List[str], world) -> int:
         code = max(codes, default=0)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported as a composition error
         code = _composition_failed(e, user_full_error == "1")
     finally:
         sys.argv = saved
@@ -171,7 +171,7 @@ def _composition_failed(e: Exception, full_error: bool) -> int:
 
     try:
         message = explain(e, get_manager())
-    except Exception:  # explaining must never hide the original error
+    except Exception:  # noqa: BLE001 - explaining must never hide the original error
         message = None
     if full_error or message is None:
         traceback.print_exc()

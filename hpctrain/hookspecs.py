@@ -96,7 +96,8 @@ def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: i
 
 
 @hookspec(firstresult=True)
-def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh", cfg: "DictConfig") -> Optional["AxisHandle"]:
+def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh",
+                         cfg: "DictConfig") -> Optional["AxisHandle"]:
     """Apply the transform of mesh axis ``axis`` to the meta-device model and
     return a handle (``hpctrain.parallel.handles``) whose ``model`` is what
     this rank runs afterwards (the same model changed in place, or a

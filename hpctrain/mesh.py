@@ -77,7 +77,8 @@ def resolve_sizes(sizes: Mapping[str, int], world_size: int, order: str = DEFAUL
     out = {a: int(sizes.get(a, 1)) for a in AXES}
     for a in AXES:
         if out[a] == 0 or out[a] < -1 or (out[a] == -1 and a != "dp"):
-            raise ConfigError(f"parallel.{a}={out[a]} is invalid: use a positive size" + (" or -1 (the rest)" if a == "dp" else ""))
+            rest = " or -1 (the rest)" if a == "dp" else ""
+            raise ConfigError(f"parallel.{a}={out[a]} is invalid: use a positive size{rest}")
     if out["dp"] == -1:
         rest = math.prod(out[a] for a in AXES if a != "dp")
         if world_size % rest:
@@ -120,7 +121,8 @@ class Group:
 
     def communicator(self) -> "Communicator":
         if self.comm is None:
-            raise RuntimeError(f"group {self.name!r} has no communicator yet (backends are attached by Mesh.attach_backends)")
+            raise RuntimeError(f"group {self.name!r} has no communicator yet "
+                               "(backends are attached by Mesh.attach_backends)")
         return self.comm
 
 

@@ -61,7 +61,7 @@ def _compose_on_rank0(overrides: List[str], rt, pm):
             cfg = compose_resolved(overrides + ["checkpoint.every=0", "checkpoint.resume=null",
                                                 "trainer.progress=off"], pm)
             found = ("ok", OmegaConf.to_yaml(cfg, resolve=True))
-        except Exception as e:  # Hydra's composition errors: unknown keys, presets
+        except Exception as e:  # noqa: BLE001 - Hydra's composition errors: unknown keys, presets
             found = ("error", f"{type(e).__name__}: {e}")
     if rt.world_size > 1:
         found = rt.mpi_comm.bcast(found, root=0)
@@ -140,7 +140,7 @@ def main(argv: Optional[List[str]] = None, pm=None) -> int:
         return check(args, pm)
     except HpctrainError as e:  # validation is agreed over every rank: all raise it together
         return _fail(str(e), rt.world_rank, e.exit_code, e.prefix)
-    except Exception:  # one rank's failure must not leave the others waiting in a collective
+    except Exception:  # noqa: BLE001 - one rank's failure must not leave the others waiting in a collective
         return crash(rt)
     finally:
         shutdown()

@@ -72,7 +72,8 @@ def backend_factory(cfg: Any, pm, device: torch.device):
         name = names.pop()
         comm = pm.hook.hpctrain_make_backend(name=name, group=group, cfg=cfg)
         if comm is None:
-            raise PluginError(f"comm backend {name!r} was declared but its plugin returned no communicator for {group.name}")
+            raise PluginError(f"comm backend {name!r} was declared but its plugin returned no communicator "
+                              f"for {group.name}")
         return comm
 
     return make

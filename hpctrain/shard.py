@@ -43,13 +43,13 @@ gradient norm and the checkpoint all go through it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from hpctrain.boxes import Box, box_shape, flat_index, flat_range_boxes, full_box, intersect
+from hpctrain.boxes import Box, box_shape, flat_index, flat_range_boxes, intersect
 
 SPEC_ATTR = "hpctrain_spec"
 
@@ -255,7 +255,8 @@ class ShardSpec:
         numel = math.prod(self.dim_local_shape(sizes))
         total = f.total if f.total is not None else numel
         if f.offset < 0 or f.offset + numel > total:
-            raise ValueError(f"{self.logical_name}: at offset {f.offset}, {numel} elements overflow a flat group of {total}")
+            raise ValueError(f"{self.logical_name}: at offset {f.offset}, {numel} elements overflow "
+                             f"a flat group of {total}")
         n, idx = self._flat_index(coords, sizes)
         chunk = -(-total // n)
         lo, hi = idx * chunk, min(total, (idx + 1) * chunk)

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "plugins"), os.path.join(os.path.dirname(__file__), "..")]
 
-from hpctrain.model.aux import collect_aux_losses  # noqa: E402
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv  # noqa: E402
 from hpctrain.data.sequence import SequenceLayout as Layout  # noqa: E402
+from hpctrain.model.aux import collect_aux_losses  # noqa: E402
+
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv  # noqa: E402
 from hpctrain_moe.config import MoEConfig  # noqa: E402
 from hpctrain_moe.layer import MoE  # noqa: E402
 
@@ -75,7 +76,7 @@ def main() -> int:
                dict(num_experts=8, top_k=1, router="sigmoid", shared_experts=1)):
         try:
             cpu, gpu, again = moe_run("cpu", **kw), moe_run("cuda", **kw), moe_run("cuda", **kw)
-        except Exception as e:  # report and go on: one failure should not hide the others
+        except Exception as e:  # noqa: BLE001 - report and go on: one failure should not hide the others
             check(f"moe {kw}", False, f"raised {type(e).__name__}: {e}")
             continue
         same = close(gpu[0], cpu[0]) and close(gpu[1], cpu[1]) and all(close(gpu[2][n], cpu[2][n]) for n in cpu[2])
@@ -115,9 +116,9 @@ def main() -> int:
             for c in range(2 * cp):
                 kind = pair_kind(a, c)
                 if kind:
-                    o, l = block_forward(qr[:, :, i * chunk:(i + 1) * chunk], kx[:, :, c * chunk:(c + 1) * chunk],
-                                         vx[:, :, c * chunk:(c + 1) * chunk], scale, kind == "causal")
-                    out, lse = merge(out, lse, o, l)
+                    o, o_lse = block_forward(qr[:, :, i * chunk:(i + 1) * chunk], kx[:, :, c * chunk:(c + 1) * chunk],
+                                             vx[:, :, c * chunk:(c + 1) * chunk], scale, kind == "causal")
+                    out, lse = merge(out, lse, o, o_lse)
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)

@@ -36,7 +36,8 @@ Each time is the slowest rank's; the tables show medians over ``--iters``.
 The contenders run back to back within each iteration, and the ratios
 (hpctrain / DCP throughput, async blocking / sync save) are medians of the
 per-iteration ratios, which a shared machine's changing load disturbs far
-less than a ratio of medians. Throughput = tensor bytes / time. Files go to ``--dir`` (default: a fresh directory under /tmp).
+less than a ratio of medians. Throughput = tensor bytes / time. Files go
+to ``--dir`` (default: a fresh directory under /tmp).
 """
 from __future__ import annotations
 
@@ -154,9 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     args = ap.parse_args(argv)
 
-    import torch.distributed.checkpoint as dcp
-
     import h5py
+    import torch.distributed.checkpoint as dcp
     from omegaconf import OmegaConf
 
     from hpctrain.bootstrap import init_runtime, init_torch_distributed
@@ -208,10 +208,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         previous = [h5_path, dcp_path, *async_paths.values()]
         comm.Barrier()
         runs = {
-            "h5 save": lambda: sync_ck.save(trainer, h5_path),
-            "dcp save": lambda: dcp.save(state, checkpoint_id=dcp_path),
-            "h5 load": lambda: sync_ck.load(trainer, h5_path),
-            "dcp load": lambda: dcp.load(state, checkpoint_id=dcp_path),
+            "h5 save": lambda p=h5_path: sync_ck.save(trainer, p),
+            "dcp save": lambda p=dcp_path: dcp.save(state, checkpoint_id=p),
+            "h5 load": lambda p=h5_path: sync_ck.load(trainer, p),
+            "dcp load": lambda p=dcp_path: dcp.load(state, checkpoint_id=p),
             "work alone": work,
         }
         for key, fn in runs.items():
@@ -251,7 +251,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     h5_size, dcp_size = comm.bcast((_dir_size(h5_path), _dir_size(dcp_path)) if rank == 0 else None, root=0)
 
     table = Table([Column("operation", align="<"), Column("hpctrain HDF5 s", "{:.3f}"), Column("DCP s", "{:.3f}"),
-                   Column("hpctrain MB/s", "{:,.0f}"), Column("DCP MB/s", "{:,.0f}"), Column("hpctrain / DCP throughput", "{:.2f}x")])
+                   Column("hpctrain MB/s", "{:,.0f}"), Column("DCP MB/s", "{:,.0f}"),
+                   Column("hpctrain / DCP throughput", "{:.2f}x")])
     for op in ("save", "load"):
         ours, theirs = med[f"h5 {op}"], med[f"dcp {op}"]
         table.add(op, ours, theirs, mb / ours, mb / theirs, ratio[op])

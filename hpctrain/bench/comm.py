@@ -42,8 +42,16 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.bench.common import (Column, Table, format_size, machine_summary, parse_size, print_rank0,
-                                   size_ladder, time_interleaved)
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    format_size,
+    machine_summary,
+    parse_size,
+    print_rank0,
+    size_ladder,
+    time_interleaved,
+)
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 RAW = ("raw-mpi4py", "raw-gloo")
@@ -70,7 +78,10 @@ def make_buffers(op: str, size: int, n: int, dtype: torch.dtype) -> Buffers:
     """Buffers for ``size`` total bytes, rounded down to whole per-rank chunks."""
     item = torch.empty((), dtype=dtype).element_size()
     count = max(n, (size // item) // n * n)
-    z = lambda k: torch.zeros(k, dtype=dtype)
+
+    def z(k: int) -> torch.Tensor:
+        return torch.zeros(k, dtype=dtype)
+
     if op in ("all_reduce", "broadcast"):
         return Buffers(z(count), None, count * item)
     if op == "all_gather":
@@ -157,7 +168,7 @@ def make_backends(names: Optional[List[str]], rt, pm) -> Tuple[Dict[str, Any], L
         error = None
         try:
             comm = build_mesh(cfg, rt, pm).group("dp").communicator()
-        except Exception as e:  # a plugin that cannot run here: report, do not abort the table
+        except Exception as e:  # noqa: BLE001 - a plugin that cannot run here: report, do not abort the table
             comm, error = None, f"{type(e).__name__}: {e}"
         failures = [f for f in rt.mpi_comm.allgather(error) if f]
         if failures:
@@ -243,7 +254,8 @@ def run(args, rt, pm) -> Dict[str, Table]:
         if big:
             plain, paired = [r for r, _ in big], [p for _, p in big]
             print_rank0(world, f"{op:<15} {label:<12} min {min(plain):.2f}  median {statistics.median(plain):.2f}  "
-                               f"paired min {min(paired):.2f}  median {statistics.median(paired):.2f}  ({len(big)} sizes)")
+                               f"paired min {min(paired):.2f}  median {statistics.median(paired):.2f}  "
+                               f"({len(big)} sizes)")
     return tables
 
 

@@ -166,7 +166,10 @@ class Table:
 
     def text(self) -> str:
         w = self._widths()
-        line = lambda cells: "  ".join(f"{s:{c.align}{wi}}" for s, c, wi in zip(cells, self.columns, w))
+
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join(f"{s:{c.align}{wi}}" for s, c, wi in zip(cells, self.columns, w))
+
         out = [line([c.title for c in self.columns]), "  ".join("-" * wi for wi in w)]
         return "\n".join(out + [line(r) for r in self.rows])
 
@@ -216,7 +219,8 @@ def machine_summary(mpi_comm: Any = None) -> str:
         mem_s = f"{mem:.0f} GiB"
     except (ValueError, OSError, AttributeError):
         mem_s = "? GiB"
-    parts = [socket.gethostname(), _cpu_model(), f"{cores} cores" + (f" ({bound} per rank)" if bound != cores else ""), mem_s]
+    per_rank = f" ({bound} per rank)" if bound != cores else ""
+    parts = [socket.gethostname(), _cpu_model(), f"{cores} cores{per_rank}", mem_s]
     if mpi_comm is not None:
         from mpi4py import MPI
 

@@ -42,8 +42,14 @@ class TorchTpLoop(PeerLoop):
     def __init__(self, cfg: Any, rt: Any, pm: Any):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                       SequenceParallel, loss_parallel, parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            loss_parallel,
+            parallelize_module,
+        )
 
         from hpctrain.model.build import build_model
         from hpctrain.shard import get_spec

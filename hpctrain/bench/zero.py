@@ -114,7 +114,9 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
         if wanted is not None and label not in wanted:
             continue
         tr = _zero_trainer(cfg, rt, pm, stage, backend, args.param_dtype)
-        wire = lambda t=tr: sum(v for k, v in t.metrics.items() if k.startswith("comm_bytes."))
+        def wire(t: Any = tr) -> float:
+            return sum(v for k, v in t.metrics.items() if k.startswith("comm_bytes."))
+
         out.append((label, tr.train_step, lambda t=tr: t.metrics.get("loss"), wire))
     return out
 
@@ -164,7 +166,8 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any, overrides: List[str]) -> None:
     print_rank0(world, f"# {machine_summary(world)}",
                 f"# model d_model={cfg.model.d_model} n_layers={cfg.model.n_layers}: {params:,} parameters; global "
                 f"batch {t.global_batch_size} x seq {t.seq_len}, micro-batch {t.micro_batch_size}; param dtype "
-                f"{args.param_dtype}, reduce fp32", f"# {args.warmup} warm-up steps, median of {args.steps} (round-robin)")
+                f"{args.param_dtype}, reduce fp32",
+                f"# {args.warmup} warm-up steps, median of {args.steps} (round-robin)")
     timings = time_interleaved([step for _, step, _, _ in runners], world, args.warmup, args.steps)
     samples = {label: tm.samples for (label, _, _, _), tm in zip(runners, timings)}
     med = {label: statistics.median(s) for label, s in samples.items()}

@@ -1,7 +1,7 @@
 """Communication: the Communicator protocol every backend plugin implements."""
 from hpctrain.comm.protocol import (  # noqa: F401
-    CompletedWork,
     Communicator,
+    CompletedWork,
     LocalCommunicator,
     P2POp,
     ReduceOp,

@@ -33,7 +33,6 @@ import torch
 from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
 from hpctrain.comm.watch import OpBoard, Waiting, WatchedWork
 
-
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 
 

@@ -141,7 +141,8 @@ def check_all_to_all(
     for name, t, splits in (("input", input, input_splits), ("output", output, output_splits)):
         if splits is None:
             if _dim0(t) % size:
-                raise CommError(f"all_to_all: {name} dim 0 ({_dim0(t)}) is not divisible by group size {size}; pass {name}_splits")
+                raise CommError(f"all_to_all: {name} dim 0 ({_dim0(t)}) is not divisible by group size {size}; "
+                                f"pass {name}_splits")
         else:
             if len(splits) != size or any(s < 0 for s in splits):
                 raise CommError(f"all_to_all: {name}_splits={list(splits)} must be {size} non-negative counts")

@@ -122,7 +122,10 @@ def _unknown_key(key: str, pm: Any) -> str:
     bad = parts[len(known_at.split(".")) if known_at else 0]
     siblings = siblings or []
     close = difflib.get_close_matches(bad, siblings, n=1, cutoff=0.7)
-    full = (lambda k: f"{known_at}.{k}" if known_at else k)
+
+    def full(k: str) -> str:
+        return f"{known_at}.{k}" if known_at else k
+
     if known_at:
         text = f"{key} is not a config key ({known_at} has no {bad!r})"
     else:
@@ -148,7 +151,7 @@ def _schema(pm: Any) -> type:
 def _hints(cls: type) -> dict:
     try:
         return typing.get_type_hints(cls)
-    except Exception:  # an annotation that cannot be resolved: the raw ones
+    except Exception:  # noqa: BLE001 - an annotation that cannot be resolved: the raw ones
         return {f.name: f.type for f in dataclasses.fields(cls)}
 
 

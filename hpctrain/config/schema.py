@@ -11,7 +11,7 @@ hook; ``build_schema`` folds them in (see ``store.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 
 @dataclass
@@ -43,7 +43,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
     vocab_pad_to: Optional[int] = None
-    """Under tensor parallelism the embedding and output rows are padded to a multiple of this (padding rows are zero, never in the loss or a checkpoint); None: tp x 64 for vocabularies of 4096 tokens or more, tp below that."""
+    """Under tensor parallelism the embedding and output rows are padded to a multiple of this (padding rows
+    are zero, never in the loss or a checkpoint); None: tp x 64 for vocabularies of 4096 tokens or more, tp
+    below that."""
     init_std: float = 0.02
     """Std of the normal init; output projections use init_std / sqrt(2 * n_layers)."""
     attention: str = "sdpa"
@@ -51,7 +53,8 @@ class ModelConfig:
     ffn: str = "swiglu"
     """Feed-forward implementation per block ("swiglu" built in; "moe" from a plugin)."""
     recompute: str = "none"
-    """Activation recomputation: none; selective (the attention core is recomputed in backward); full (each block keeps only its input and runs its forward again in backward)."""
+    """Activation recomputation: none; selective (the attention core is recomputed in backward); full (each
+    block keeps only its input and runs its forward again in backward)."""
 
 
 @dataclass
@@ -87,9 +90,11 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size."""
     sequence_parallel: bool = True
-    """With tp > 1: norms and the residual stream hold 1/tp of the sequence (all-gather before column-parallel layers, reduce-scatter after row-parallel ones); false: all-reduce after row-parallel layers."""
+    """With tp > 1: norms and the residual stream hold 1/tp of the sequence (all-gather before column-parallel
+    layers, reduce-scatter after row-parallel ones); false: all-reduce after row-parallel layers."""
     cp_impl: str = "ring"
-    """Context parallelism's attention: ring (key/value chunks passed around the cp ring, overlapped with compute) or allgather (keys and values all-gathered per layer)."""
+    """Context parallelism's attention: ring (key/value chunks passed around the cp ring, overlapped with
+    compute) or allgather (keys and values all-gathered per layer)."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying axis first (tp first keeps TP groups inside a node)."""
     impl: AxisImplConfig = field(default_factory=AxisImplConfig)
@@ -101,7 +106,8 @@ class CommConfig:
     """Collective backends."""
 
     backend: str = "torch"
-    """Communicator plugin for every axis: auto (nccl on GPU, mpi on CPU when installed), torch (gloo on CPU, nccl on GPU), or a plugin's name."""
+    """Communicator plugin for every axis: auto (nccl on GPU, mpi on CPU when installed), torch (gloo on CPU,
+    nccl on GPU), or a plugin's name."""
     per_axis: Dict[str, str] = field(default_factory=dict)
     """Backend override per mesh axis, e.g. {pp: mpi}."""
     bucket_mb: float = 25.0
@@ -175,7 +181,9 @@ class TrainerConfig:
     deterministic: bool = True
     """Use deterministic torch algorithms (needed for the equivalence tests)."""
     max_time: Optional[str] = None
-    """Wall-clock budget of this launch: seconds or SLURM's [D-]HH:MM:SS; the run saves a checkpoint and stops (exit status 75; under SLURM the job is requeued) when less than max_time_margin_s plus one step is left. Under SLURM the job's own end time is a limit too. None: no limit."""
+    """Wall-clock budget of this launch: seconds or SLURM's [D-]HH:MM:SS; the run saves a checkpoint and stops
+    (exit status 75; under SLURM the job is requeued) when less than max_time_margin_s plus one step is
+    left. Under SLURM the job's own end time is a limit too. None: no limit."""
     max_time_margin_s: float = 60.0
     """Seconds kept free before trainer.max_time or the SLURM job's end, for the final save."""
 
@@ -187,19 +195,28 @@ class CheckpointConfig:
     format: str = "hdf5"
     """Checkpoint format plugin."""
     dir: Optional[str] = None
-    """Directory for checkpoints; None (from the command line): checkpoints/<model name>-<hash of the model, data, optimizer, batch, sequence, seed and precision settings> under the launch directory, so a relaunch of the same experiment finds its checkpoints (hpctrain.checkpoint.default_checkpoint_dir)."""
+    """Directory for checkpoints; None (from the command line): checkpoints/<model name>-<hash of the model,
+    data, optimizer, batch, sequence, seed and precision settings> under the launch directory, so a
+    relaunch of the same experiment finds its checkpoints (hpctrain.checkpoint.default_checkpoint_dir)."""
     every: int = 0
     """Save every N steps; 0 disables periodic saves."""
     save_on_stop: bool = True
-    """Commit a checkpoint when a signal (SIGUSR1, SIGTERM, SIGINT) or the time limit stops the run, whatever ``every`` is, to ``dir`` (the command line's default directory when unset), so a preempted job that never set ``every`` still resumes. false: a stop saves nothing (its message says so)."""
+    """Commit a checkpoint when a signal (SIGUSR1, SIGTERM, SIGINT) or the time limit stops the run, whatever
+    ``every`` is, to ``dir`` (the command line's default directory when unset), so a preempted job that
+    never set ``every`` still resumes. false: a stop saves nothing (its message says so)."""
     resume: Optional[str] = None
     """None (fresh start), auto (newest good checkpoint in dir), or a path."""
     keep: int = 3
     """How many checkpoints to keep (0 keeps all)."""
     async_save: bool = False
-    """Write checkpoints in the background: a save blocks the step only while tensors are copied to host memory. (The key is not ``async`` because that is a Python keyword.)"""
+    """Write checkpoints in the background: a save blocks the step only while tensors are copied to host
+    memory. (The key is not ``async`` because that is a Python keyword.)"""
     allow_batch_change: bool = False
-    """Resume from a checkpoint saved with another trainer.global_batch_size. Refused by default, because the run then differs from the one that saved it while looking like its continuation; when allowed, the global sample cursor continues at the checkpoint's consumed samples (the same stream of samples, cut into batches of the new size) and the learning-rate schedule follows the step (hpctrain/data/cursor.py)."""
+    """Resume from a checkpoint saved with another trainer.global_batch_size. Refused by default, because the
+    run then differs from the one that saved it while looking like its continuation; when allowed, the
+    global sample cursor continues at the checkpoint's consumed samples (the same stream of samples, cut
+    into batches of the new size) and the learning-rate schedule follows the step
+    (hpctrain/data/cursor.py)."""
 
 
 @dataclass
@@ -207,7 +224,9 @@ class ReliabilityConfig:
     """What a run does when training goes wrong (see hpctrain/train/guard.py)."""
 
     nonfinite: str = "stop"
-    """A non-finite loss or gradient norm (every rank sees the same global values before the update): stop (end the run with an error, exit status 3, before the update, so no checkpoint holds non-finite weights) or skip (drop that step's update and count it)."""
+    """A non-finite loss or gradient norm (every rank sees the same global values before the update): stop
+    (end the run with an error, exit status 3, before the update, so no checkpoint holds non-finite
+    weights) or skip (drop that step's update and count it)."""
     max_skips: int = 3
     """With nonfinite=skip: this many non-finite steps in a row stop the run."""
     spike_window: int = 20
@@ -215,15 +234,23 @@ class ReliabilityConfig:
     spike_zscore: float = 6.0
     """A loss this many standard deviations above the baseline's mean is logged as a spike (metrics: loss_spike=1)."""
     weight_check_every: int = 100
-    """Every this many steps, data-parallel replicas compare exact checksums of the weights they share; a mismatch names the diverging ranks and stops the run (exit status 4). 0 turns it off."""
+    """Every this many steps, data-parallel replicas compare exact checksums of the weights they share; a
+    mismatch names the diverging ranks and stops the run (exit status 4). 0 turns it off."""
     straggler_every: int = 10
-    """Every this many steps, each rank's step and compute time are gathered: metrics.jsonl gets the slowest rank against the median. 0 turns it off."""
+    """Every this many steps, each rank's step and compute time are gathered: metrics.jsonl gets the slowest
+    rank against the median. 0 turns it off."""
     straggler_factor: float = 1.5
-    """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the log (if it is also straggler_min_s slower)."""
+    """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the
+    log (if it is also straggler_min_s slower)."""
     straggler_min_s: Optional[float] = None
-    """The least time (seconds) a straggler's compute time must exceed the other ranks' median by, besides the factor: on small steps a rank descheduled for a few milliseconds is 1.5x slower and costs nothing. None: max(0.010, 0.05 x the median step time) at each check, so 10 ms at least and 5% of the step on long steps; 0: the factor alone."""
+    """The least time (seconds) a straggler's compute time must exceed the other ranks' median by, besides the
+    factor: on small steps a rank descheduled for a few milliseconds is 1.5x slower and costs nothing.
+    None: max(0.010, 0.05 x the median step time) at each check, so 10 ms at least and 5% of the step on
+    long steps; 0: the factor alone."""
     hang_timeout_s: float = 600.0
-    """Hang watchdog (hpctrain/train/watchdog.py): a rank silent, or waited for in a collective, this long (or a rank that died, at once) is named by rank 0 with its op and sequence number and the job is aborted (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
+    """Hang watchdog (hpctrain/train/watchdog.py): a rank silent, or waited for in a collective, this long (or
+    a rank that died, at once) is named by rank 0 with its op and sequence number and the job is aborted
+    (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 
 
 FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt")
@@ -234,13 +261,16 @@ class DebugConfig:
     """Fault injection, to test how a job fails (hpctrain/train/faults.py)."""
 
     fault: str = "none"
-    """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps slow_s in every step's compute from then on), corrupt (one of its weights changes); none."""
+    """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process
+    stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps
+    slow_s in every step's compute from then on), corrupt (one of its weights changes); none."""
     fault_rank: int = 0
     """The world rank the fault happens on."""
     fault_step: int = 1
     """The step (1-based) it happens in."""
     fault_at: str = "step"
-    """Where in that step: step (before its forward) or checkpoint (before the checkpoint save that follows it; the step must save)."""
+    """Where in that step: step (before its forward) or checkpoint (before the checkpoint save that follows
+    it; the step must save)."""
     slow_s: float = 0.05
     """Seconds a slow rank sleeps per micro-batch forward."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from importlib import resources
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 

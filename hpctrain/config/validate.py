@@ -115,7 +115,8 @@ def _tensor_parallel_checks(tp: int, cp: int, seq_len: int, model: Any, sequence
                         f"vocabulary is cut into tp equal row ranges); use {tp * 64} or null")
     if sequence_parallel and (seq_len % cp or (seq_len // cp) % tp):
         problems.append(f"trainer.seq_len={seq_len}: sequence parallelism cuts each rank's {seq_len // cp or seq_len} "
-                        f"tokens into parallel.tp={tp} equal shards; use a multiple of {tp * max(cp, 1) * (2 if cp > 1 else 1)} "
+                        f"tokens into parallel.tp={tp} equal shards; use a multiple of "
+                        f"{tp * max(cp, 1) * (2 if cp > 1 else 1)} "
                         "or parallel.sequence_parallel=false")
     return problems
 
@@ -153,7 +154,8 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append("debug.fault_at=checkpoint needs checkpoints: set checkpoint.every")
 
     caps = plugins.capabilities(pm) if pm is not None else {}
-    for key, name in [("comm.backend", cfg.comm.backend)] + [(f"comm.per_axis.{a}", b) for a, b in cfg.comm.per_axis.items()]:
+    per_axis = [(f"comm.per_axis.{a}", b) for a, b in cfg.comm.per_axis.items()]
+    for key, name in [("comm.backend", cfg.comm.backend)] + per_axis:
         if key.startswith("comm.per_axis.") and key.rsplit(".", 1)[1] not in AXES:
             problems.append(f"{key}: {key.rsplit('.', 1)[1]!r} is not a mesh axis ({', '.join(AXES)})")
             continue

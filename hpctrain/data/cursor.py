@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from hpctrain.data.sources import TokenSource
+from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 from hpctrain.errors import ConfigError
 from hpctrain.log import log_rank0
-from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 
 
 class SampleOrder:

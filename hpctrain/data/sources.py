@@ -119,9 +119,11 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
                             "set model.vocab_size>=256")
     elif data.source == "tokens":
         if not data.path:
-            problems.append("data.source=tokens needs data.path=<file.bin> (make one with: hpctrain-prepare input.txt out.bin)")
+            problems.append("data.source=tokens needs data.path=<file.bin> "
+                            "(make one with: hpctrain-prepare input.txt out.bin)")
         elif not os.path.isfile(data.path):
-            problems.append(f"data.path={data.path} does not exist; make it with: hpctrain-prepare <input.txt> {data.path}")
+            problems.append(f"data.path={data.path} does not exist; "
+                            f"make it with: hpctrain-prepare <input.txt> {data.path}")
         else:
             problems += _token_file_problems(data, seq_len, model_vocab)
     else:

@@ -40,7 +40,8 @@ class SyncConfig:
         if self.cap_bytes < 0:
             raise ValueError(f"bucket cap must be >= 0 bytes, got {self.cap_bytes}")
         if self.reduce_scatter and self.wire_dtype is not None:
-            raise ValueError("a compressed wire dtype is for all-reduce mode; reduce-scatter buckets in their own dtype")
+            raise ValueError("a compressed wire dtype is for all-reduce mode; "
+                             "reduce-scatter buckets in their own dtype")
         if not self.reduce_scatter and (not self.keep_grads or self.every_microbatch or self.dtype is not None):
             raise ValueError("keep_grads=False, every_microbatch and dtype are options of reduce-scatter mode")
         if self.every_microbatch and self.keep_grads:

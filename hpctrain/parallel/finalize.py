@@ -33,11 +33,11 @@ the trainer's (``hpctrain.train.grad_norm``).
 """
 from __future__ import annotations
 
+from torch import nn
+
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.mesh import Mesh
 from hpctrain.parallel.handles import DataHandle, tied_parameters
-
-from torch import nn
 
 
 def finalize_grads(model: nn.Module, data: DataHandle, mesh: Mesh) -> None:

@@ -35,7 +35,9 @@ NO_PIPELINE = "none"
 def check_schedule(schedule: str, pp: int, vpp: int, microbatches: int) -> str:
     """'' when the schedule can run, else the reason (``schedules.check``; pp 1 takes ``none``)."""
     if pp == 1:
-        return "" if schedule == NO_PIPELINE and vpp == 1 else "without pipeline parallelism the schedule is 'none' and vpp=1"
+        if schedule == NO_PIPELINE and vpp == 1:
+            return ""
+        return "without pipeline parallelism the schedule is 'none' and vpp=1"
     return check(schedule, pp, vpp, microbatches)
 
 

@@ -53,7 +53,8 @@ class Action:
     """The other pipeline rank of a send or receive."""
 
     def __str__(self) -> str:
-        peer = f"->{self.peer}" if self.kind.startswith("SEND") else f"<-{self.peer}" if self.kind.startswith("RECV") else ""
+        peer = (f"->{self.peer}" if self.kind.startswith("SEND")
+                else f"<-{self.peer}" if self.kind.startswith("RECV") else "")
         return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "") + peer
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from hpctrain.pipeline.schedules import Action, place, stage_of
+from hpctrain.pipeline.schedules import Action, stage_of
 
 
 class ScheduleError(RuntimeError):

@@ -213,7 +213,8 @@ class Arch:
         if not (moe and self.is_moe):
             return attention + 3 * h * (self.ffn_hidden // tp) + self.norm_params
         experts = (self.num_experts // ep) * 3 * h * self.ffn_hidden
-        return attention + experts + self.shared_experts * 3 * h * self.ffn_hidden + self.router_params + self.norm_params
+        shared = self.shared_experts * 3 * h * self.ffn_hidden
+        return attention + experts + shared + self.router_params + self.norm_params
 
     def expert_params_per_rank(self, ep: int = 1) -> int:
         """One MoE block's routed-expert parameters on one ep rank (reduced over cp x dp only)."""
@@ -263,7 +264,7 @@ def moe_settings(model_cfg: Any) -> "tuple[int, int, int, int]":
         return dense
     try:
         moe = model_cfg.get("moe") if hasattr(model_cfg, "get") else getattr(model_cfg, "moe", None)
-    except Exception:  # a structured config without the key
+    except Exception:  # noqa: BLE001 - a structured config without the key
         moe = None
     if moe is None:
         return dense

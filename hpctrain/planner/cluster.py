@@ -84,24 +84,28 @@ def load_calibration(path: Optional[str]) -> Dict[str, float]:
     except json.JSONDecodeError as e:
         raise ConfigError(f"calibration file {path!r} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"calibration file {path!r} must hold a JSON object with keys among {', '.join(CALIBRATION_KEYS)}")
+        raise ConfigError(f"calibration file {path!r} must hold a JSON object with keys among "
+                          f"{', '.join(CALIBRATION_KEYS)}")
     unknown = sorted(set(raw) - set(CALIBRATION_KEYS))
     if unknown:
-        raise ConfigError(f"calibration file {path!r}: unknown key(s) {', '.join(unknown)}; known: {', '.join(CALIBRATION_KEYS)}")
+        raise ConfigError(f"calibration file {path!r}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(CALIBRATION_KEYS)}")
     out: Dict[str, float] = {}
     for key, value in raw.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"calibration file {path!r}: {key}={value!r} must be a positive number")
         out[key] = float(value)
     if out.get("usable_memory_fraction", 0.5) > 1:
-        raise ConfigError(f"calibration file {path!r}: usable_memory_fraction={out['usable_memory_fraction']} must be <= 1")
+        raise ConfigError(f"calibration file {path!r}: "
+                          f"usable_memory_fraction={out['usable_memory_fraction']} must be <= 1")
     return out
 
 
 def check_cluster(c: Any) -> List[str]:
     """Problems with a ClusterConfig, each naming the key to set."""
     presets = ", ".join(f"cluster={p}" for p in available_presets("cluster") if p != "local")
-    missing = [k for k in ("gpus", "gpus_per_node", "gpu_mem_gb", "peak_tflops") if not getattr(c, k) or getattr(c, k) < 0]
+    missing = [k for k in ("gpus", "gpus_per_node", "gpu_mem_gb", "peak_tflops")
+               if not getattr(c, k) or getattr(c, k) < 0]
     multi_node = c.gpus > c.gpus_per_node > 0
     needs_intra = min(c.gpus, c.gpus_per_node) > 1
     if needs_intra and c.intra_bw_gbs <= 0:

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Dict, Tuple
 
+from hpctrain.mesh import DEFAULT_ORDER, parse_order
+from hpctrain.pipeline.bubble import bubble_time, in_flight
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
@@ -35,8 +37,6 @@ from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
 from hpctrain.planner.layouts import Layout
 from hpctrain.planner.memory import ModelStates, StateBytes, model_states
-from hpctrain.pipeline.bubble import bubble_time, in_flight
-from hpctrain.mesh import DEFAULT_ORDER, parse_order
 
 
 @dataclass(frozen=True)
@@ -279,11 +279,13 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             continue
         n_in, n_out = group_span(sizes, axes, G)
 
-        def t(kind: str, nbytes: float) -> float:  # bucketed: one collective per bucket
+        def t(kind: str, nbytes: float, n_in: int = n_in, n_out: int = n_out) -> float:
+            # bucketed: one collective per bucket
             buckets = max(1, int(-(-nbytes // work.bucket_bytes)))
             return buckets * group_time(kind, nbytes / buckets, n_in, n_out, cluster.intra, cluster.inter)
 
-        def one(kind: str, nbytes: float) -> float:  # the bucket no compute can hide (first or last)
+        def one(kind: str, nbytes: float, n_in: int = n_in, n_out: int = n_out) -> float:
+            # the bucket no compute can hide (first or last)
             return group_time(kind, min(nbytes, work.bucket_bytes), n_in, n_out, cluster.intra, cluster.inter)
 
         grads, weights = params * sb.grads, params * sb.weights
@@ -309,7 +311,8 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             wire += (m * 2 * weights + grads) * bus_factor("all_gather", n)
             seconds += m * 2 * ag + rs
         else:  # forward gather, backward gather + reduce-scatter, every micro-batch
-            exposed += m * (max(one("all_gather", weights), ag - t_f) + max(one("reduce_scatter", grads), ag + rs - t_b))
+            exposed += m * (max(one("all_gather", weights), ag - t_f)
+                            + max(one("reduce_scatter", grads), ag + rs - t_b))
             wire += m * (2 * weights + grads) * bus_factor("all_gather", n)
             seconds += m * (2 * ag + rs)
     return exposed, wire, seconds

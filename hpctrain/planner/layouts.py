@@ -29,10 +29,10 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hpctrain.config.validate import check_layout
+from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.memory import ZERO_STAGES
-from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
 
 MAX_VPP = 8
 MAX_MICRO_BATCH = 64
@@ -136,7 +136,8 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
                     if problem:
                         reject(problem)
                         continue
-                    for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp, choices, reject):
+                    for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp,
+                                         choices, reject):
                         out.append(layout)
     return out, rejected
 

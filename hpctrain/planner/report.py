@@ -88,7 +88,8 @@ HEADER = ["#", "layout", "zero", "recompute", "mb", "m", "weights", "grads", "op
 def table(estimates: Sequence[Estimate]) -> str:
     rows = [HEADER] + [_row(i + 1, e) for i, e in enumerate(estimates)]
     widths = [max(len(r[c]) for r in rows) for c in range(len(HEADER))]
-    lines = ["  ".join(cell.rjust(w) if c not in (1, 3) else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+    lines = ["  ".join(cell.rjust(w) if c not in (1, 3) else cell.ljust(w)
+                       for c, (cell, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
@@ -121,7 +122,8 @@ def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[
              f"micro-batch {best.layout.micro_batch} x {best.microbatches}",
              f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + exposed comm ({exposed}); "
              f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%",
-             f"  memory {best.memory.total / GB:.1f} GB of {cluster.mem_bytes / GB:.1f} usable (stage {best.memory.stage})",
+             f"  memory {best.memory.total / GB:.1f} GB of {cluster.mem_bytes / GB:.1f} usable "
+             f"(stage {best.memory.stage})",
              "  on the wire per GPU per step: " + (", ".join(
                  f"{a} {v / GB:.2f} GB in {best.comm_time.get(a, 0.0):.3f} s" for a, v in best.comm_bytes.items()
                  if v > 0) or "nothing") + " (seconds: the collectives alone, before overlap)",

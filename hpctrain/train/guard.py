@@ -45,7 +45,8 @@ class NonFiniteGuard:
         what = f"step {step}: loss {loss} and gradient norm {grad_norm}"
         if self.policy == "stop":
             raise TrainingDiverged(f"{what} are not all finite; the run stops before this update "
-                                   f"(reliability.nonfinite=stop), so the weights and checkpoints stay finite. {ADVICE}; "
+                                   "(reliability.nonfinite=stop), so the weights and checkpoints stay finite. "
+                                   f"{ADVICE}; "
                                    "reliability.nonfinite=skip drops such steps instead")
         self.skipped += 1
         self.in_a_row += 1

@@ -99,7 +99,8 @@ class Progress:
         if not enabled or mode == "off" or (mode == "auto" and not interactive_launch()):
             return
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
 
         self._bar = RichProgress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

@@ -69,7 +69,8 @@ class StopRequested(HpctrainError):
 
 
 def parse_duration(text: Any) -> Optional[float]:
-    """Seconds from ``3600``, ``"90:00"`` (MM:SS), ``"01:30:00"`` or ``"1-00:00:00"`` (SLURM's forms); None for None/empty."""
+    """Seconds from ``3600``, ``"90:00"`` (MM:SS), ``"01:30:00"`` or ``"1-00:00:00"`` (SLURM's forms); None
+    for None/empty."""
     if text is None or text == "":
         return None
     if isinstance(text, (int, float)):
@@ -183,7 +184,10 @@ def requeue_if_slurm(reason: int) -> Optional[str]:
     """Rank 0: put this SLURM job back in the queue for the warning signal and
     the clock; what happened, for the log (None outside SLURM or for other reasons)."""
     job = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ.get("SLURM_JOB_ID")
+    if job:
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job = os.environ.get("SLURM_JOB_ID")
     if not job or reason not in _REQUEUE:
         return None
     # said first: Slurm may end this job's processes as soon as the requeue is accepted

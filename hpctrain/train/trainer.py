@@ -33,17 +33,17 @@ from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
+from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.compose import parallelize
 from hpctrain.parallel.finalize import finalize_grads
+from hpctrain.train.faults import FaultInjector
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
-from hpctrain.model.transformer import Transformer
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
-from hpctrain.train.faults import FaultInjector
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import lr_at, set_lr
-from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
 from hpctrain.train.schedule import as_step_result
+from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
 
 log = get_logger(__name__)
 
@@ -94,7 +94,8 @@ class Trainer:
             if path is not None:
                 # load may fall back to an older checkpoint (resume=auto) and returns what it loaded
                 path = self.checkpointer.load(self, path) or path
-                log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step, self.cursor.consumed_samples)
+                log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step,
+                          self.cursor.consumed_samples)
 
     def _make_checkpointer(self, for_stop: bool = False):
         """The checkpoint format plugin's checkpointer: at set-up when the run

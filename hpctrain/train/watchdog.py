@@ -47,8 +47,18 @@ from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import HpctrainError
 from hpctrain.log import get_logger
 from hpctrain.train.hang import RankState, Verdict, diagnose
-from hpctrain.train.watchdog_wire import (MAX_LINE, LineReader, WireError, check_message, new_nonce, new_secret,
-                                          proof_matches, rank_proof, send, zero_proof)
+from hpctrain.train.watchdog_wire import (
+    MAX_LINE,
+    LineReader,
+    WireError,
+    check_message,
+    new_nonce,
+    new_secret,
+    proof_matches,
+    rank_proof,
+    send,
+    zero_proof,
+)
 
 log = get_logger(__name__)
 
@@ -142,7 +152,8 @@ class Watchdog:
             if self.rank == 0 and self._thread.is_alive():
                 self._thread.join(timeout=5)
             raise WatchdogUnreachable(
-                f"hang watchdog: {problems[0]}" + (f" and {len(problems) - 1} more rank(s)" if len(problems) > 1 else "")
+                f"hang watchdog: {problems[0]}"
+                + (f" and {len(problems) - 1} more rank(s)" if len(problems) > 1 else "")
                 + f"; set {MASTER_ADDR_ENV} to an address of rank 0's node that the other nodes reach, "
                 "or turn the watchdog off with reliability.hang_timeout_s=0")
         if self.rank != 0:
@@ -170,7 +181,7 @@ class Watchdog:
     def _serve(self) -> None:
         try:
             self._serve_loop()
-        except Exception as e:  # a fault of the watchdog itself must not stop a healthy job
+        except Exception as e:  # noqa: BLE001 - a fault of the watchdog itself must not stop a healthy job
             self._give_up(f"rank 0's watchdog failed ({type(e).__name__}: {e})")
 
     def _serve_loop(self) -> None:
@@ -392,7 +403,7 @@ class Watchdog:
     def _client(self) -> None:
         try:
             self._client_loop()
-        except Exception as e:  # a fault of the watchdog itself must not stop a healthy job
+        except Exception as e:  # noqa: BLE001 - a fault of the watchdog itself must not stop a healthy job
             self._give_up(f"rank {self.rank}'s watchdog failed ({type(e).__name__}: {e})")
 
     def _client_loop(self) -> None:

@@ -17,6 +17,7 @@ from hpctrain.errors import CommError, ConfigError, PluginError
 from hpctrain.log import get_logger
 from hpctrain.mesh import Group
 from hpctrain.plugins import get_manager
+
 from hpctrain_comm_hier.communicator import HierCommunicator
 from hpctrain_comm_hier.layout import Partition, plan_partition
 

@@ -39,8 +39,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from hpctrain.comm.protocol import (
-    CompletedWork,
     Communicator,
+    CompletedWork,
     P2POp,
     ReduceOp,
     Work,
@@ -127,7 +127,8 @@ class HierCommunicator:
         self.flat.all_gather(everyone, mine)
         rows = [tuple(r) for r in everyone.tolist()]
         if any(r != rows[0] for r in rows):
-            seen = "; ".join(f"rank {g}: numel {r[0]}" + (f", dtype #{r[1]}, op #{r[2]}" if r[1:] != rows[0][1:] else "")
+            seen = "; ".join(f"rank {g}: numel {r[0]}"
+                             + (f", dtype #{r[1]}, op #{r[2]}" if r[1:] != rows[0][1:] else "")
                              for g, r in enumerate(rows))
             raise CommError(f"{what} on group {self.group.name}: ranks disagree on sizes, dtypes or ops: {seen}")
 

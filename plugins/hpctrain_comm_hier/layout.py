@@ -54,12 +54,12 @@ class NodeSplit:
         return tuple(len(on_node) for on_node in self.intra)
 
     def slots(self) -> Tuple[int, ...]:
-        """For each group rank g, its slot ``l * N + k`` in the two-level layout:
-        ``l`` its index on its node, ``k`` its index in its inter list."""
+        """For each group rank g, its slot ``local * N + k`` in the two-level layout:
+        ``local`` its index on its node, ``k`` its index in its inter list."""
         where: Dict[int, int] = {}
-        for l, across in enumerate(self.inter):
+        for local, across in enumerate(self.inter):
             for k, r in enumerate(across):
-                where[r] = l * self.nodes + k
+                where[r] = local * self.nodes + k
         return tuple(where[r] for r in self.ranks)
 
     def intra_of(self, rank: int) -> Ranks:
@@ -77,7 +77,7 @@ def split_by_node(ranks: Sequence[int], rank_nodes: Sequence[int]) -> NodeSplit:
     intra = tuple(tuple(sorted(on_node)) for on_node in by_node.values())
     inter: Partition = ()
     if len({len(on_node) for on_node in intra}) == 1:
-        inter = tuple(tuple(sorted(on_node[l] for on_node in intra)) for l in range(len(intra[0])))
+        inter = tuple(tuple(sorted(on_node[local] for on_node in intra)) for local in range(len(intra[0])))
     return NodeSplit(ranks=tuple(ranks), intra=intra, inter=inter)
 
 

@@ -35,9 +35,11 @@ class HierConfig:
     inter: str = "mpi"
     """Backend between nodes (any comm.backend name except hier; auto as for intra)."""
     uneven: str = "flat"
-    """A group with different rank counts on its nodes: flat (one communicator over the group, inter backend) or error."""
+    """A group with different rank counts on its nodes: flat (one communicator over the group, inter backend)
+    or error."""
     check_shapes: bool = False
-    """Before each two-level collective, all-gather every rank's element count, dtype and op and raise a CommError if they disagree (debugging; sub-backends have their own switch, e.g. comm.mpi.check_shapes)."""
+    """Before each two-level collective, all-gather every rank's element count, dtype and op and raise a
+    CommError if they disagree (debugging; sub-backends have their own switch, e.g. comm.mpi.check_shapes)."""
 
 
 def options(cfg: Any) -> HierConfig:

@@ -56,7 +56,8 @@ def check_all_to_all(comm: Any, what: str, group_name: str, dtype: str, row: int
            if everyone[i][2][j] != everyone[j][3][i]]
     if bad:
         shown = "; ".join(f"rank {i} sends {s} rows to rank {j}, which expects {e}" for i, j, s, e in bad[:4])
-        raise CommError(f"{what} on group {group_name}: input_splits and output_splits do not match across ranks: {shown}")
+        raise CommError(f"{what} on group {group_name}: input_splits and output_splits do not match "
+                        f"across ranks: {shown}")
 
 
 class mpi_errors:

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger
+
 from hpctrain_comm_mpi.dtypes import mpi_type, reduce_wire_dtype, transport_dtype
 
 log = get_logger(__name__)

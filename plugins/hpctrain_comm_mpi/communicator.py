@@ -53,6 +53,7 @@ from hpctrain.comm.protocol import (
 )
 from hpctrain.errors import CommError
 from hpctrain.mesh import Group
+
 from hpctrain_comm_mpi import agree
 from hpctrain_comm_mpi.agree import as_comm_error, mpi_errors
 from hpctrain_comm_mpi.buffers import PairCache, ViewCache, WireBuffer

@@ -24,7 +24,8 @@ class MpiConfig:
     """Settings of the MPI backend."""
 
     check_shapes: bool = False
-    """Before each collective, allgather every rank's dtype, sizes and splits and raise a CommError naming the ranks that disagree (debugging: one extra small message per call)."""
+    """Before each collective, allgather every rank's dtype, sizes and splits and raise a CommError naming the
+    ranks that disagree (debugging: one extra small message per call)."""
     cuda_aware: str = "auto"
     """CUDA tensors straight to MPI: auto (ask the MPI library), on, or off (stage through pinned host memory)."""
 
@@ -57,6 +58,7 @@ def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communi
     if name != NAME:
         return None
     from hpctrain.bootstrap import get_runtime
+
     from hpctrain_comm_mpi.buffers import detect_cuda_aware
     from hpctrain_comm_mpi.communicator import MpiCommunicator
 

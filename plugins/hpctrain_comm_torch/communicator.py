@@ -20,6 +20,7 @@ nccl reduces 16-bit floats natively.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -44,6 +45,10 @@ _ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """Whether gloo takes the flat-tensor forms (set False when a first call finds it does not)."""
 _GROUP_CACHE: Dict[Tuple[str, Tuple[Tuple[int, ...], ...]], List[dist.ProcessGroup]] = {}
+
+
+def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.detach().copy_(src)
 
 
 class _TorchWork:
@@ -141,7 +146,8 @@ class TorchCommunicator:
 
         return _finish(work, async_op, place)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                       async_op: bool = False):
         check_reduce_scatter(output, input, self.size)
         op = ReduceOp(op)
         if self.backend == "nccl":
@@ -187,7 +193,8 @@ class TorchCommunicator:
     def all_to_all(self, output, input, output_splits: Optional[Sequence[int]] = None,
                    input_splits: Optional[Sequence[int]] = None, async_op: bool = False):
         check_all_to_all(output, input, output_splits, input_splits, self.size)
-        contiguous_out = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        contiguous_out = (output if output.is_contiguous()
+                          else torch.empty_like(output, memory_format=torch.contiguous_format))
         work = dist.all_to_all_single(
             contiguous_out, input.contiguous(),
             output_split_sizes=list(output_splits) if output_splits is not None else None,
@@ -237,7 +244,7 @@ class TorchCommunicator:
             if not buf.is_contiguous():  # torch moves contiguous memory only: stage, copy back after a recv
                 buf = buf.contiguous()
                 if op.kind == "recv":
-                    then = (lambda dst=op.tensor, src=buf: dst.detach().copy_(src))
+                    then = functools.partial(_copy_back, op.tensor, buf)
             fn = dist.isend if op.kind == "send" else dist.irecv
             torch_ops.append(dist.P2POp(fn, buf, self._ranks[op.peer], group=self.pg, tag=op.tag))
             thens.append(then)

@@ -12,16 +12,16 @@ dK/dV so each rank gets the sum of every rank's gradient for its own keys.
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
-
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
+
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 
 
 def _pairs(layout: SequenceLayout, rank: int):
@@ -46,9 +46,9 @@ class _AllGatherAttention(torch.autograd.Function):
         outs: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
         lses: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
         for i, j, causal in _pairs(layout, rank):
-            o, l = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c], vx[:, :, j * c:(j + 1) * c],
-                                 scale, causal)
-            outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+            o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
+                                     vx[:, :, j * c:(j + 1) * c], scale, causal)
+            outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.layout, ctx.scale, ctx.kv_heads = group, layout, scale, k.shape[1]

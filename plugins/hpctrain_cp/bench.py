@@ -1,4 +1,6 @@
-"""Context parallelism: attention forward + backward at cp = world against one process on the whole sequence, and each rank's share of the work (zigzag vs contiguous).
+"""Context parallelism: attention forward + backward at cp = world against one
+process on the whole sequence, and each rank's share of the work (zigzag vs
+contiguous).
 
 Run under the launcher, e.g. ``mpiexec -n 2 --bind-to core hpctrain-bench
 cp`` (cp = the world size). One attention layer's core (the part context
@@ -69,10 +71,11 @@ def _one_process(args: Any, world: Any, full) -> Optional[float]:
 
 def run(args: Any, rt: Any, pm: Any) -> None:
     from hpctrain.config.store import to_config
+    from hpctrain.data.sequence import SequenceLayout as Layout
     from hpctrain.model.attention import SdpaAttention
     from hpctrain.run import build_mesh
+
     from hpctrain_cp.allgather import AllGatherAttention
-    from hpctrain.data.sequence import SequenceLayout as Layout
     from hpctrain_cp.ring import ComputeTime, RingAttention
 
     world, n = rt.mpi_comm, rt.world_size
@@ -101,7 +104,7 @@ def run(args: Any, rt: Any, pm: Any) -> None:
         got = _fwd_bwd(core, *mine)
         torch.testing.assert_close(got, want[:, :, rows], rtol=1e-4, atol=1e-5)  # same attention as one process
         clock.forward = clock.backward = 0.0
-        timing = time_collective(lambda: _fwd_bwd(core, *mine), world, args.warmup, args.iters)
+        timing = time_collective(lambda core=core, mine=mine: _fwd_bwd(core, *mine), world, args.warmup, args.iters)
         speed.add(f"{label}, cp={n}", len(rows), timing.median * 1e3, one / timing.median, n)
         if label.startswith("ring"):
             per_call = (clock.forward + clock.backward) / (args.warmup + args.iters)

@@ -75,8 +75,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     s = _scores(q, k, scale, causal)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)
-    l = p.sum(dim=-1, keepdim=True)
-    return (p @ v) / l, (m + torch.log(l)).squeeze(-1)
+    denom = p.sum(dim=-1, keepdim=True)
+    return (p @ v) / denom, (m + torch.log(denom)).squeeze(-1)
 
 
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], out_b: torch.Tensor,

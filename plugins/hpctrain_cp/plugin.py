@@ -24,12 +24,12 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 
 from hpctrain import hookimpl
+from hpctrain.data.sequence import SequenceLayout
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.parallel.handles import AxisHandle
 
 from hpctrain_cp.allgather import AllGatherAttention
-from hpctrain.data.sequence import SequenceLayout
 from hpctrain_cp.ring import RingAttention
 
 IMPLS = ("ring", "allgather")

@@ -34,9 +34,9 @@ from torch import nn
 
 from hpctrain.comm.protocol import P2POp
 from hpctrain.data.sequence import SequenceLayout
+from hpctrain.mesh import Group
 
 from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
-from hpctrain.mesh import Group
 
 TAG_KV, TAG_DKV = 31, 32
 
@@ -83,9 +83,9 @@ class _RingAttention(torch.autograd.Function):
             t0 = time.thread_time()
             kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
             for i, j, causal in _pairs(mine, layout.chunks[src]):
-                o, l = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
-                                     vx[:, :, j * c:(j + 1) * c], scale, causal)
-                outs[i], lses[i] = merge(outs[i], lses[i], o, l)
+                o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
+                                         vx[:, :, j * c:(j + 1) * c], scale, causal)
+                outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
             if clock is not None:
                 clock.forward += time.thread_time() - t0
             for w in works:

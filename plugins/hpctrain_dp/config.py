@@ -22,7 +22,8 @@ class DataParallelConfig:
     compress: str = "none"
     """Gradient dtype on the wire: none (the gradient's own dtype), bf16 or fp16. Sums are fp32 either way."""
     overlap: bool = True
-    """Start each bucket's reduction during backward, as soon as its last gradient is ready; false reduces every bucket after backward."""
+    """Start each bucket's reduction during backward, as soon as its last gradient is ready; false reduces
+    every bucket after backward."""
 
 
 def wire_dtype(name: str) -> Optional[torch.dtype]:

@@ -84,7 +84,7 @@ class BackgroundSaver:
                 finally:
                     self._staged.set()
                 write(staged)
-            except BaseException as e:  # re-raised in the training thread by wait() / wait_staged()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait() / wait_staged()
                 self._error = e
                 if not getattr(e, "on_every_rank", False):
                     log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)

@@ -36,13 +36,13 @@ from typing import Any, Deque, List, Optional, Tuple
 from hpctrain.log import get_logger, log_rank0
 
 from hpctrain_h5ckpt import lock, snapshot, space, store, writer
-from hpctrain_h5ckpt.staging import HostBuffers, Stager
 from hpctrain_h5ckpt.asyncsave import BackgroundSaver, threads_supported
 from hpctrain_h5ckpt.errors import CheckpointDirInUse, CheckpointError, CheckpointSaveFailed
 from hpctrain_h5ckpt.layout import Plan, PlanError, gather_plan
 from hpctrain_h5ckpt.options import IOOptions
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.restore import load_into
+from hpctrain_h5ckpt.staging import HostBuffers, Stager
 
 log = get_logger(__name__)
 
@@ -83,7 +83,8 @@ class H5Checkpointer:
             if threads_supported():
                 self._bg = BackgroundSaver(self.rank)
             elif self.rank == 0:
-                log.warning("checkpoint.async_save=true needs MPI_THREAD_MULTIPLE; this MPI gives less, so saves are synchronous")
+                log.warning("checkpoint.async_save=true needs MPI_THREAD_MULTIPLE; this MPI gives less, "
+                            "so saves are synchronous")
         self._auto: List[str] = []
         self._cached_plan: Optional[Tuple[Any, Plan]] = None
         self._buffers = HostBuffers() if self._bg is not None else None
@@ -169,7 +170,7 @@ class H5Checkpointer:
         def stage() -> Tuple[Optional[writer.Owned], Optional[str]]:
             try:
                 return stager.copy(), None
-            except Exception as e:  # agreed in write(), so no rank is left alone in a collective
+            except Exception as e:  # noqa: BLE001 - agreed in write(), so no rank is left alone in a collective
                 return None, f"{type(e).__name__}: {e}"
 
         def write(staged: Tuple[Optional[writer.Owned], Optional[str]]) -> None:
@@ -268,7 +269,8 @@ class H5Checkpointer:
             try:
                 removed = store.commit(tmp, final, self.directory, self.keep, self.opts.fsync)
                 if removed:
-                    log_rank0("pruned %s (checkpoint.keep=%d)", ", ".join(os.path.basename(p) for p in removed), self.keep)
+                    log_rank0("pruned %s (checkpoint.keep=%d)", ", ".join(os.path.basename(p) for p in removed),
+                              self.keep)
             except OSError as e:
                 error = f"checkpoint {final}: commit failed ({e}); older checkpoints are untouched"
         error = self.comm.bcast(error, root=0)

@@ -1,7 +1,8 @@
 """``hpctrain-ckpt``: inspect, verify and export hpctrain HDF5 checkpoints.
 
     hpctrain-ckpt inspect PATH [--config]     tree, shapes, step, layout, size
-    hpctrain-ckpt verify PATH                 every checksum and finite values; a directory: every checkpoint in it; exit 1 if any is bad
+    hpctrain-ckpt verify PATH                 every checksum and finite values; a directory: every
+                                              checkpoint in it; exit 1 if any is bad
     hpctrain-ckpt export PATH --to OUT.safetensors [--dtype bfloat16] [--config-json config.json]
 
 PATH is a checkpoint file or a checkpoint directory (inspect and export:
@@ -135,13 +136,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hpctrain_h5ckpt.export import export_safetensors, hf_config, model_config
-
     import h5py
+
+    from hpctrain_h5ckpt.export import export_safetensors, hf_config, model_config
 
     path = _resolve(args.path)
     names = export_safetensors(path, args.to, args.dtype)
-    print(f"wrote {args.to}: {len(names)} tensors in Hugging Face Llama naming (q/k rows permuted for rotate_half RoPE)")
+    print(f"wrote {args.to}: {len(names)} tensors in Hugging Face Llama naming "
+          "(q/k rows permuted for rotate_half RoPE)")
     if args.config_json:
         with h5py.File(path, "r") as f:
             cfg = hf_config(model_config(f), args.dtype or "float32")
@@ -152,7 +154,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hpctrain-ckpt", description="Inspect, verify and export hpctrain HDF5 checkpoints.")
+    ap = argparse.ArgumentParser(prog="hpctrain-ckpt",
+                                 description="Inspect, verify and export hpctrain HDF5 checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="tree, shapes, step, layout, size")
     p.add_argument("path")

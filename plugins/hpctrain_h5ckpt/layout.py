@@ -35,8 +35,16 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
-from hpctrain.boxes import (Box, box_from_slices, box_inside, box_shape, box_volume, boxes_overlap,  # noqa: F401
-                            flat_range_boxes, full_box)
+from hpctrain.boxes import (  # noqa: F401
+    Box,
+    box_from_slices,
+    box_inside,
+    box_shape,
+    box_volume,
+    boxes_overlap,
+    flat_range_boxes,
+    full_box,
+)
 
 FORMAT_NAME = "hpctrain-h5ckpt"
 FORMAT_VERSION = 1

@@ -34,9 +34,11 @@ class H5Config:
     """HDF5 checkpoint format (``checkpoint.format=hdf5``)."""
 
     driver: str = "auto"
-    """auto (MPI-IO when h5py has MPI support, else serial with a warning), mpio, or serial (ranks write one file in turn)."""
+    """auto (MPI-IO when h5py has MPI support, else serial with a warning), mpio, or serial (ranks write one
+    file in turn)."""
     collective_min_mb: float = 64.0
-    """Datasets of at least this size use collective MPI-IO; smaller ones are written independently by their owner (0: all collective)."""
+    """Datasets of at least this size use collective MPI-IO; smaller ones are written independently by their
+    owner (0: all collective)."""
     alignment_kb: int = 0
     """Align datasets of at least this size to multiples of it (set to the Lustre/GPFS stripe size); 0 = off."""
     fsync: bool = True
@@ -44,7 +46,8 @@ class H5Config:
     verify: bool = True
     """Check every dataset's checksum while loading."""
     staging: str = "overlap"
-    """With checkpoint.async_save: overlap (copy to host during the next forward/backward; the trainer waits before the optimizer step) or blocking (copy inside save()); see hpctrain_h5ckpt.staging."""
+    """With checkpoint.async_save: overlap (copy to host during the next forward/backward; the trainer waits
+    before the optimizer step) or blocking (copy inside save()); see hpctrain_h5ckpt.staging."""
 
 
 @dataclass(frozen=True)

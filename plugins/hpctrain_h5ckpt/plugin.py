@@ -15,8 +15,8 @@ from hpctrain.bootstrap import get_runtime
 from hpctrain_h5ckpt import options
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hpctrain.mesh import Mesh
     from hpctrain.checkpoint import Checkpointer
+    from hpctrain.mesh import Mesh
 
 FORMAT = "hdf5"
 

@@ -78,7 +78,8 @@ class CheckpointReader:
         try:
             self.file = h5io.open_file(path, "r", comm if opts.parallel else None)
         except (OSError, ValueError) as e:
-            error = [f"checkpoint {path}: cannot be opened as HDF5 ({e}); the file is truncated, torn or not a checkpoint"]
+            error = [f"checkpoint {path}: cannot be opened as HDF5 ({e}); "
+                     "the file is truncated, torn or not a checkpoint"]
         errors = _agree(comm, error)
         if errors:
             self.close()
@@ -179,7 +180,7 @@ class CheckpointReader:
                     arrays = [h5io.read_box(dset, b) for b in mine]
                 if mine:
                     out[p] = arrays
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - named in the errors every rank agrees on
                 errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
         return out, errors
 
@@ -200,7 +201,7 @@ class CheckpointReader:
                 for box, owner in plan.owners[p]:
                     if owner == rank and p in got:
                         sums[i] = checksum.add(sums[i], checksum.partial(got[p][mine.index(box)], info.shape, box))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - named in the errors every rank agrees on
                 errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
         self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         for i, p in enumerate(paths):

@@ -51,8 +51,15 @@ from hpctrain.shard import Piece
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import Box
 from hpctrain_h5ckpt.reader import CheckpointReader
-from hpctrain_h5ckpt.snapshot import (NAME_TO_TORCH, Held, from_numpy, held_buffers, held_params, optimizer_state,
-                                      state_spec)
+from hpctrain_h5ckpt.snapshot import (
+    NAME_TO_TORCH,
+    Held,
+    from_numpy,
+    held_buffers,
+    held_params,
+    optimizer_state,
+    state_spec,
+)
 
 log = get_logger(__name__)
 
@@ -178,7 +185,8 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
     if "/meta/rng/torch_cpu" in data:
         torch.set_rng_state(from_numpy(data["/meta/rng/torch_cpu"][0].reshape(-1), "uint8").clone())
     if "/meta/rng/torch_cuda" in data:
-        torch.cuda.set_rng_state(from_numpy(data["/meta/rng/torch_cuda"][0].reshape(-1), "uint8").clone(), trainer.device)
+        cuda_state = from_numpy(data["/meta/rng/torch_cuda"][0].reshape(-1), "uint8").clone()
+        torch.cuda.set_rng_state(cuda_state, trainer.device)
     log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, trainer.step,
               trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
 
@@ -193,7 +201,7 @@ def _saved_config(reader: CheckpointReader) -> Any:
         try:
             raw = reader.file["meta/config"][()]
             text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-        except Exception:  # unreadable: reader.read names it
+        except Exception:  # noqa: BLE001 - unreadable: reader.read names it
             text = None
     text = reader.comm.bcast(text, root=0)
     if not text:
@@ -202,7 +210,7 @@ def _saved_config(reader: CheckpointReader) -> Any:
         from omegaconf import OmegaConf
 
         return OmegaConf.create(text)
-    except Exception:  # damaged text: reader.read's checksum names it
+    except Exception:  # noqa: BLE001 - damaged text: reader.read's checksum names it
         return None
 
 

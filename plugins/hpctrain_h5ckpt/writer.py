@@ -235,7 +235,7 @@ def write_file(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any], co
     if opts.parallel:
         try:
             errors = _write_parallel(path, plan, owned, attrs, comm, opts)
-        except Exception as e:  # opening the file: collective, so every rank is here
+        except Exception as e:  # noqa: BLE001 - opening the file: collective, so every rank is here
             errors = comm.allgather(_describe(e))
     else:
         errors = comm.allgather(_write_serial(path, plan, owned, attrs, comm, opts))

@@ -1,4 +1,5 @@
-"""MoE: dispatch + combine bus bandwidth against raw mpi4py Alltoallv, and the MoE layer at ep = world against one process.
+"""MoE: dispatch + combine bus bandwidth against raw mpi4py Alltoallv, and the
+MoE layer at ep = world against one process.
 
 Run under the launcher, e.g. ``mpiexec -n 2 --bind-to core hpctrain-bench
 moe``; ep = the world size; extra ``key=value`` arguments are Hydra
@@ -59,6 +60,7 @@ def make_layer(cfg: Any, group: Optional[Group], seed: int = 0):
     """The MoE layer of ``cfg`` with random weights (the same on every rank),
     holding this rank's experts of ``group`` (None: all of them)."""
     from hpctrain.config import plugin_section
+
     from hpctrain_moe.config import MoEConfig
     from hpctrain_moe.layer import MoE, MoERegions
 
@@ -106,13 +108,14 @@ def _raw_alltoallv(mpi_comm: Any, send: torch.Tensor, recv: torch.Tensor, send_r
 
 
 def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
+    from omegaconf import OmegaConf
+
     from hpctrain.comm.differentiable import all_to_all
     from hpctrain.config.store import to_config
     from hpctrain.run import build_mesh
+
     from hpctrain_moe.dispatch import combine, dispatch, plan_dispatch
     from hpctrain_moe.router import route
-
-    from omegaconf import OmegaConf
 
     world = rt.mpi_comm
     x = tokens_of(cfg, rt.world_rank).reshape(-1, cfg.model.d_model)
@@ -179,11 +182,11 @@ def _forward_backward(layer: Any, x: torch.Tensor) -> None:
 
 
 def layer_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
+    from omegaconf import OmegaConf
+
     from hpctrain.bench.common import time_collective
     from hpctrain.config.store import to_config
     from hpctrain.run import build_mesh
-
-    from omegaconf import OmegaConf
 
     world = rt.mpi_comm
     raw = OmegaConf.to_container(cfg, resolve=True)

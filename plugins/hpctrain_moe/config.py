@@ -19,16 +19,27 @@ class MoEConfig:
     top_k: int = 2
     """Experts each token is sent to."""
     capacity_factor: Optional[float] = None
-    """null: dropless (every routed token is computed). A number c: each expert takes at most ceil(c * tokens * top_k / num_experts) tokens of a micro-batch; the rest of its assignments are dropped (the token keeps its residual and its other experts), first choices before second choices, and within one choice earlier tokens (sample, then position) first."""
+    """null: dropless (every routed token is computed). A number c: each expert takes at most ceil(c * tokens
+    * top_k / num_experts) tokens of a micro-batch; the rest of its assignments are dropped (the token
+    keeps its residual and its other experts), first choices before second choices, and within one choice
+    earlier tokens (sample, then position) first."""
     aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss num_experts * sum_e f_e * P_e (Switch/GShard form; f_e: share of the micro-batch's assignments routed to e, P_e: mean router probability of e); 1.0 unweighted means perfect balance."""
+    """Weight of the load-balancing loss num_experts * sum_e f_e * P_e (Switch/GShard form; f_e: share of the
+    micro-batch's assignments routed to e, P_e: mean router probability of e); 1.0 unweighted means perfect
+    balance."""
     z_loss_coef: float = 0.001
     """Weight of the router z-loss, the mean over tokens of logsumexp(router logits)^2 (ST-MoE)."""
     router: str = "softmax"
-    """softmax: top-k of the softmax probabilities, weights renormalised over the k chosen (Mixtral; with top_k=1 the probability itself, Switch). sigmoid: DeepSeek-V3: sigmoid scores, the top k of score + a per-expert bias that only selects, weights the chosen scores normalised to sum 1."""
+    """softmax: top-k of the softmax probabilities, weights renormalised over the k chosen (Mixtral; with
+    top_k=1 the probability itself, Switch). sigmoid: DeepSeek-V3: sigmoid scores, the top k of score + a
+    per-expert bias that only selects, weights the chosen scores normalised to sum 1."""
     aux_free_bias_rate: float = 0.001
-    """sigmoid router: after every step each expert's selection bias moves by this much towards balance (up when it received fewer tokens than the mean over experts in that step, down when more); 0 keeps the biases fixed."""
+    """sigmoid router: after every step each expert's selection bias moves by this much towards balance (up
+    when it received fewer tokens than the mean over experts in that step, down when more); 0 keeps the
+    biases fixed."""
     shared_experts: int = 0
-    """Experts every token passes through besides its routed ones (DeepSeek's shared experts), as one SwiGLU of width shared_experts * ffn_hidden."""
+    """Experts every token passes through besides its routed ones (DeepSeek's shared experts), as one SwiGLU
+    of width shared_experts * ffn_hidden."""
     every: int = 1
-    """MoE in every k-th block: blocks i with (i + 1) % every == 0 (every=2: blocks 1, 3, ...); the others keep the dense SwiGLU."""
+    """MoE in every k-th block: blocks i with (i + 1) % every == 0 (every=2: blocks 1, 3, ...); the others
+    keep the dense SwiGLU."""

@@ -24,7 +24,7 @@ the same code runs without the exchanges: that is the one-process model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 

@@ -31,11 +31,11 @@ from hpctrain import hookimpl
 from hpctrain.config import plugin_section
 from hpctrain.log import log_rank0
 from hpctrain.mesh import AXES, Mesh
-from hpctrain.parallel.handles import AxisHandle
-from hpctrain.parallel.tokens import token_placement
 from hpctrain.model.build import narrow_param
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import SwiGLU
+from hpctrain.parallel.handles import AxisHandle
+from hpctrain.parallel.tokens import token_placement
 from hpctrain.shard import get_spec
 
 from hpctrain_moe.config import MoEConfig

@@ -74,9 +74,9 @@ class TorchPipelineLoop:
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model
+        from hpctrain.pipeline.split import stage_layers
         from hpctrain.shard import get_spec
         from hpctrain.train.optim import build_adamw
-        from hpctrain.pipeline.split import stage_layers
 
         self.cfg, self.dist = cfg, dist
         cls_name, v = SCHEDULES[schedule]
@@ -156,7 +156,7 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
     out: List[Contender] = []
     for schedule in args.schedules:
         loop = TorchPipelineLoop(cfg, rt, pm, schedule)
-        out.append((f"torch {SCHEDULES[schedule][0]}", schedule, loop.step, lambda l=loop: l.last_loss, None))
+        out.append((f"torch {SCHEDULES[schedule][0]}", schedule, loop.step, lambda lp=loop: lp.last_loss, None))
         for backend in args.backends:
             tr = _our_trainer(cfg, rt, pm, backend, schedule)
             out.append((f"ours {schedule}[{backend}]", schedule, tr.train_step,
@@ -204,8 +204,8 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
         table.add(label, med[label] * 1e3, med[label] / med[ref], paired, loss())
     print_rank0(world, "", f"## step time (pp={rt.world_size})", table.render(args.markdown))
     bubbles = Table([Column("ours", "{}", "<"), Column("m", "{}"), Column("v", "{}"), Column("measured", "{:.3f}"),
-                     Column("formula", "{:.3f}"), Column("simulated", "{:.3f}"), Column("measured - formula", "{:+.3f}"),
-                     Column("measured - simulated", "{:+.3f}")])
+                     Column("formula", "{:.3f}"), Column("simulated", "{:.3f}"),
+                     Column("measured - formula", "{:+.3f}"), Column("measured - simulated", "{:+.3f}")])
     for label, _, _, _, trainer in runners:
         if trainer is not None:
             b = measured_bubbles(trainer, args.bubble_steps)

@@ -32,11 +32,11 @@ import torch
 
 from hpctrain.comm.protocol import P2POp
 from hpctrain.mesh import Group
-from hpctrain.parallel.handles import GradientControl
 from hpctrain.model.aux import collect_aux_losses, with_aux
+from hpctrain.parallel.handles import GradientControl
+from hpctrain.pipeline.schedules import Action, actions, splits_weight_pass
 from hpctrain.train.schedule import StepResult
 
-from hpctrain.pipeline.schedules import Action, actions, splits_weight_pass
 from hpctrain_pp.timeline import Recorder
 from hpctrain_pp.weight_pass import WeightPass, backward_input
 

@@ -20,24 +20,23 @@ whoever reduces those (plain data parallelism or ZeRO's shards).
 """
 from __future__ import annotations
 
-
 from typing import Any, Dict, List, Optional
 
 from torch import nn
 
-from hpctrain.config import plugin_section
 from hpctrain import hookimpl
+from hpctrain.config import plugin_section
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.parallel.handles import PipelineHandle
-from hpctrain.shard import get_spec, set_spec
-
-from hpctrain_pp.config import PipelineConfig
-from hpctrain_pp import timeline
-from hpctrain_pp.executor import PipelineSchedule
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import check
 from hpctrain.pipeline.split import stage_layers
+from hpctrain.shard import get_spec, set_spec
+
+from hpctrain_pp import timeline
+from hpctrain_pp.config import PipelineConfig
+from hpctrain_pp.executor import PipelineSchedule
 
 
 class PipelineChunks(nn.Module):

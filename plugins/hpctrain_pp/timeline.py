@@ -33,10 +33,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from hpctrain.mesh import Group
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass
 from hpctrain.pipeline.simulate import simulate
-from hpctrain.mesh import Group
 
 JSON_NAME = "pipeline_timeline.json"
 PNG_NAME = "pipeline_timeline.png"
@@ -150,7 +150,8 @@ def chrome_trace(tl: PipelineTimeline) -> Dict[str, Any]:
             events.append(_event(1, r, a, s, e))
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"schedule": tl.schedule, "pp": tl.p, "vpp": tl.v, "microbatches": tl.m,
-                          "measured_bubble": tl.bubble(), "theory_bubble": formula_bubble(tl.schedule, tl.p, tl.v, tl.m)}}
+                          "measured_bubble": tl.bubble(),
+                          "theory_bubble": formula_bubble(tl.schedule, tl.p, tl.v, tl.m)}}
 
 
 def _event(pid: int, rank: int, a: Action, start: float, end: float) -> Dict[str, Any]:

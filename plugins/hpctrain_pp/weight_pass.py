@@ -52,6 +52,11 @@ def _consumers(roots: Sequence[Node]) -> Dict[Node, List[Node]]:
     return up
 
 
+def _returning(grads: Optional[tuple]) -> Callable[..., object]:
+    """A node pre-hook that makes ``grads`` the node's incoming gradients."""
+    return lambda _: grads
+
+
 def _upwards(start: Node, up: Dict[Node, List[Node]], stop: Set[Node]) -> Tuple[Set[Node], Set[Node]]:
     """(nodes reached from ``start`` towards the outputs, those of them in
     ``stop``); the walk does not pass a node of ``stop``."""
@@ -96,7 +101,7 @@ class WeightPass:
                         grads.append(grad)
             if not edges:  # no gradient reached these weights (unused this micro-batch)
                 continue
-            pins = ([n.register_prehook(lambda _, kept=g.kept.get(n): kept) for n in g.frontier]
+            pins = ([n.register_prehook(_returning(g.kept.get(n))) for n in g.frontier]
                     if len(g.frontier) > 1 else [])
             try:
                 dws = torch.autograd.grad(edges, [GradientEdge(grad_node(p), 0) for p in g.params], grads,

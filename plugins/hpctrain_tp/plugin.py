@@ -30,12 +30,12 @@ from torch import nn
 from hpctrain import hookimpl
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
-from hpctrain.parallel.handles import AxisHandle
+from hpctrain.model.build import narrow_param
 from hpctrain.model.shapes import padded_vocab
 from hpctrain.model.transformer import SwiGLU
+from hpctrain.parallel.handles import AxisHandle
 from hpctrain.shard import get_spec
 
-from hpctrain.model.build import narrow_param
 from hpctrain_tp.layers import SumOverTensorParallel, TensorParallelLinears, column_parallel, row_parallel
 from hpctrain_tp.regions import Regions
 from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead

@@ -19,15 +19,15 @@ outputs are partial sums over tp. ``Regions`` names the two boundaries:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from hpctrain.comm.differentiable import copy_to_region, reduce_from_region, reduce_scatter_to_sequence_region
+from hpctrain.mesh import Group
 
 from hpctrain_tp.columns import SEQUENCE_DIM, sequence_parallel_columns
-from hpctrain.mesh import Group
 
 
 @dataclass(frozen=True)

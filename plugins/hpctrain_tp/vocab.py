@@ -12,17 +12,15 @@ logits, and the loss needs only three reductions over tp per token: the max
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import reduce_from_region
 from hpctrain.comm.protocol import ReduceOp
+from hpctrain.mesh import Group
 
 from hpctrain_tp.regions import Regions
-from hpctrain.mesh import Group
 
 
 class VocabParallelEmbedding(nn.Module):

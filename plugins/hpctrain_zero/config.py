@@ -19,15 +19,19 @@ class ZeroConfig:
     stage: int = 0
     """0: plain data parallelism; 1: optimizer state sharded; 2: also gradients; 3: also parameters."""
     reshard_after_forward: bool = True
-    """Stage 3: free a unit's gathered parameters after its forward and gather them again for backward (false keeps them until its backward: more memory, fewer all-gathers)."""
+    """Stage 3: free a unit's gathered parameters after its forward and gather them again for backward (false
+    keeps them until its backward: more memory, fewer all-gathers)."""
     param_dtype: str = "none"
-    """Dtype parameters are gathered and computed in (bf16 halves the all-gather); none: the parameters' own. Master shards stay fp32."""
+    """Dtype parameters are gathered and computed in (bf16 halves the all-gather); none: the parameters' own.
+    Master shards stay fp32."""
     reduce_dtype: str = "fp32"
     """Dtype gradients are reduce-scattered and accumulated in."""
     shard_group: str = "world"
-    """world: shard over the whole data group; node: shard within each node and replicate across nodes (HSDP / ZeRO++ hpZ)."""
+    """world: shard over the whole data group; node: shard within each node and replicate across nodes (HSDP /
+    ZeRO++ hpZ)."""
     offload: str = "none"
-    """none; cpu: optimizer state in pinned host memory (GPU runs); nvme: optimizer state in memory-mapped files under offload_dir."""
+    """none; cpu: optimizer state in pinned host memory (GPU runs); nvme: optimizer state in memory-mapped
+    files under offload_dir."""
     offload_dir: Optional[str] = None
     """Directory of the nvme offload files (one per rank and unit); None: <run dir>/zero_offload."""
 

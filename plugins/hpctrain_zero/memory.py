@@ -56,7 +56,9 @@ class ZeroMemory:
         return self.total + self.in_flight
 
     def describe(self) -> str:
-        mb = lambda b: f"{b / 2**20:.2f} MiB"
+        def mb(b: int) -> str:
+            return f"{b / 2**20:.2f} MiB"
+
         return (f"parameters {mb(self.params)}, gradients {mb(self.grads)}, optimizer state {mb(self.optimizer)}, "
                 f"up to {mb(self.in_flight)} in flight; expected peak {mb(self.peak)} ({self.peak:,} bytes)")
 

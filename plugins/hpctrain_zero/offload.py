@@ -51,6 +51,9 @@ class MappedState:
 
 def mapped_states(directory: str, rank: int, groups: List[Tuple[str, int]]) -> Dict[str, MappedState]:
     """A MappedState per (flat group name, chunk numel)."""
-    safe = lambda name: "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+    def safe(name: str) -> str:
+        return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
     return {name: MappedState(os.path.join(directory, f"rank{rank}-{safe(name)}.bin"), numel)
             for name, numel in groups}

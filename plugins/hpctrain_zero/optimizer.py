@@ -35,7 +35,6 @@ import torch
 from hpctrain.shard import ShardSpec
 from hpctrain.train.optim import param_groups
 
-
 MASTER = "master"
 """State key of the fp32 master chunk when parameters compute in ``param_dtype``
 (stages 1-2), so a checkpoint keeps the exact weights beside the 16-bit copy."""
@@ -191,4 +190,5 @@ class ZeroOptimizer:
                 if (s := self.shard_of.get(id(p))) is not None and s.grad is not None]
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer({len(self.shards)} shards of {len(self.model_params)} parameters, {len(self.optimizers)} AdamW)"
+        return (f"ZeroOptimizer({len(self.shards)} shards of {len(self.model_params)} parameters, "
+                f"{len(self.optimizers)} AdamW)")

@@ -41,11 +41,11 @@ from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from hpctrain.config import plugin_section
 from hpctrain import grad_sync, hookimpl
 from hpctrain.comm.protocol import ReduceOp
-from hpctrain.grad_sync.buckets import cap_bytes_from_mb
+from hpctrain.config import plugin_section
 from hpctrain.errors import PluginError
+from hpctrain.grad_sync.buckets import cap_bytes_from_mb
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Group, Mesh
 from hpctrain.parallel.handles import DataHandle

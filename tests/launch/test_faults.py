@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +24,8 @@ def _launch(args, tmp_path, n=4, **env):
     """(exit status, the job's output, seconds from the fault's injection to the end or None)."""
     cmd = ["timeout", str(TIMEOUT), MPIEXEC, "-n", str(n), sys.executable, "-m", "hpctrain", *BASE, *args,
            f"hydra.run.dir={tmp_path}"]
-    job = subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    job = subprocess.Popen(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           cwd=tmp_path)
     lines, injected = [], None
     for line in job.stdout:
         lines.append(line)

@@ -31,7 +31,7 @@ def _run(args, n=None, **kw):
 
 
 def _metrics(run_dir):
-    return [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_console_script_one_process(tmp_path):
@@ -64,7 +64,7 @@ def test_mpiexec_four_ranks_one_run_dir(tmp_path):
 def test_bad_layout_one_line_every_rank_exits(tmp_path):
     r = _run(["parallel.dp=3", f"hydra.run.dir={tmp_path}"], n=4)
     assert r.returncode != 0
-    lines = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert lines == ["hpctrain: error: tp(1) * cp(1) * ep(1) * dp(3) * pp(1) = 3 != world size 4; "
                      "launch 3 ranks or set parallel.dp=-1"]
     assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
@@ -75,7 +75,7 @@ def test_several_problems_reported_together(tmp_path):
     r = _run(["trainer.global_batch_size=10", "trainer.micro_batch_size=2", "data=tokens",
               f"data.path={tmp_path}/nope.bin", f"hydra.run.dir={tmp_path}"], n=2)
     assert r.returncode == 2
-    errors = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert len(errors) == 2
     assert "not divisible by dp(2) x trainer.micro_batch_size(2)" in errors[0]
     assert "does not exist" in errors[1] and "hpctrain-prepare" in errors[1]
@@ -86,7 +86,7 @@ def test_several_problems_reported_together(tmp_path):
 def test_unknown_preset_under_mpi_does_not_hang(tmp_path):
     r = _run(["model=gpt5", f"hydra.run.dir={tmp_path}"], n=2)
     assert r.returncode == 2
-    lines = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert len(lines) == 1 and "model=gpt5: there is no preset 'gpt5'" in lines[0] and "tiny" in lines[0], r.stderr
 
 
@@ -103,7 +103,7 @@ def test_multirun_sweep_under_mpi(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(_metrics(tmp_path / "0")) == len(_metrics(tmp_path / "1")) == 2
     # summary.jsonl: one line per point, with its overrides and last metrics
-    summary = [json.loads(l) for l in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
     assert [(p["dir"], p["overrides"], p["exit_code"]) for p in summary] == [
         ("0", ["trainer.steps=2", "optim.lr=0.001"], 0), ("1", ["trainer.steps=2", "optim.lr=0.003"], 0)]
     assert summary[1]["last"] == _metrics(tmp_path / "1")[-1]
@@ -159,7 +159,7 @@ def test_a_diverged_run_stops_with_one_line_and_status_3(tmp_path):
               f"checkpoint.dir={tmp_path}/ckpt",
               f"hydra.run.dir={tmp_path}"], n=2)
     assert r.returncode == 3, r.stderr
-    errors = [l for l in r.stderr.splitlines() if l.startswith("hpctrain: error:")]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert len(errors) == 1 and "step 2:" in errors[0] and "not all finite" in errors[0]
     assert "Traceback" not in r.stderr
     assert [m["step"] for m in _metrics(tmp_path)] == [1]

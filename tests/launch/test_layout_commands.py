@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess"))}
+    launcher_vars = ("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_ess")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_mpi_yield_when_idle="1")
     return env

@@ -14,6 +14,7 @@ from hpctrain.data import DataCursor, SampleOrder
 from hpctrain.data.embedded import generate_corpus
 from hpctrain.data.prepare import prepare
 from hpctrain.data.sources import token_file_source
+
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")

@@ -7,7 +7,6 @@ The fresh environment sees the dependencies (torch, mpi4py, parallel h5py,
 hydra, ...) through one ``.pth`` line naming a directory of links to this
 environment's installed packages, hpctrain's own entries left out, so the
 only hpctrain it can import is the wheel's."""
-import os
 import shutil
 import subprocess
 import sys

@@ -18,10 +18,8 @@ exceeded it by 7 MiB; the bound only says the drop is the moments, not
 something else the offloaded run lost).
 """
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -44,7 +42,8 @@ def _peak(tmp_path, name, *extra):
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def test_nvme_offload_lowers_peak_resident_memory_by_the_moments(tmp_path):
     plain, _ = _peak(tmp_path, "plain")
-    offloaded, log = _peak(tmp_path, "nvme", "parallel.zero.offload=nvme", f"parallel.zero.offload_dir={tmp_path}/files")
+    offloaded, log = _peak(tmp_path, "nvme", "parallel.zero.offload=nvme",
+                           f"parallel.zero.offload_dir={tmp_path}/files")
     params = 51_127_296  # 256*1024 + 4 * (4*1024*1024 + 3*1024*2752 + 2*1024) + 1024 + 1024*256
     moments = 8 * params // 2
     assert "offload=nvme" in log and len(list((tmp_path / "files").glob("rank*-*.bin"))) == 2 * 6

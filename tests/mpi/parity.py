@@ -106,7 +106,8 @@ def assert_parity(got: List[StepRecord], want: List[StepRecord], loss_rtol: floa
     for step, (g, w) in enumerate(zip(got, want), start=1):
         scale = grad_atol_scale if step == 1 else max(grad_atol_scale, later_atol_scale)
         assert abs(g.loss - w.loss) <= loss_rtol * abs(w.loss), f"step {step}: loss {g.loss!r} != {w.loss!r}"
-        assert set(g.grads) == set(w.grads), f"step {step}: gradients of {sorted(set(g.grads) ^ set(w.grads))} differ in presence"
+        assert set(g.grads) == set(w.grads), \
+            f"step {step}: gradients of {sorted(set(g.grads) ^ set(w.grads))} differ in presence"
         for name, ref in w.grads.items():
             torch.testing.assert_close(g.grads[name], ref, rtol=grad_rtol,
                                        atol=scale * float(ref.abs().max()),

@@ -75,8 +75,8 @@ def test_saved_attention_activations_fall_as_one_over_cp(world, pm):
     bytes / n (ring attention keeps only this rank's q, k, v, output and
     log-sum-exp; one process's sdpa keeps the same tensors for the whole
     sequence)."""
-    from hpctrain.run import reference_trainer
     from hpctrain.config import compose_resolved
+    from hpctrain.run import reference_trainer
 
     def saved_bytes(trainer, cp):
         attn = trainer.model.layers[0].attn

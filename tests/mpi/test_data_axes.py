@@ -41,10 +41,10 @@ def one_process():
 
 def _run(world, pm, dp, ep, backend):
     from hpctrain.bootstrap import with_device
+    from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
-    from hpctrain.config import compose_resolved
 
     cfg = compose_resolved(BASE + (f"parallel.dp={dp}", f"parallel.ep={ep}", f"comm.backend={backend}"), pm)
     rt = with_device("cpu")

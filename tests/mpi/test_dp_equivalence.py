@@ -72,9 +72,10 @@ def _reference(world, tmp: str):
 
 @pytest.fixture(scope="module")
 def reference():
-    from mpi4py import MPI
     import shutil
     import tempfile
+
+    from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     tmp = tempfile.mkdtemp(prefix="hpctrain-dpref-") if world.Get_rank() == 0 else None

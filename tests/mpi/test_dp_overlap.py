@@ -79,7 +79,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     embedding = trainer.model.tok_embeddings.weight
     embedding.register_post_accumulate_grad_hook(lambda p: last_grad.append(len(spy.calls)) if spy.phase == 2 else None)
 
-    for step in range(2):  # the second step runs on re-attached gradient views
+    for _ in range(2):  # the second step runs on re-attached gradient views
         spy.calls.clear()
         last_grad.clear()
         trainer.train_step()

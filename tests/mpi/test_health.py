@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hpctrain.train.health import ReplicasDiverged
+
 from parity import world_trainer
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested

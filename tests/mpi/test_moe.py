@@ -135,7 +135,8 @@ def test_capacity_drops_the_assignments_one_process_drops(world, pm):
     assert len(found) == len(reference)
     dropped = 0
     for layer, x, keep in found:
-        match = [k for (l2, x2, k) in reference if l2 == layer and x2.shape == x.shape and torch.allclose(x2, x, atol=1e-5)]
+        match = [k for (l2, x2, k) in reference
+                 if l2 == layer and x2.shape == x.shape and torch.allclose(x2, x, atol=1e-5)]
         assert len(match) == 1, f"layer {layer}: no unique one-process micro-batch with this input"
         assert torch.equal(keep, match[0])
         dropped += int((~keep).sum())
@@ -205,7 +206,8 @@ def test_metrics_report_load_and_balance(world, pm):
     tokens = 8 * 32
     assert m["moe.tokens_per_expert_mean"] == pytest.approx(tokens * 2 / 4)
     assert m["moe.tokens_per_expert_max"] >= m["moe.tokens_per_expert_mean"]
-    assert m["moe.load_max_over_mean"] == pytest.approx(m["moe.tokens_per_expert_max"] / m["moe.tokens_per_expert_mean"])
+    max_over_mean = m["moe.tokens_per_expert_max"] / m["moe.tokens_per_expert_mean"]
+    assert m["moe.load_max_over_mean"] == pytest.approx(max_over_mean)
     assert m["moe.dropped_fraction"] == 0.0
     assert 0.9 < m["moe.aux_loss"] < 4.0 and m["moe.z_loss"] > 0
 

@@ -46,7 +46,8 @@ def test_schedule_trains_like_one_process(world, pm, schedule):
         trainer = _check(pm, FOUR, f"parallel.pp={pp}", f"parallel.pipeline.schedule={schedule}")
         names = {n for n, _ in trainer.model.named_parameters()}
         r = trainer.mesh.coords["pp"]
-        assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {str(i) for i in range(4)[r * 4 // pp:(r + 1) * 4 // pp]}
+        mine = {str(i) for i in range(4)[r * 4 // pp:(r + 1) * 4 // pp]}
+        assert {n.split(".")[1] for n in names if n.startswith("layers.")} == mine
         assert ("tok_embeddings.weight" in names) == (r == 0) and ("output.weight" in names) == (r == pp - 1)
 
 
@@ -145,12 +146,12 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     current, the prefetched and the stage's last, kept for its backward),
     where the plugin gathers its actual units (the embedding and the head
     are smaller than a block): an upper bound within one block."""
-    from hpctrain_zero.memory import measured
-
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.estimate import Workload, stage_memory
     from hpctrain.planner.layouts import Layout
     from hpctrain.planner.memory import HPCTRAIN
+
+    from hpctrain_zero.memory import measured
 
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     trainer = _check(pm, FOUR, "parallel.pp=2", f"parallel.zero.stage={stage}",

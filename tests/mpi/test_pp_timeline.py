@@ -13,9 +13,10 @@ import tempfile
 from collections import Counter
 
 import pytest
-from hpctrain.pipeline.schedules import COMPUTE, actions, stage_of
-from hpctrain_pp.timeline import JSON_NAME, PNG_NAME, measured_actions
 
+from hpctrain.pipeline.schedules import COMPUTE, actions, stage_of
+
+from hpctrain_pp.timeline import JSON_NAME, PNG_NAME, measured_actions
 from parity import world_trainer
 
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",

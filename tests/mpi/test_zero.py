@@ -137,12 +137,12 @@ def test_planner_predicts_the_bytes_zero_holds(world, pm, stage):
     stage, our byte profile) equal what the plugin's tensors hold after a step.
     The tiny model's flat groups need no padding at 2, 4 or 8 ranks, which the
     planner does not model, so the two must agree to the byte."""
-    from hpctrain_zero.memory import measured
-
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.estimate import Workload, memory_per_gpu
     from hpctrain.planner.layouts import Layout
     from hpctrain.planner.memory import HPCTRAIN
+
+    from hpctrain_zero.memory import measured
 
     n = world.Get_size()
     trainer = _trainer(pm, f"parallel.zero.stage={stage}")

@@ -87,7 +87,8 @@ class Slurm:
     env: Dict[str, str]
     timeout: float = TIMEOUT_S
 
-    def run(self, args: List[str], job_name: str, timeout: Optional[float] = None, cwd=None) -> subprocess.CompletedProcess:
+    def run(self, args: List[str], job_name: str, timeout: Optional[float] = None,
+            cwd=None) -> subprocess.CompletedProcess:
         """Run a Slurm client command; on timeout cancel job ``job_name`` and fail."""
         timeout = timeout or self.timeout
         try:

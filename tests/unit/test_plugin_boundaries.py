@@ -93,7 +93,8 @@ def violations(package: str, directory: Path, others: Set[str], foreign_sections
                 for section, owner in foreign_sections:
                     if f".{section}." in f".{chain}." and not isinstance(getattr(node, "parent", None), ast.Attribute):
                         yield f"{where}:{node.lineno}: reads {owner}'s config section through {chain}"
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "getattr"):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("setattr", "getattr")):
                 name = node.args[1] if len(node.args) >= 2 else None
                 value = name.value if isinstance(name, ast.Constant) else \
                     constants.get(name.id) if isinstance(name, ast.Name) else None
@@ -140,7 +141,8 @@ def test_the_check_catches_each_kind_of_crossing(tmp_path):
         "    stage = cfg.parallel.zero.stage\n"
         "    sel = 'parallel.zero.stage'\n"
         "    keep = model._parameters\n")
-    found = list(violations("hpctrain_bad", bad, {"hpctrain_zero", "hpctrain_pp"}, [("parallel.zero", "hpctrain_zero")]))
+    found = list(violations("hpctrain_bad", bad, {"hpctrain_zero", "hpctrain_pp"},
+                            [("parallel.zero", "hpctrain_zero")]))
     text = "\n".join(found)
     for expected in ("imports hpctrain_zero.plugin", "imports from hpctrain_pp.executor", "setattr of private '_ties'",
                      "getattr of private '_hpctrain_zero'", "private attribute '_state'",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.plugins import axis_plugins, capabilities, create_manager, describe, require
 from hpctrain.errors import PluginError
+from hpctrain.plugins import axis_plugins, capabilities, create_manager, describe, require
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "plugins" / "examples" / "hpctrain-example-metrics"
@@ -60,18 +60,20 @@ def example_installed(tmp_path_factory):
 
 def test_third_party_plugin_is_listed_and_used(example_installed, tmp_path):
     env = _clean_env(PYTHONPATH=example_installed)
-    listing = subprocess.run([sys.executable, "-m", "hpctrain", "--plugins"], env=env, capture_output=True, text=True, check=True)
+    listing = subprocess.run([sys.executable, "-m", "hpctrain", "--plugins"], env=env, capture_output=True,
+                             text=True, check=True)
     assert "example_metrics" in listing.stdout and "hpctrain-example-metrics" in listing.stdout
     run = subprocess.run([sys.executable, "-m", "hpctrain", "trainer.steps=4", "example_metrics.every=2",
                           f"hydra.run.dir={tmp_path}"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    records = [json.loads(l) for l in (tmp_path / "ema_loss.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "ema_loss.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4]
 
 
 def test_blocked_third_party_plugin_is_not_loaded(example_installed, tmp_path):
     env = _clean_env(PYTHONPATH=example_installed, HPCTRAIN_DISABLE_PLUGINS="example_metrics")
-    listing = subprocess.run([sys.executable, "-m", "hpctrain", "--plugins"], env=env, capture_output=True, text=True, check=True)
+    listing = subprocess.run([sys.executable, "-m", "hpctrain", "--plugins"], env=env, capture_output=True,
+                             text=True, check=True)
     assert "example_metrics" not in listing.stdout.split("blocked by")[0]
     run = subprocess.run([sys.executable, "-m", "hpctrain", "trainer.steps=2", "example_metrics.every=1",
                           f"hydra.run.dir={tmp_path}"], env=env, capture_output=True, text=True)

@@ -32,8 +32,9 @@ class Recorder:
         if kind == "attention" and name == "counting":
             return CountingAttention()
         if kind == "ffn" and name == "wide":
-            from hpctrain.model.shapes import ModelShape
             import dataclasses
+
+            from hpctrain.model.shapes import ModelShape
 
             self.ffn_layers.append(layer_index)
             shape = ModelShape.from_config(cfg.model)

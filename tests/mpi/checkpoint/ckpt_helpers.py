@@ -69,7 +69,7 @@ def on_rank0(comm: Any, fn: Callable[[], Any]) -> Any:
     if comm.Get_rank() == 0:
         try:
             result = fn()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - passed to every rank, which raises it
             error = traceback.format_exc()
     idle_wait(comm)
     result, error = comm.bcast((result, error), root=0)

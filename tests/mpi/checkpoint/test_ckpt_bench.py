@@ -29,5 +29,5 @@ def test_ckpt_bench_prints_its_tables_and_keeps_only_the_last_files(world, share
         # the same tensor bytes (1.4 MB here); each format's metadata (HDF5 object
         # headers and attributes, DCP's .metadata) is a few percent of so small a state
         assert sizes["hpctrain.h5"] == pytest.approx(sizes["DCPdirectory"], rel=0.10)
-        assert sorted(os.listdir(shared_tmp)) == [".hpctrain.lock", "dcp-2", "latest", "ours-2.h5", "ours-async-blocking-2.h5",
-                                                  "ours-async-overlap-2.h5"]
+        assert sorted(os.listdir(shared_tmp)) == [".hpctrain.lock", "dcp-2", "latest", "ours-2.h5",
+                                                  "ours-async-blocking-2.h5", "ours-async-overlap-2.h5"]

@@ -9,8 +9,9 @@ import h5py
 import pytest
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
 from hpctrain.run import reference_trainer
+
+from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
 
 pytestmark = pytest.mark.mpi(min_size=2)
 MODEL = ("trainer.steps=4", "model.n_layers=4")

@@ -50,7 +50,8 @@ def _load_boxes(rank: int, size: int):
 
 
 def _opts(parallel: bool, collective_min_bytes: int) -> IOOptions:
-    return IOOptions(parallel=parallel, collective_min_bytes=collective_min_bytes, alignment=0, fsync=False, verify=True)
+    return IOOptions(parallel=parallel, collective_min_bytes=collective_min_bytes, alignment=0, fsync=False,
+                     verify=True)
 
 
 @pytest.mark.parametrize("parallel,collective_min_bytes", [(True, 1 << 30), (True, 0), (False, 0)],
@@ -65,7 +66,8 @@ def test_split_one_way_read_another_on_every_smaller_world(shared_tmp, parallel,
     mine = plan.owned_by(rank)
     assert len(plan.owners["/model/cols"]) == 2  # each replicated column half has one writer
     owned = {p: [(b, _slab(LOGICAL[p], b)) for b in boxes] for p, boxes in mine.items()}
-    write_file(path, plan, owned, {"format": "hpctrain-h5ckpt", "format_version": 1}, comm, _opts(parallel, collective_min_bytes))
+    attrs = {"format": "hpctrain-h5ckpt", "format_version": 1}
+    write_file(path, plan, owned, attrs, comm, _opts(parallel, collective_min_bytes))
     for k in (s for s in range(1, size + 1) if size % s == 0 and SHAPE[1] % s == 0 and SHAPE[0] % s == 0):
         sub = comm.Split(rank // k, rank)
         wants = {p: b for p, b in _load_boxes(sub.Get_rank(), k).items() if b}

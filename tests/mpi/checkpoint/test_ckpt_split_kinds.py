@@ -31,11 +31,12 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ckpt_helpers import build_trainer, on_rank0
 from hpctrain import hookimpl
 from hpctrain.parallel.handles import AxisHandle, DataHandle
 from hpctrain.plugins import get_manager
 from hpctrain.shard import SPEC_ATTR, Block, ShardSpec, get_spec, replicated_spec, set_spec
+
+from ckpt_helpers import build_trainer, on_rank0
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.every_size]  # the world size changes what is tested
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, build_trainer, config
 from hpctrain.comm.protocol import LocalCommunicator
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.shard import get_spec
 from hpctrain.train.trainer import Trainer
+
+from ckpt_helpers import BASE, build_trainer, config
 from hpctrain_h5ckpt import options
 from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 

@@ -7,12 +7,11 @@ the data-parallel sums differs)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, alone_checkpointer, config, idle_wait, losses
-from hpctrain.plugins import get_manager
 from hpctrain.run import reference_trainer
+
+from ckpt_helpers import BASE, alone_checkpointer, config, idle_wait, losses
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STEPS = ("trainer.steps=4",)

@@ -6,10 +6,11 @@ collective that has to give the right answer.
 import pytest
 import torch
 
-from conftest import compose_config, world_group
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 from hpctrain.plugins import get_manager
+
+from conftest import compose_config, world_group
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

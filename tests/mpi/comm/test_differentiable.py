@@ -48,7 +48,6 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import compose_config
 from hpctrain.bootstrap import get_runtime
 from hpctrain.comm.differentiable import (
     all_to_all,
@@ -66,6 +65,8 @@ from hpctrain.errors import CommError
 from hpctrain.mesh import Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.run import backend_factory
+
+from conftest import compose_config
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

@@ -7,14 +7,15 @@ ranks the world is 2 nodes x 2 ranks, at 8 ranks 4 nodes x 2.
 import pytest
 import torch
 
-from comm_reference import all_inputs, assert_reduced, reduce_reference
-from conftest import compose_config, world_group
 from hpctrain.bootstrap import get_runtime
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 from hpctrain.mesh import Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.run import backend_factory
+
+from comm_reference import all_inputs, assert_reduced, reduce_reference
+from conftest import compose_config, world_group
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

@@ -6,6 +6,8 @@ what each rank knows every other rank sent.
 import pytest
 import torch
 
+from hpctrain.comm.protocol import P2POp
+
 from comm_reference import (
     BACKENDS,
     all_inputs,
@@ -15,7 +17,6 @@ from comm_reference import (
     rank_input,
     strided_like,
 )
-from hpctrain.comm.protocol import P2POp
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

@@ -6,6 +6,8 @@ odd element count so the hierarchical backend pads.
 import pytest
 import torch
 
+from hpctrain.comm.protocol import CompletedWork, ReduceOp
+
 from comm_reference import (
     BACKENDS,
     all_inputs,
@@ -14,7 +16,6 @@ from comm_reference import (
     reduce_reference,
     strided_like,
 )
-from hpctrain.comm.protocol import CompletedWork, ReduceOp
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

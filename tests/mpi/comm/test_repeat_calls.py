@@ -14,9 +14,10 @@ import weakref
 import pytest
 import torch
 
-from comm_reference import all_inputs, assert_reduced, reduce_reference
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
+
+from comm_reference import all_inputs, assert_reduced, reduce_reference
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

@@ -18,11 +18,12 @@ import weakref
 import pytest
 import torch
 
-from comm_reference import all_inputs, assert_equal, assert_reduced, reduce_reference
-from conftest import compose_config, world_group
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import CommError
 from hpctrain.plugins import get_manager
+
+from comm_reference import all_inputs, assert_equal, assert_reduced, reduce_reference
+from conftest import compose_config, world_group
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

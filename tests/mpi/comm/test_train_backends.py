@@ -12,8 +12,9 @@ import time
 import pytest
 from mpi4py import MPI
 
-from conftest import compose_config
 from hpctrain.run import prepare_run, reference_trainer
+
+from conftest import compose_config
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

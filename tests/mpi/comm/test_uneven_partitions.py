@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import compose_config
 from hpctrain.bootstrap import get_runtime
 from hpctrain.comm.protocol import ReduceOp
-from hpctrain.run import build_mesh
 from hpctrain.plugins import get_manager
+from hpctrain.run import build_mesh
+
+from conftest import compose_config
 
 pytestmark = pytest.mark.every_size  # the world size changes what is tested
 

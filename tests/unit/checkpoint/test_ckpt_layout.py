@@ -8,9 +8,18 @@ import numpy as np
 import pytest
 
 from hpctrain.shard import DimSplit, ShardSpec
+
 from hpctrain_h5ckpt import checksum
-from hpctrain_h5ckpt.layout import (DatasetDecl, PlanError, box_from_slices, box_volume, boxes_overlap, build_plan,
-                                    flat_range_boxes, full_box)
+from hpctrain_h5ckpt.layout import (
+    DatasetDecl,
+    PlanError,
+    box_from_slices,
+    box_volume,
+    boxes_overlap,
+    build_plan,
+    flat_range_boxes,
+    full_box,
+)
 
 
 def _slab(a: np.ndarray, box) -> np.ndarray:

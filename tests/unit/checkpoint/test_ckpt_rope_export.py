@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hpctrain.model.transformer import apply_rope, rope_tables
+
 from hpctrain_h5ckpt.export import hf_name, rope_row_permutation
 
 

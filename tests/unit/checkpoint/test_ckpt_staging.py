@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hpctrain.config.validate import validate
+
 from hpctrain_h5ckpt.asyncsave import BackgroundSaver
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import full_box

@@ -30,7 +30,8 @@ def read_safetensors(path: str):
     spans = sorted(v["data_offsets"] for v in header.values())
     assert spans[0][0] == 0 and spans[-1][1] == len(data)
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "tensors must be contiguous"
-    out = {k: np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]], dtype=ST_DTYPES[v["dtype"]]).reshape(v["shape"])
+    out = {k: np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]],
+                            dtype=ST_DTYPES[v["dtype"]]).reshape(v["shape"])
            for k, v in header.items()}
     return out, meta
 
@@ -71,7 +72,8 @@ def _data_offset(path: str, dataset: str) -> int:
 def test_tree_is_self_describing(ckpt_dir):
     if shutil.which("h5ls") is None:
         pytest.skip("h5ls (hdf5-tools) not installed")
-    out = subprocess.run(["h5ls", "-r", os.path.join(ckpt_dir, "step_00000004.h5")], capture_output=True, text=True).stdout
+    out = subprocess.run(["h5ls", "-r", os.path.join(ckpt_dir, "step_00000004.h5")], capture_output=True,
+                         text=True).stdout
     out = " ".join(out.split())  # h5ls pads its columns
     for line in ("/model/tok_embeddings.weight Dataset {256, 64}", "/optim/exp_avg/norm.weight Dataset {64}",
                  "/optim/step/norm.weight Dataset {SCALAR}", "/meta/config", "/meta/rng/torch_cpu Dataset {1, 5056}"):

@@ -43,7 +43,6 @@ def test_experiment_preset_applies_globally(make_config):
 
 
 def test_plugin_sections_fold_into_the_schema():
-    import pluggy
 
     from hpctrain import hookimpl
     from hpctrain.plugins import create_manager

@@ -111,6 +111,7 @@ def test_a_layout_reports_every_violation_at_once(make_config, pm):
     ]
     for want in expected:
         assert sum(want in p for p in problems) == 1, (want, problems)
-    assert any("model.n_layers=2" in p and "3" in p for p in problems), problems  # the pipeline plugin: 2 blocks on 3 stages
+    # the pipeline plugin: 2 blocks on 3 stages
+    assert any("model.n_layers=2" in p and "3" in p for p in problems), problems
     for p in problems:
         assert " use " in p or " set " in p or " choose " in p or "one of" in p or "launch" in p, p

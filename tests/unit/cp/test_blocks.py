@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 from hpctrain.data.sequence import SequenceLayout as Layout
+
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
 
 B, H, HK, T, D = 2, 4, 2, 24, 8
 
@@ -40,9 +41,9 @@ def _rank_forward(q, k, v, layout, rank, chunk, scale):
             kind = pair_kind(a, b)
             if kind is None:
                 continue
-            o, l = block_forward(qr[:, :, i * chunk:(i + 1) * chunk], kx[:, :, b * chunk:(b + 1) * chunk],
-                                 vx[:, :, b * chunk:(b + 1) * chunk], scale, kind == "causal")
-            out, lse = merge(out, lse, o, l)
+            o, o_lse = block_forward(qr[:, :, i * chunk:(i + 1) * chunk], kx[:, :, b * chunk:(b + 1) * chunk],
+                                     vx[:, :, b * chunk:(b + 1) * chunk], scale, kind == "causal")
+            out, lse = merge(out, lse, o, o_lse)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -97,7 +98,7 @@ def test_zigzag_balances_the_work_and_contiguous_does_not():
     for cp in (2, 4, 8):
         chunks = 2 * cp
 
-        def work(layout):
+        def work(layout, cp=cp, chunks=chunks):
             return [sum(1 for a in layout.chunks[r] for b in range(chunks) if pair_kind(a, b)) for r in range(cp)]
         zig, flat = work(Layout.zigzag(cp)), work(Layout.contiguous(cp))
         assert len(set(zig)) == 1  # every rank the same

@@ -1,7 +1,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from hpctrain.data.prepare import main, prepare
 from hpctrain.data.sources import check_data_config, token_file_source

@@ -34,7 +34,8 @@ def test_zero_cap_is_one_bucket_per_parameter_and_huge_cap_is_one_bucket():
 
 
 def test_dtypes_never_share_a_bucket_and_keep_opening_order():
-    params = [torch.empty(4), torch.empty(4, dtype=torch.bfloat16), torch.empty(4), torch.empty(4, dtype=torch.bfloat16)]
+    bf16 = torch.bfloat16
+    params = [torch.empty(4), torch.empty(4, dtype=bf16), torch.empty(4), torch.empty(4, dtype=bf16)]
     plans = plan_buckets(params, 1 << 20)
     assert [(p.dtype, p.indices) for p in plans] == [(torch.bfloat16, (3, 1)), (torch.float32, (2, 0))]
 

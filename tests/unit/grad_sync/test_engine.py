@@ -281,7 +281,8 @@ def test_copy_in_mode_keeps_no_full_gradients(every_microbatch):
     model, comm = _model(), MirrorComm(size=2)
     params = list(model.parameters())
     layers = [params[0:2], params[2:4], params[4:6]]
-    engine = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, every_microbatch=every_microbatch))
+    engine = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False,
+                                       every_microbatch=every_microbatch))
     engine.attach(params, buckets=list(reversed(layers)))  # launch order: last layer first
     assert [b.params for b in engine.buckets] == list(reversed(layers))
     n_micro = 3
@@ -337,8 +338,10 @@ def test_copy_in_buffers_exist_only_while_in_flight_unless_kept():
     params = list(model.parameters())
     layers = [params[4:6], params[2:4], params[0:2]]
     sizes = [4 * (sum(p.numel() for p in layer) + sum(p.numel() for p in layer) % 2) for layer in layers]
-    released = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, every_microbatch=True)).attach(params, layers)
-    kept = GradSync(MirrorComm(size=2), SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False, release_buffers=False))
+    released = GradSync(comm, SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False,
+                                         every_microbatch=True)).attach(params, layers)
+    kept = GradSync(MirrorComm(size=2), SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False,
+                                                   release_buffers=False))
     model2 = _model()
     params2 = list(model2.parameters())
     kept.attach(params2, [params2[4:6], params2[2:4], params2[0:2]])

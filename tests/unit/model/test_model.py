@@ -23,9 +23,9 @@ def test_tiny_builds_on_meta_and_counts_match_closed_form(make_config):
 def test_gpt2_124m_like_count(make_config):
     cfg = make_config("model=gpt2-124m")
     model = build_model(cfg)
-    h, v, l, f = 768, 50257, 12, 2048
+    h, v, layers, f = 768, 50257, 12, 2048
     # tied embedding + per block (4h^2 attention, 3hf SwiGLU = GPT-2's 8h^2 MLP, 2 norms) + final norm
-    expected = v * h + l * (4 * h * h + 3 * h * f + 2 * h) + h
+    expected = v * h + layers * (4 * h * h + 3 * h * f + 2 * h) + h
     assert 3 * h * f == 8 * h * h
     assert _count(model) == expected == 123_551_232
 

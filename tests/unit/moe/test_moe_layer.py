@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hpctrain.model.aux import collect_aux_losses
+
 from hpctrain_moe.capacity import expert_capacity, keep_mask
 from hpctrain_moe.config import MoEConfig
 from hpctrain_moe.layer import MoE

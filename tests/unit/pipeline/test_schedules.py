@@ -5,10 +5,10 @@ activations, and the bubble of theory, exactly, with unit action times
 from __future__ import annotations
 
 import pytest
-from hpctrain.pipeline.schedules import Action, actions, check, compute_order
-from hpctrain.pipeline.simulate import ScheduleError, check_programs, simulate
 
 from hpctrain.pipeline.bubble import bubble_time, in_flight
+from hpctrain.pipeline.schedules import Action, actions, check, compute_order
+from hpctrain.pipeline.simulate import ScheduleError, check_programs, simulate
 
 SMALL = [(p, m) for p in (2, 3, 4) for m in range(1, 13)]
 

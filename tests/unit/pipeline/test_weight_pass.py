@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hpctrain_pp.weight_pass import backward_input
 
 from hpctrain.model.build import build_model, materialize
+
+from hpctrain_pp.weight_pass import backward_input
 
 
 class CountingIdentity(torch.autograd.Function):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from planner_probe import measure_saved, tensor_bytes
 
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.estimate import Workload, memory_per_gpu
 from hpctrain.planner.layouts import Layout
 from hpctrain.planner.memory import HPCTRAIN
+
+from planner_probe import measure_saved, tensor_bytes
 
 ACTIVATION_TOLERANCE = 0.10  # the bound; the fp32 prediction is exact to the byte per layer >= 1
 

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 
 from hpctrain.config.validate import check_layout
+from hpctrain.pipeline.bubble import bubble_fraction, bubble_time, check_schedule, in_flight
 from hpctrain.planner import comm_model as cm
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.layouts import Layout, enumerate_layouts
-from hpctrain.pipeline.bubble import bubble_fraction, bubble_time, check_schedule, in_flight
 
 INTRA, INTER = cm.Link(busbw=100e9, alpha=0.0), cm.Link(busbw=10e9, alpha=0.0)
 
@@ -84,7 +84,8 @@ def test_moe_counts():
         ffn_multiple_of=32, tie_embeddings=False))
     assert base.total_params == dense.total_params + 2 * (7 * dense.expert_params + 64 * 8)
     assert base.active_params == dense.total_params + 2 * (dense.expert_params + 64 * 8)
-    assert base.layer_params_per_rank(1, ep=4) == dense.layer_params - dense.expert_params + 2 * dense.expert_params + 64 * 8
+    assert (base.layer_params_per_rank(1, ep=4)
+            == dense.layer_params - dense.expert_params + 2 * dense.expert_params + 64 * 8)
 
 
 def test_mixtral_8x7b_parameters(make_config):

@@ -40,9 +40,9 @@ V, S, A100_PEAK = 51200, 2048, 312e12
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=lambda r: f"{r[0]}B")
 def test_megatron_parameter_counts(row):
-    billions, a, h, l = row[:4]
-    arch = Arch.gpt(n_layers=l, d_model=h, n_heads=a, vocab_size=V, seq_len=S)
-    paper_formula = 12 * l * h ** 2 * (1 + 13 / (12 * h) + (V + S) / (12 * l * h))
+    billions, a, h, layers = row[:4]
+    arch = Arch.gpt(n_layers=layers, d_model=h, n_heads=a, vocab_size=V, seq_len=S)
+    paper_formula = 12 * layers * h ** 2 * (1 + 13 / (12 * h) + (V + S) / (12 * layers * h))
     assert arch.total_params == pytest.approx(paper_formula, rel=1e-12)
     # Table 1 prints one decimal: our count rounds to exactly the printed value
     # for all ten rows. Within 0.2% is asked; for the four smallest rows one
@@ -57,10 +57,10 @@ def test_megatron_parameter_counts(row):
 def test_megatron_flops_per_iteration(row):
     """Summing the planner's per-GEMM counts (forward, recompute, 2x backward;
     the output layer without recompute) gives the paper's closed form."""
-    _, a, h, l, t, p, gpus, batch, tflops = row
-    arch = Arch.gpt(n_layers=l, d_model=h, n_heads=a, vocab_size=V, seq_len=S)
+    _, a, h, layers, t, p, gpus, batch, tflops = row
+    arch = Arch.gpt(n_layers=layers, d_model=h, n_heads=a, vocab_size=V, seq_len=S)
     flops = gemm_flops_per_iteration(arch, batch, S, recompute="full")
-    assert flops == pytest.approx(narayanan_flops_per_iteration(batch, S, l, h, V), rel=1e-12)
+    assert flops == pytest.approx(narayanan_flops_per_iteration(batch, S, layers, h, V), rel=1e-12)
     # the layout is a valid factorisation and the reported rate is below peak
     assert gpus % (t * p) == 0 and batch % (gpus // (t * p)) == 0
     assert 0.4 < tflops * 1e12 / A100_PEAK < 0.55
@@ -142,7 +142,8 @@ def test_korthikanti_175b_values():
     assert per_layer_gb[(False, "none")] / per_layer_gb[(True, "selective")] >= 5
 
 
-@pytest.mark.parametrize("sp,recompute,fits", [(False, "none", False), (True, "selective", True), (False, "full", True)])
+@pytest.mark.parametrize("sp,recompute,fits",
+                         [(False, "none", False), (True, "selective", True), (False, "full", True)])
 def test_korthikanti_out_of_memory_verdicts_on_80gb(sp, recompute, fits):
     """Model states (16 bytes/parameter, the first stage's 12 layers and the
     embedding split 8 ways) plus first-stage activations against 80 GB: plain

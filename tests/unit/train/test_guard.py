@@ -68,6 +68,7 @@ def test_skip_drops_updates_then_stops_and_metrics_stay_json(pm, tmp_path):
 
     def no_constants(name):
         raise ValueError(f"{name} is not JSON")
-    rows = [json.loads(line, parse_constant=no_constants) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line, parse_constant=no_constants)
+            for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # the step that stopped the run is not logged
     assert rows[1]["grad_norm"] is None and rows[2]["skipped_steps"] == 2

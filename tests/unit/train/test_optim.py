@@ -4,17 +4,17 @@ import torch
 from hpctrain.train.optim import lr_at, param_groups
 
 
-class O:
+class Sched:
     lr, min_lr_ratio, warmup_steps = 1.0, 0.1, 4
 
 
 def test_warmup_then_cosine_to_floor():
-    lrs = [lr_at(s, O, 20) for s in range(20)]
+    lrs = [lr_at(s, Sched, 20) for s in range(20)]
     assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert lrs[4] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
-    assert lr_at(20, O, 20) == pytest.approx(0.1)
-    assert lr_at(12, O, 20) == pytest.approx(0.55)  # cosine midpoint
+    assert lr_at(20, Sched, 20) == pytest.approx(0.1)
+    assert lr_at(12, Sched, 20) == pytest.approx(0.55)  # cosine midpoint
 
 
 def test_decay_only_on_matrices():

@@ -189,7 +189,8 @@ def test_an_unreadable_end_time_is_warned_about(tmp_path, monkeypatch, caplog):
     from hpctrain.train.stopping import SQUEUE_TRIES, slurm_end_time
 
     calls = tmp_path / "calls"
-    _fake_squeue(tmp_path, monkeypatch, f"echo x >> {calls}; echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1\n")
+    _fake_squeue(tmp_path, monkeypatch,
+                 f"echo x >> {calls}; echo 'slurm_load_jobs error: Socket timed out' >&2; exit 1\n")
     with caplog.at_level(logging.WARNING):
         assert slurm_end_time(retry_wait_s=0) is None
     assert "could not read SLURM job 42's end time from squeue (slurm_load_jobs error: Socket timed out)" in caplog.text
