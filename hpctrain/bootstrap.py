@@ -138,8 +138,8 @@ def with_device(device: str) -> Runtime:
     dev = choose_device(device, rt.local_rank)
     if dev != rt.device:
         from dataclasses import replace
-        _runtime = replace(rt, device=dev)
-    return _runtime
+        rt = _runtime = replace(rt, device=dev)
+    return rt
 
 
 def advertised_address() -> str:

@@ -97,6 +97,7 @@ def _hydra_main(argv: List[str], world) -> int:
     """Rank 0 (or the only rank): run the Hydra app; broadcast each job."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -124,7 +125,7 @@ def _hydra_main(argv: List[str], world) -> int:
         except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve: one line, status 2
             code = _composition_failed(e, user_full_error == "1")
             codes.append(code)
-            if HydraConfig.get().mode.name == "MULTIRUN":
+            if HydraConfig.get().mode == RunMode.MULTIRUN:
                 return code
             raise SystemExit(code) from None
         if world is not None:
@@ -132,11 +133,11 @@ def _hydra_main(argv: List[str], world) -> int:
         code = _execute(cfg_yaml, run_dir)
         codes.append(code)
         hc = HydraConfig.get()
-        if hc.mode.name == "MULTIRUN" and get_runtime().world_rank == 0:
+        if hc.mode == RunMode.MULTIRUN and get_runtime().world_rank == 0:
             from hpctrain.sweep import record_sweep_point
 
             record_sweep_point(hc.sweep.dir, run_dir, hc.overrides.task, code)
-        if code and HydraConfig.get().mode.name != "MULTIRUN":
+        if code and HydraConfig.get().mode != RunMode.MULTIRUN:
             raise SystemExit(code)
         return code
 
@@ -198,6 +199,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if world is not None:
                     world.bcast((_STOP, code, None), root=0)
         else:
+            assert world is not None  # ranks other than 0 exist only in a world of several
             code = 0
             while True:
                 kind, payload, run_dir = world.bcast(None, root=0)

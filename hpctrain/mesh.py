@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError
@@ -77,8 +77,8 @@ def resolve_sizes(sizes: Mapping[str, int], world_size: int, order: str = DEFAUL
     out = {a: int(sizes.get(a, 1)) for a in AXES}
     for a in AXES:
         if out[a] == 0 or out[a] < -1 or (out[a] == -1 and a != "dp"):
-            rest = " or -1 (the rest)" if a == "dp" else ""
-            raise ConfigError(f"parallel.{a}={out[a]} is invalid: use a positive size{rest}")
+            or_rest = " or -1 (the rest)" if a == "dp" else ""
+            raise ConfigError(f"parallel.{a}={out[a]} is invalid: use a positive size{or_rest}")
     if out["dp"] == -1:
         rest = math.prod(out[a] for a in AXES if a != "dp")
         if world_size % rest:
@@ -154,9 +154,9 @@ class Mesh:
         for axes in self.standard_group_keys():
             self.group(axes)
         self.pp_ends()
-        for axes in ("dp", DATA_AXES):
-            self.node_local(axes)
-            self.across_nodes(axes)
+        for data_axes in ("dp", DATA_AXES):
+            self.node_local(data_axes)
+            self.across_nodes(data_axes)
 
     # -- coordinates -----------------------------------------------------
     def coords_of(self, rank: int) -> Dict[str, int]:
@@ -233,7 +233,8 @@ class Mesh:
         return self._partition(lambda r: self.group_ranks(axes, r))
 
     def _partition(self, members_of: Callable[[int], Tuple[int, ...]]) -> Tuple[Tuple[int, ...], ...]:
-        seen, parts = set(), []
+        seen: Set[int] = set()
+        parts = []
         for r in range(self.world_size):
             if r not in seen:
                 g = tuple(sorted(members_of(r)))

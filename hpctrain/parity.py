@@ -13,7 +13,7 @@ and ``hpctrain-parity`` (``hpctrain.parity_cli``) both use these.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ class _GradTap:
     clipped), from whoever owns the gradients (the parameters, or a ZeRO
     optimizer's shards)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.pieces: List[Piece] = []
 

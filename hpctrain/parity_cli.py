@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from hpctrain.errors import ConfigError, HpctrainError
 from hpctrain.parity import StepDiff, compare, record
@@ -55,7 +55,7 @@ def _compose_on_rank0(overrides: List[str], rt, pm):
     from hpctrain.config import compose_resolved
     from hpctrain.config.store import to_config
 
-    found = None
+    found: Optional[Tuple[str, str]] = None
     if rt.is_main:
         try:
             cfg = compose_resolved(overrides + ["checkpoint.every=0", "checkpoint.resume=null",
@@ -65,6 +65,7 @@ def _compose_on_rank0(overrides: List[str], rt, pm):
             found = ("error", f"{type(e).__name__}: {e}")
     if rt.world_size > 1:
         found = rt.mpi_comm.bcast(found, root=0)
+    assert found is not None  # rank 0 composed it and broadcast it
     if found[0] == "error":
         raise ConfigError(found[1])
     return to_config(found[1], pm)

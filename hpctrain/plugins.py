@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import pluggy
 from omegaconf import OmegaConf
@@ -105,7 +105,7 @@ def describe(pm: pluggy.PluginManager) -> List[PluginInfo]:
         if plugin is None:
             continue
         dist = dists.get(id(plugin))
-        caps = {}
+        caps: Dict[str, List[str]] = {}
         impl = getattr(plugin, "hpctrain_capabilities", None)
         if impl is not None:
             caps = impl() or {}
@@ -136,7 +136,8 @@ def axis_claims(pm: pluggy.PluginManager, cfg: Any, axis: str) -> Dict[str, Opti
     out: Dict[str, Optional[bool]] = {}
     for impl in pm.hook.hpctrain_claim_axis.get_hookimpls():
         given = {"axis": axis, "cfg": cfg}
-        out[impl.plugin_name] = impl.function(**{a: given[a] for a in impl.argnames})
+        # pluggy types a hook function's result as object; this spec answers Optional[bool]
+        out[impl.plugin_name] = cast(Optional[bool], impl.function(**{a: given[a] for a in impl.argnames}))
     return out
 
 

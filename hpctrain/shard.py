@@ -266,6 +266,7 @@ class ShardSpec:
     def _flat_index(self, coords: Mapping[str, int], sizes: Mapping[str, int]) -> Tuple[int, int]:
         """(ranges, this rank's range) of the flat split."""
         f = self.flat
+        assert f is not None, "called for specs with a flat split only"
         n, idx = 1, 0
         for a in f.axes:
             idx = idx * sizes[a] + coords[a]
@@ -310,7 +311,7 @@ def _pieces(spec: ShardSpec, coords: Tuple[Tuple[str, int], ...],
     per_dim: List[List[Tuple[int, int, int, int]]] = [[(0, 0, length, 1)] for length in spec.global_shape]
     for s in spec.splits:
         per_dim[s.dim] = [(g.start, g.local, g.length, g.replicas) for g in spec.segments(s, c, n)]
-    boxes = [((), (), base)]
+    boxes: List[Tuple[Box, Box, int]] = [((), (), base)]
     for runs in per_dim:  # cartesian product of the dims' runs
         boxes = [(lb + ((start, start + length),), ob + ((local, local + length),), rep * r)
                  for lb, ob, rep in boxes for start, local, length, r in runs]

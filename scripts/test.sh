@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: set-up (idempotent), then
+#   0. lint: ruff and mypy (pyproject.toml); a report fails the suite like a
+#      failed test (lint::ruff, lint::mypy in the summary),
 #   1. unit and launcher tests (one pytest process; the launcher tests start
 #      mpirun themselves),
 #   2. multi-rank tests under mpiexec at 2, 4 and 8 ranks (oversubscribed),
@@ -23,6 +25,14 @@ status=0
 quick=0; [ "${1:-}" = "--quick" ] && quick=1
 
 section() { printf '\n==== %s ====\n' "$*"; }
+
+section "lint (ruff, mypy)"
+if python scripts/lint.py "$LOGDIR/lint.xml"; then
+  echo "lint: clean"
+else
+  status=1
+  echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
+fi
 
 section "unit and launcher tests"
 timeout 900 python -m pytest -q -p no:cacheprovider tests/unit tests/launch --junitxml="$LOGDIR/unit.xml"

@@ -72,6 +72,16 @@ class Timing:
         return min(self.samples) if self.samples else float("nan")
 
 
+def metric_reader(trainer: Any, key: str) -> Callable[[], float]:
+    """Reads ``trainer.metrics[key]`` (the latest step's; nan when absent) when called."""
+    return lambda: trainer.metrics.get(key, float("nan"))
+
+
+def loss_reader(loop: Any) -> Callable[[], Optional[float]]:
+    """Reads ``loop.last_loss`` when called."""
+    return lambda: loop.last_loss
+
+
 def time_collective(fn: Callable[[], Any], mpi_comm: Any, warmup: int = 3, iters: int = 10,
                     budget_s: Optional[float] = None, min_iters: int = 3,
                     sync: Optional[Callable[[], Any]] = None) -> Timing:

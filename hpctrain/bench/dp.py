@@ -41,7 +41,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    loss_reader,
+    machine_summary,
+    metric_reader,
+    print_rank0,
+    time_interleaved,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Mesh
@@ -87,7 +95,9 @@ class StepLoop:
         model = build_model(cfg, pm)
         self.data = LocalData(model)
         if sync == "hpctrain":  # on the meta model, as the composition does: the data axes' handle
-            self.data = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
+            name = axis_plugin(pm, cfg, "dp")
+            assert name is not None  # hpctrain installs its dp plugin
+            self.data = parallelize_caller(pm, name)(model=model, axis="dp", mesh=mesh, cfg=cfg)
         materialize(model, rt.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers)
         self.data.after_materialize()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -103,6 +113,8 @@ class StepLoop:
         self.last_loss: Optional[float] = None
 
     def step(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
         from hpctrain.comm.protocol import ReduceOp
         from hpctrain.train.optim import lr_at, set_lr
 
@@ -113,7 +125,8 @@ class StepLoop:
         self.model.train()
         n, total = len(micro), None
         for i, (x, y, _) in enumerate(micro):
-            quiet = self.model.no_sync() if self.sync == "ddp" and i < n - 1 else contextlib.nullcontext()
+            ddp = self.model if isinstance(self.model, DistributedDataParallel) else None  # sync == "ddp"
+            quiet = ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext()
             with quiet:
                 loss = self.model(x, y)
                 self.data.before_backward(i, n)
@@ -123,17 +136,19 @@ class StepLoop:
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
         self.optimizer.step()
+        assert total is not None  # a step has micro-batches
         loss = total / n
         if self.sync == "ddp":
             self.dist.all_reduce(loss)
             loss /= self.dist.get_world_size()
         elif self.sync == "hpctrain":
+            assert self.mesh is not None  # given with sync="hpctrain"
             self.mesh.group("dp").communicator().all_reduce(loss, ReduceOp.AVG)
         self.step_count += 1
         self.last_loss = float(loss) if self.sync != "local" else None  # local saw other samples
 
 
-Contender = Tuple[str, Callable[[], None], Callable[[], Optional[float]]]
+Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]]]
 
 
 def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
@@ -149,7 +164,7 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
         c = copy.deepcopy(cfg)
         c.comm.backend = name
         loop = StepLoop(c, rt, pm, "hpctrain", build_mesh(c, rt, pm))
-        out.append((f"hpctrain[{name}]", loop.step, lambda lp=loop: lp.last_loss))
+        out.append((f"hpctrain[{name}]", loop.step, loss_reader(loop)))
     ddp, local = StepLoop(cfg, rt, pm, "ddp"), StepLoop(cfg, rt, pm, "local")
     out += [("torch DDP", ddp.step, lambda: ddp.last_loss), ("local (no comm)", local.step, lambda: local.last_loss)]
     if args.trainer:
@@ -157,7 +172,7 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
             c = copy.deepcopy(cfg)
             c.comm.backend = name
             tr = Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
-            out.append((f"Trainer[{name}]", tr.train_step, lambda t=tr: t.metrics.get("loss")))
+            out.append((f"Trainer[{name}]", tr.train_step, metric_reader(tr, "loss")))
     return out, notes
 
 

@@ -109,6 +109,7 @@ class PeerLoop:
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
         self.optimizer.step()
+        assert total is not None  # a step has micro-batches
         loss = total / n
         self.dist.all_reduce(loss)  # the ranks splitting samples hold different losses; the others copies
         self.step_count += 1

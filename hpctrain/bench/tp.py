@@ -27,7 +27,7 @@ import argparse
 import statistics
 from typing import Any, Callable, List, Optional, Tuple
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.common import Column, Table, machine_summary, metric_reader, print_rank0, time_interleaved
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 
 DEFAULT_OVERRIDES = (  # the dp/zero benches' 3.3M-parameter model, one micro-batch of 8 per step
@@ -89,7 +89,7 @@ def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str):
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
 
 
-Contender = Tuple[str, Callable[[], None], Callable[[], Optional[float]], Callable[[], float]]
+Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]], Callable[[], float]]
 
 
 def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
@@ -98,8 +98,8 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
     out: List[Contender] = [("torch-TP", loop.step, lambda: loop.last_loss, lambda: float("nan"))]
     for backend in args.backends:
         tr = _our_trainer(cfg, rt, pm, backend)
-        out.append((f"tp[{backend}]", tr.train_step, lambda t=tr: t.metrics.get("loss"),
-                    lambda t=tr: t.metrics.get("comm_bytes.tp", float("nan"))))
+        out.append((f"tp[{backend}]", tr.train_step, metric_reader(tr, "loss"),
+                    metric_reader(tr, "comm_bytes.tp")))
     return out
 
 

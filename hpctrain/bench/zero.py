@@ -49,7 +49,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    loss_reader,
+    machine_summary,
+    metric_reader,
+    print_rank0,
+    time_interleaved,
+)
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 
 DEFAULT_OVERRIDES = (  # as hpctrain-bench dp: 3.3M parameters, a step well under a second per core
@@ -96,7 +104,7 @@ def _zero_trainer(cfg: Any, rt: Any, pm: Any, stage: int, backend: str, param_dt
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
 
 
-Contender = Tuple[str, Callable[[], None], Callable[[], Optional[float]], Callable[[], float]]
+Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]], Callable[[], float]]
 
 
 def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
@@ -106,7 +114,7 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
     out: List[Contender] = []
     if wanted is None or "FSDP2" in wanted:
         loop = Fsdp2Loop(cfg, rt, pm, dtype)
-        out.append(("FSDP2", loop.step, lambda lp=loop: lp.last_loss, lambda: float("nan")))
+        out.append(("FSDP2", loop.step, loss_reader(loop), lambda: float("nan")))
     runs = [(s, args.backend) for s in args.stages] + ([(3, "torch")] if 3 in args.stages and args.backend != "torch"
                                                         else [])
     for stage, backend in runs:
@@ -114,10 +122,11 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
         if wanted is not None and label not in wanted:
             continue
         tr = _zero_trainer(cfg, rt, pm, stage, backend, args.param_dtype)
+
         def wire(t: Any = tr) -> float:
             return sum(v for k, v in t.metrics.items() if k.startswith("comm_bytes."))
 
-        out.append((label, tr.train_step, lambda t=tr: t.metrics.get("loss"), wire))
+        out.append((label, tr.train_step, metric_reader(tr, "loss"), wire))
     return out
 
 

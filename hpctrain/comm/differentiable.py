@@ -17,7 +17,7 @@ mean over ranks is not a collective's business).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Type
 
 import torch
 
@@ -106,7 +106,7 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-def _along_dim(name: str, forward, backward) -> type:
+def _along_dim(name: str, forward, backward) -> Type[torch.autograd.Function]:
     """An autograd Function over (x, group, dim): ``forward`` going forward,
     ``backward`` on the gradient (both ``f(tensor, group, dim)``)."""
 

@@ -1,4 +1,6 @@
 """Configuration: typed schema, Hydra registration and composition, validation."""
+from typing import Any, Dict, cast
+
 from hpctrain.config.schema import (  # noqa: F401
     CheckpointConfig,
     ClusterConfig,
@@ -23,4 +25,7 @@ def plugin_section(cfg, key: str, cls):
     node = OmegaConf.select(cfg, key, default=None)
     if node is None:
         return cls()
-    return cls(**OmegaConf.to_container(node, resolve=True)) if OmegaConf.is_config(node) else node
+    if not OmegaConf.is_config(node):
+        return node
+    # (cast: OmegaConf types to_container for any node; a section is a mapping)
+    return cls(**cast(Dict[str, Any], OmegaConf.to_container(node, resolve=True)))

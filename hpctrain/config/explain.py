@@ -162,7 +162,7 @@ def _lookup(key: str, pm: Any) -> Optional[Tuple[Any, Any]]:
     default: Any = None
     for part in key.split("."):
         typ = _strip_optional(typ)
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             hints = _hints(typ)
             if part not in hints:
                 return None

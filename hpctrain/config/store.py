@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from importlib import resources
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -55,7 +55,7 @@ def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
     if pm is not None:
         for sections in pm.hook.hpctrain_config_sections():
             for key, section in (sections or {}).items():
-                if not dataclasses.is_dataclass(section):
+                if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
                     raise PluginError(f"config section {key!r} must be a dataclass, got {section!r}")
                 parts = key.split(".")
                 if len(parts) == 1:
@@ -130,11 +130,12 @@ def to_config(data: Any, pm=None) -> DictConfig:
     config, as received by the other ranks)."""
     top, _ = build_schema(pm)
     base = OmegaConf.structured(top)
-    raw = OmegaConf.create(data) if isinstance(data, str) else OmegaConf.create(dict(data))
+    # (casts: OmegaConf types create() and merge() for lists too; a config is a mapping)
+    raw = cast(DictConfig, OmegaConf.create(data) if isinstance(data, str) else OmegaConf.create(dict(data)))
     if "hydra" in raw:
         raw.pop("hydra")
     try:
-        cfg = OmegaConf.merge(base, raw)
+        cfg = cast(DictConfig, OmegaConf.merge(base, raw))
     except Exception as e:  # a key Hydra let through (+trainer.newkey=1): the same one line on every rank
         _reraise_explained(e, pm)
         raise

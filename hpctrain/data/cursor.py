@@ -20,7 +20,7 @@ before the update (``raise_if_short``; why: ``hpctrain.data.tokenfile``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -80,7 +80,8 @@ class MicroBatch(NamedTuple):
     """Absolute positions of the tokens in their sequences (context parallelism); None: 0, 1, ..."""
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(*(None if t is None else t.to(device) for t in self))
+        moved: List[Any] = [None if t is None else t.to(device) for t in self]  # the optional ones stay None
+        return MicroBatch(*moved)
 
 
 class DataCursor:

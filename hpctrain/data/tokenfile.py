@@ -50,6 +50,7 @@ import os
 from typing import Optional, Tuple, Union
 
 import numpy as np
+import numpy.typing as npt
 
 from hpctrain.errors import HpctrainError
 
@@ -116,7 +117,7 @@ class TokenFile:
     holds when opened.
     """
 
-    def __init__(self, path: str, dtype: np.dtype, num_tokens: Optional[int] = None, label: Optional[str] = None):
+    def __init__(self, path: str, dtype: npt.DTypeLike, num_tokens: Optional[int] = None, label: Optional[str] = None):
         self.path = path
         self.dtype = np.dtype(dtype)
         self.label = label or f"data.path={path}"

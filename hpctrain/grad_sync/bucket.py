@@ -78,6 +78,7 @@ class Bucket:
         """Finish the reduction; copy-in: drop the buffer (unless it is kept between steps)."""
         if self.done:
             return
+        assert self.reduction is not None and self.buffer is not None  # made by allocate()
         self.reduction.advance()
         self.reduction.finish()
         self.done = True

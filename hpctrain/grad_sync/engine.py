@@ -90,7 +90,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -146,6 +146,10 @@ class StepTrace:
         return sum(1 for x in self.launches if x.in_backward)
 
 
+def _same_for_all(comm: Communicator) -> Callable[[torch.nn.Parameter], Optional[Communicator]]:
+    return lambda p: comm
+
+
 def reduction_comm(mesh: Mesh) -> Callable[[torch.nn.Parameter], Optional[Communicator]]:
     """``comm_of`` for ``GradSync``: each parameter's data group, from its ShardSpec."""
     def comm_of(p: torch.nn.Parameter) -> Optional[Communicator]:
@@ -164,7 +168,8 @@ class GradSync:
     def __init__(self, comm: Union[Communicator, Callable[[torch.nn.Parameter], Optional[Communicator]]],
                  config: SyncConfig = SyncConfig()):
         self.comm_of: Callable[[torch.nn.Parameter], Optional[Communicator]] = (
-            comm if callable(comm) and not hasattr(comm, "all_reduce") else (lambda p, c=comm: c))
+            # (cast: a Communicator here, which the test tells from a function; mypy cannot narrow on hasattr)
+            comm if callable(comm) and not hasattr(comm, "all_reduce") else _same_for_all(cast(Communicator, comm)))
         self.config = config
         self.cap_bytes, self.wire_dtype, self.overlap = config.cap_bytes, config.wire_dtype, config.overlap
         self.reduce_scatter = config.reduce_scatter
@@ -192,6 +197,7 @@ class GradSync:
     # -- set-up ------------------------------------------------------------
     def _reduction(self, bucket: Bucket, buffer: torch.Tensor) -> Reduction:
         if self.reduce_scatter:
+            assert bucket.flags is not None and bucket.shard is not None  # reduce-scatter buckets have both
             return ScatterAverage(bucket.comm, buffer, bucket.flags, bucket.shard, accumulate=bucket.synced > 0)
         if self.wire_dtype is None:
             return PlainAverage(bucket.comm, buffer)
@@ -199,7 +205,7 @@ class GradSync:
 
     def attach(self, params: Sequence[torch.nn.Parameter],
                buckets: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,
-               numel_of: Optional[Callable[[torch.nn.Parameter], int]] = None) -> "GradSync":
+               numel_of: Optional[Callable[[torch.Tensor], int]] = None) -> "GradSync":
         """Plan buckets for ``params`` (registration order) and hook them.
         Parameters whose group has one rank are left alone. ``buckets``:
         the buckets themselves, in launch order (each one group's parameters);
@@ -213,7 +219,7 @@ class GradSync:
         comms = [self.comm_of(p) for p in params]
         keep = [i for i, c in enumerate(comms) if c is not None and c.size > 1]
         synced = [params[i] for i in keep]
-        by_key = {id(comms[i]): comms[i] for i in keep}
+        by_key: Dict[Hashable, Communicator] = {id(c): c for c in (comms[i] for i in keep) if c is not None}
         self._ids = tuple(id(p) for p in params)  # we hold the params, so ids stay unique
         self._params = params
         if buckets is None:
@@ -276,6 +282,7 @@ class GradSync:
             grads = [p.grad for p in bucket.params]
             if bucket.keep_grads:
                 if all(g is None for g in grads):
+                    assert bucket.buffer is not None  # kept buckets are allocated at construction
                     bucket.buffer.zero_()
                 else:
                     for view, g in zip(bucket.views, grads):
@@ -341,8 +348,10 @@ class GradSync:
         copy-in: a finished one gives its buffer back at once."""
         while self._oldest < self._next:
             bucket = self.buckets[self._oldest]
-            if not bucket.done and not bucket.reduction.progress():
-                break
+            if not bucket.done:
+                assert bucket.reduction is not None  # launched, so allocated
+                if not bucket.reduction.progress():
+                    break
             if not bucket.keep_grads:
                 bucket.complete()
             self._oldest += 1
@@ -366,6 +375,7 @@ class GradSync:
     def _launch(self, in_backward: bool) -> None:
         bucket = self.buckets[self._next]
         bucket.allocate()  # copy-in: a bucket this rank has no gradient for sends zeros
+        assert bucket.flags is not None and bucket.reduction is not None  # made by allocate()
         bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
         # Non-blocking only while there is backward work left to hide it behind:
         # the last bucket (normally ready when backward is done) and everything
@@ -381,10 +391,12 @@ class GradSync:
             self._launch(in_backward=False)
         for bucket in self.buckets:  # second stages, in bucket order on every rank
             if not bucket.done:
+                assert bucket.reduction is not None  # launched above
                 bucket.reduction.advance()
         for bucket in self.buckets:
             bucket.complete()
             if bucket.used != [True] * len(bucket.params) or not bucket.keep_grads:
+                assert bucket.flags is not None  # set by the launch
                 bucket._anywhere = [max(a, f) for a, f in zip(bucket._anywhere, bucket.flags.tolist())]
             self._reset_microbatch(bucket)
             if not bucket.keep_grads:
@@ -396,7 +408,11 @@ class GradSync:
         in the order the buckets were given to ``attach`` (or planned)."""
         if not self.reduce_scatter:
             raise CommError("shards() is for reduce-scatter mode; in all-reduce mode the averages are in .grad")
-        return [ReducedShard(b.params, b.shard, b.used_anywhere) for b in self.buckets]
+        out = []
+        for b in self.buckets:
+            assert b.shard is not None  # reduce-scatter buckets have one
+            out.append(ReducedShard(b.params, b.shard, b.used_anywhere))
+        return out
 
     def finish(self) -> None:
         """After the last backward: launch what is left, wait for everything."""

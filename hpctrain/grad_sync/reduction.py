@@ -95,6 +95,7 @@ class CompressedAverage:
     def advance(self) -> None:
         if self._stage != 1:
             return
+        assert self._work is not None  # stage 1: the all_to_all was issued
         self._work.wait()
         n = self.comm.size
         total = self.recv.view(n, self.chunk).to(torch.float32).sum(dim=0)
@@ -105,6 +106,7 @@ class CompressedAverage:
     def finish(self) -> None:
         self.advance()
         if self._stage == 2:
+            assert self._work is not None  # stage 2: the all_gather was issued
             self._work.wait()
             self._work, self._stage = None, 0
             self.buffer.copy_(self.send[: self.buffer.numel()])

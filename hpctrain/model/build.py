@@ -188,10 +188,10 @@ def materialize(
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type == "meta":
-                spec = getattr(buf, SPEC_ATTR, None)
+                buf_spec = getattr(buf, SPEC_ATTR, None)
                 filled = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
-                if spec is not None:
-                    setattr(filled, SPEC_ATTR, spec)
+                if buf_spec is not None:
+                    setattr(filled, SPEC_ATTR, buf_spec)
                 module._buffers[name] = filled
     return model
 

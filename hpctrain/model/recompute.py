@@ -19,7 +19,7 @@ rebuilds the same graph but counts its statistics once.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -66,7 +66,9 @@ def set_recompute(model: torch.nn.Module, mode: str) -> None:
     if mode not in RECOMPUTE:
         raise ValueError(f"model.recompute={mode!r} is not one of {', '.join(RECOMPUTE)}")
     for module in model.modules():
+        # (cast: torch types Module.__setattr__ for tensors and modules only; these switches are bools)
+        switch = cast(Any, module)
         if hasattr(module, "recompute"):
-            module.recompute = mode == "full"
+            switch.recompute = mode == "full"
         if hasattr(module, "recompute_core"):
-            module.recompute_core = mode == "selective"
+            switch.recompute_core = mode == "selective"

@@ -23,7 +23,7 @@ Each module lists the initialisation of its parameters in ``param_init``
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    param_init = {}
+    param_init: Dict[str, str] = {}
 
     def __init__(self, shape: ModelShape, core: nn.Module):
         super().__init__()
@@ -103,7 +103,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
         self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
-        self.wo.param_init = {"weight": "normal_scaled"}
+        # (cast: torch types Module.__setattr__ for tensors and modules only)
+        cast(Any, self.wo).param_init = {"weight": "normal_scaled"}
         self.core = core
         self.linears: Linears = LOCAL
         """The projections' seam (see ``Linears``)."""
@@ -127,7 +128,7 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(shape.d_model, shape.ffn_hidden, bias=False)  # gate
         self.w3 = nn.Linear(shape.d_model, shape.ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(shape.ffn_hidden, shape.d_model, bias=False)  # down
-        self.w2.param_init = {"weight": "normal_scaled"}
+        cast(Any, self.w2).param_init = {"weight": "normal_scaled"}  # (as for wo)
         self.linears: Linears = LOCAL
         """The projections' seam (see ``Linears``)."""
 
@@ -192,10 +193,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.shape = shape
         self.rope_theta = rope_theta
-        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(shape.vocab_size, shape.d_model)
+        # (the embedding, head and loss are seams: tensor parallelism puts its own modules there)
+        self.tok_embeddings: Optional[nn.Module] = nn.Embedding(shape.vocab_size, shape.d_model)
         self.layers = Layers({str(i): b for i, b in enumerate(blocks)})
         self.norm: Optional[RMSNorm] = RMSNorm(shape.d_model, eps)
-        self.output: Optional[nn.Linear] = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        self.output: Optional[nn.Module] = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.loss_fn: Optional[nn.Module] = CrossEntropy()
@@ -237,6 +239,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin)
         if self.output is None:
             return x
+        assert self.norm is not None and self.loss_fn is not None  # set with the head
         logits = self.output(self.norm(x))
         if targets is None:
             return logits

@@ -92,7 +92,7 @@ def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
 def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallelized:
     """Build this rank's part of the model for ``mesh`` (the module docstring, in order)."""
     handles: Dict[str, AxisHandle] = {}
-    model = build_model(cfg, pm, mesh)                    # the one-process model, meta device
+    model: nn.Module = build_model(cfg, pm, mesh)         # the one-process model, meta device
     logical = logical_param_count(model)
     model = _apply("tp", model, cfg, mesh, pm, handles)   # 1. tensor
     model = _apply("cp", model, cfg, mesh, pm, handles)   # 2. context

@@ -49,7 +49,7 @@ def check_programs(programs: Dict[int, List[Action]], p: int, v: int, m: int) ->
                                 f"micro-batch and chunk")
     sends = Counter((r, a.peer, a.kind[5:], a.microbatch, stage_of(r, a.chunk, p))
                     for r, prog in programs.items() for a in prog if a.kind.startswith("SEND"))
-    recvs = Counter()
+    recvs: Counter[Tuple[int, int, str, int, int]] = Counter()
     for r, prog in programs.items():
         for a in prog:
             if a.kind.startswith("RECV"):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from hpctrain.mesh import DEFAULT_ORDER, parse_order
 from hpctrain.pipeline.bubble import bubble_time, in_flight
@@ -156,7 +156,7 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     if expert:
         states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
     layers = arch.n_layers // lay.pp
-    kw = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep)
+    kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep)
     per_layer = act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute=lay.recompute, **kw)
     extra = act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
                                   first, last, lay.ep)
@@ -270,7 +270,7 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
     G = cluster.gpus_per_node
     dense, expert, _ = max(_stage_params(arch, lay, True, lay.pp == 1), _stage_params(arch, lay, lay.pp == 1, True))
     sb = work.state_bytes
-    groups = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
+    groups: List[Tuple[float, Tuple[str, ...], int]] = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:
         groups.append((expert, ("cp", "dp"), lay.cp * lay.dp))
     exposed = wire = seconds = 0.0

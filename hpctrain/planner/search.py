@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, cast
 
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger
@@ -59,7 +59,8 @@ def _plain(model_cfg: Any) -> Any:
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(model_cfg, DictConfig):
-        return SimpleNamespace(**OmegaConf.to_container(model_cfg, resolve=True))
+        # (cast: OmegaConf types to_container for any node; a DictConfig gives a dict)
+        return SimpleNamespace(**cast(Dict[str, Any], OmegaConf.to_container(model_cfg, resolve=True)))
     return model_cfg
 
 

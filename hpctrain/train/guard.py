@@ -59,7 +59,7 @@ class NonFiniteGuard:
 
 class LossSpikes:
     def __init__(self, window: int, zscore: float):
-        self.zscore = zscore
+        self.zscore, self.window = zscore, window
         self.recent: Deque[float] = collections.deque(maxlen=window)
 
     def check(self, loss: float) -> Optional[float]:
@@ -68,7 +68,7 @@ class LossSpikes:
         if not math.isfinite(loss):
             return None
         z = None
-        if len(self.recent) >= max(2, self.recent.maxlen // 2):
+        if len(self.recent) >= max(2, self.window // 2):
             mean, std = statistics.fmean(self.recent), statistics.pstdev(self.recent)
             if std > 0 and (loss - mean) / std > self.zscore:
                 z = (loss - mean) / std

@@ -41,6 +41,10 @@ class RankState:
     """None while connected; "done" or "error" after a goodbye ("unwatched": its watchdog failed, it trains
     on); "died" when the connection broke."""
 
+    def waiting_op(self) -> Optional[Tuple[str, str, Optional[int]]]:
+        """(op, group, sequence number or None) of the wait; None when not waiting."""
+        return self.waiting[:3] if self.waiting else None
+
     def waited(self, now: float) -> float:
         return self.waiting[4] + (now - self.heard) if self.waiting else 0.0
 
@@ -70,6 +74,7 @@ def _ranks(ranks: List[int]) -> str:
 
 def _laggards(s: RankState, states: Dict[int, RankState]) -> List[int]:
     """The ranks ``s`` waits for."""
+    assert s.waiting is not None  # asked about waiting ranks only
     op, group, seq, members, _ = s.waiting
     if seq is None:  # point-to-point: its peer
         return [m for m in members if m != s.rank]
@@ -143,7 +148,7 @@ def diagnose(states: Dict[int, RankState], now: float, timeout: float) -> Option
         if waiters.get(m):
             w = live[waiters[m][0]]
             what += (f"; rank(s) {_ranks(sorted(waiters[m]))} wait for it ({w.waited(now):.0f} s) in "
-                     f"{_op(w.waiting[:3])}")
+                     f"{_op(w.waiting_op())}")
         lines.append(what)
     stuck = list(culprits)
     if not died and not silent:
@@ -152,11 +157,11 @@ def diagnose(states: Dict[int, RankState], now: float, timeout: float) -> Option
         if cycle:
             w = live[cycle[0]]
             lines.append(f"rank(s) {_ranks(cycle)} wait for each other (a deadlock: ranks called collectives in "
-                         f"different orders); rank {cycle[0]} in {_op(w.waiting[:3])} for {w.waited(now):.0f} s")
+                         f"different orders); rank {cycle[0]} in {_op(w.waiting_op())} for {w.waited(now):.0f} s")
             stuck.extend(cycle)
         if all_in:
             w = live[all_in[0]]
-            lines.append(f"rank(s) {_ranks(all_in)} have been inside {_op(w.waiting[:3])} for {w.waited(now):.0f} s "
+            lines.append(f"rank(s) {_ranks(all_in)} have been inside {_op(w.waiting_op())} for {w.waited(now):.0f} s "
                          "with every member of the group in it (the transport or file system is stuck, or the "
                          "ranks called different collectives)")
             stuck.extend(all_in)

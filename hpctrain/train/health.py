@@ -76,7 +76,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Two int64 sums over the tensors' bits: plain, and weighted by position."""
-    plain = weighted = None
+    plain: Optional[torch.Tensor] = None
+    weighted: Optional[torch.Tensor] = None
     for t in tensors:
         b = _bits(t)
         if b.numel() == 0:
@@ -85,7 +86,7 @@ def checksum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         s1, s2 = b.sum(), (b * w).sum()
         plain = s1 if plain is None else plain + s1
         weighted = s2 if weighted is None else weighted + s2
-    if plain is None:
+    if plain is None or weighted is None:  # (set together)
         return torch.zeros(2, dtype=torch.int64)
     return torch.stack([plain, weighted])
 

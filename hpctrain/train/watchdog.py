@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from hpctrain.bootstrap import MASTER_ADDR_ENV, advertised_address
 from hpctrain.comm.watch import OpBoard
@@ -116,7 +116,8 @@ class Watchdog:
         self._peers: Dict[socket.socket, _Peer] = {}
         problem = None
         if self.rank == 0:
-            secret: Optional[bytes] = new_secret()
+            own = new_secret()
+            secret: Optional[bytes] = own
             addr = advertised_address()
             self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
@@ -129,7 +130,7 @@ class Watchdog:
                 problem = (f"rank 0 cannot listen on {addr} ({e.strerror or e}), the address it would tell the other "
                            "ranks to use")
                 endpoint = None
-            self._secret = secret
+            self._secret = own
             self._thread = threading.Thread(target=self._serve, name="hpctrain-watchdog", daemon=True)
             if endpoint is not None:
                 self._thread.start()  # before the others connect: they wait for its challenge
@@ -141,6 +142,7 @@ class Watchdog:
         endpoint, secret = mpi_comm.bcast((endpoint, secret), root=0)
         self.endpoint = None if endpoint is None else tuple(endpoint)
         if self.rank != 0:
+            assert secret is not None  # rank 0 always makes one
             self._secret = secret
             self._thread = threading.Thread(target=self._client, name="hpctrain-watchdog", daemon=True)
             if endpoint is not None:
@@ -324,18 +326,19 @@ class Watchdog:
         open_ = {p.conn: p for p in ranks if p.conn in self._peers}
         while open_ and time.monotonic() < deadline:
             for key, _ in self._sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                peer = open_.get(key.fileobj)
-                if peer is None:
+                # (cast: the selector gives back the registered socket; typeshed types it as any file-like)
+                closing = open_.get(cast(socket.socket, key.fileobj))
+                if closing is None:
                     continue
                 try:
-                    ended = not peer.conn.recv(MAX_LINE)
+                    ended = not closing.conn.recv(MAX_LINE)
                 except BlockingIOError:
                     continue
                 except OSError:
                     ended = True
                 if ended:
-                    del open_[peer.conn]
-                    self._forget(peer)
+                    del open_[closing.conn]
+                    self._forget(closing)
         for peer in list(self._peers.values()):
             self._forget(peer)
         self._listener.close()
@@ -449,7 +452,8 @@ class Watchdog:
                 elif m["t"] == "leave":
                     return
 
-    def _rank0_lost(self, verdict: Verdict) -> None:
+    def _rank0_lost(self, verdict: Optional[Verdict]) -> None:
+        assert verdict is not None  # rank 0 silent past the timeout, or gone: always a verdict
         if self.rank == 1:  # one rank speaks for the others
             self._report(verdict.message)
             self._abort()

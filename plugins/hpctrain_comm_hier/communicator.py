@@ -34,7 +34,7 @@ same on every rank.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -115,6 +115,11 @@ class HierCommunicator:
     def two_level(self) -> bool:
         return self.intra is not None and self.inter is not None
 
+    def _levels(self) -> Tuple[Communicator, Communicator]:
+        """(intra, inter) of a two-level group."""
+        assert self.intra is not None and self.inter is not None, "a two-level group has both"
+        return self.intra, self.inter
+
     def _agree(self, what: str, tensor: torch.Tensor, op: ReduceOp) -> None:
         """``comm.hier.check_shapes``: all ranks of the group passed the same
         element count, dtype and op (one small all-gather on the flat
@@ -143,7 +148,8 @@ class HierCommunicator:
         if total == 0:
             return CompletedWork()
         acc = accumulation_dtype(tensor.dtype)
-        local = self.intra.size
+        intra, inter = self._levels()
+        local = intra.size
         chunk = math.ceil(total / local)
         if tensor.is_contiguous() and tensor.dtype == acc and total == chunk * local:
             work = tensor.detach().view(-1)  # in place: no staging copy
@@ -153,11 +159,11 @@ class HierCommunicator:
             work[total:].zero_()
         part = torch.empty(chunk, dtype=acc, device=tensor.device)
         phase_op = ReduceOp.SUM if op == ReduceOp.AVG else op
-        first = self.intra.reduce_scatter(part, work, phase_op, async_op=async_op)
+        first = intra.reduce_scatter(part, work, phase_op, async_op=async_op)
 
         def rest() -> None:
-            self.inter.all_reduce(part, phase_op)
-            self.intra.all_gather(work, part)
+            inter.all_reduce(part, phase_op)
+            intra.all_gather(work, part)
             if op == ReduceOp.AVG:
                 work.div_(self.size)
             if work.data_ptr() != tensor.data_ptr():
@@ -178,16 +184,17 @@ class HierCommunicator:
         if each == 0:
             return CompletedWork()
         acc = accumulation_dtype(input.dtype)
+        intra, inter = self._levels()
         slots = self.slot_of_rank.to(input.device)
         staged = torch.empty(self.size, each, dtype=acc, device=input.device)
         staged.index_copy_(0, slots, input.detach().reshape(self.size, each).to(acc))
-        block = torch.empty(self.inter.size * each, dtype=acc, device=input.device)
+        block = torch.empty(inter.size * each, dtype=acc, device=input.device)
         phase_op = ReduceOp.SUM if op == ReduceOp.AVG else op
-        first = self.intra.reduce_scatter(block, staged.view(-1), phase_op, async_op=async_op)
+        first = intra.reduce_scatter(block, staged.view(-1), phase_op, async_op=async_op)
 
         def rest() -> None:
             mine = torch.empty(each, dtype=acc, device=input.device)
-            self.inter.reduce_scatter(mine, block, phase_op)
+            inter.reduce_scatter(mine, block, phase_op)
             if op == ReduceOp.AVG:
                 mine.div_(self.size)
             with torch.no_grad():
@@ -203,13 +210,14 @@ class HierCommunicator:
         each = input.numel()
         if each == 0:
             return CompletedWork()
+        intra, inter = self._levels()
         source = input.detach().reshape(-1).contiguous()
-        across = torch.empty(self.inter.size * each, dtype=input.dtype, device=input.device)
-        first = self.inter.all_gather(across, source, async_op=async_op)
+        across = torch.empty(inter.size * each, dtype=input.dtype, device=input.device)
+        first = inter.all_gather(across, source, async_op=async_op)
 
         def rest() -> None:
             gathered = torch.empty(self.size, each, dtype=input.dtype, device=input.device)
-            self.intra.all_gather(gathered.view(-1), across)
+            intra.all_gather(gathered.view(-1), across)
             ordered = gathered.index_select(0, self.slot_of_rank.to(input.device))
             with torch.no_grad():
                 output.copy_(ordered.view(output.shape))

@@ -16,7 +16,7 @@ one fails with MPI's truncation error, reported as a CommError.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Literal, Optional, Sequence
 
 from mpi4py import MPI
 
@@ -73,7 +73,7 @@ class mpi_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback) -> Literal[False]:
         if kind is not None and issubclass(kind, MPI.Exception):
             raise as_comm_error(self.what, self.group_name, error, self.hint) from error
         return False

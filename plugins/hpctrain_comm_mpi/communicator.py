@@ -46,6 +46,7 @@ from hpctrain.comm.protocol import (
     CompletedWork,
     P2POp,
     ReduceOp,
+    Work,
     check_all_gather,
     check_all_to_all,
     check_reduce_dtype,
@@ -74,11 +75,11 @@ class MpiWork:
     """Pending MPI requests, the buffers they use, and what to run once done."""
 
     def __init__(self, what: str, group_name: str, requests: List[MPI.Request],
-                 buffers: Sequence[object], finish: Callable[[], None]):
+                 buffers: Sequence[object], finish: Callable[[], object]):
         self._what, self._group_name = what, group_name
         self._requests = requests
         self._buffers = list(buffers)  # MPI reads/writes their memory until completion
-        self._finish: Optional[Callable[[], None]] = finish
+        self._finish: Optional[Callable[[], object]] = finish
 
     def wait(self) -> None:
         if self._finish is None:
@@ -98,6 +99,7 @@ class MpiWork:
 
     def _complete(self) -> None:
         finish, self._finish = self._finish, None
+        assert finish is not None  # wait() and is_completed() return early once done
         finish()
         self._requests, self._buffers = [], []
 
@@ -139,7 +141,9 @@ class MpiCommunicator:
         self.check_shapes = check_shapes
         self._row_types: Dict[Tuple[int, int], MPI.Datatype] = {}
         self.cuda_aware = cuda_aware
-        self._tag_ub = world.Get_attr(MPI.TAG_UB)
+        tag_ub = world.Get_attr(MPI.TAG_UB)
+        assert tag_ub is not None  # MPI defines TAG_UB on every communicator
+        self._tag_ub: int = tag_ub
         # with check_shapes every call goes the full way (the caches stay empty)
         capacity = 0 if check_shapes else 256
         self._views = ViewCache(capacity)
@@ -278,7 +282,7 @@ class MpiCommunicator:
         src: Optional[WireBuffer] = None
         if (not dst.staged and input.is_contiguous() and input.numel()
                 and input.data_ptr() == output.data_ptr() + slot):
-            send = MPI.IN_PLACE  # input already sits in this rank's slot of the output
+            send: object = MPI.IN_PLACE  # input already sits in this rank's slot of the output
         else:
             src = WireBuffer(input, reduce=False, read=True, write=False, cuda_aware=self.cuda_aware,
                              copy=not dst.staged and _overlaps(input, output))
@@ -381,8 +385,8 @@ class MpiCommunicator:
             self.comm.Recv(buf.spec(), source=src, tag=tag)
         buf.finish()
 
-    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[MpiWork]:
-        works = []
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[Work]:
+        works: List[Work] = []
         for op in ops:
             self._check_peer(op.peer, f"batch_isend_irecv {op.kind}")
             self._check_tag(op.tag, f"batch_isend_irecv {op.kind}")

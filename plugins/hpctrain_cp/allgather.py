@@ -21,7 +21,7 @@ from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
 
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, filled, merge, pair_kind, reduce_kv
 
 
 def _pairs(layout: SequenceLayout, rank: int):
@@ -49,7 +49,7 @@ class _AllGatherAttention(torch.autograd.Function):
             o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
                                      vx[:, :, j * c:(j + 1) * c], scale, causal)
             outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = torch.cat(filled(outs), dim=2), torch.cat(filled(lses), dim=2)
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.layout, ctx.scale, ctx.kv_heads = group, layout, scale, k.shape[1]
         return out.to(q.dtype)

@@ -24,6 +24,7 @@ key/value heads of ``--head-dim``, a causal sequence of ``--seq`` tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -48,8 +49,8 @@ def _fwd_bwd(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
     return out.detach()
 
 
-def _one_process(args: Any, world: Any, full) -> Optional[float]:
-    """Median seconds of sdpa forward + backward on the whole sequence, on rank 0; None elsewhere."""
+def _one_process(args: Any, world: Any, full) -> float:
+    """Median seconds of sdpa forward + backward on the whole sequence (timed on rank 0, given to every rank)."""
     from hpctrain.model.attention import SdpaAttention
 
     out = None
@@ -104,7 +105,7 @@ def run(args: Any, rt: Any, pm: Any) -> None:
         got = _fwd_bwd(core, *mine)
         torch.testing.assert_close(got, want[:, :, rows], rtol=1e-4, atol=1e-5)  # same attention as one process
         clock.forward = clock.backward = 0.0
-        timing = time_collective(lambda core=core, mine=mine: _fwd_bwd(core, *mine), world, args.warmup, args.iters)
+        timing = time_collective(functools.partial(_fwd_bwd, core, *mine), world, args.warmup, args.iters)
         speed.add(f"{label}, cp={n}", len(rows), timing.median * 1e3, one / timing.median, n)
         if label.startswith("ring"):
             per_call = (clock.forward + clock.backward) / (args.warmup + args.iters)

@@ -21,7 +21,7 @@ the plain matrix products below (the reference the unit tests compare).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +70,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """(output, lse) of fp32 query chunk ``q`` (b, h, c, d) against one key/value
     chunk (expanded to h heads): output (b, h, c, d), lse (b, h, c)."""
     if _fused(q):
+        assert _FLASH_CPU is not None  # (_fused checked it)
         out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
         return out, lse
     s = _scores(q, k, scale, causal)
@@ -79,10 +80,17 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return (p @ v) / denom, (m + torch.log(denom)).squeeze(-1)
 
 
+def filled(parts: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """``parts`` (per query chunk), once every one is set."""
+    out = [p for p in parts if p is not None]
+    assert len(out) == len(parts), "every query chunk meets at least its own key chunk"
+    return out
+
+
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], out_b: torch.Tensor,
           lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Two partial results over disjoint keys -> their union's (online softmax)."""
-    if out is None:
+    if out is None or lse is None:  # (set together)
         return out_b, lse_b
     new = torch.logaddexp(lse, lse_b)
     return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
@@ -95,6 +103,7 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     of the query chunk and ``delta`` = rowsum(dout * out); the fused kernel
     takes ``out`` itself (it forms delta inside)."""
     if _fused(q) and out is not None:
+        assert _FLASH_CPU_BACKWARD is not None  # (_fused checked it)
         dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
                                          out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
         return dq, dk, dv

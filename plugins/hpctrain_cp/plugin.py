@@ -27,6 +27,7 @@ from hpctrain import hookimpl
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
+from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.handles import AxisHandle
 
 from hpctrain_cp.allgather import AllGatherAttention
@@ -48,7 +49,7 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     return None
 
 
-def _attention_modules(model: nn.Module):
+def _attention_modules(model: Transformer):
     for block in model.layers:
         yield block.attn
 
@@ -62,6 +63,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     layout = SequenceLayout.zigzag(cp)
     chunk = seq // (2 * cp)
     impl = str(cfg.parallel.cp_impl)
+    assert isinstance(model, Transformer)  # the core model (tp changes it in place)
     for attn in _attention_modules(model):
         attn.core = RingAttention(group, layout) if impl == "ring" else AllGatherAttention(group, layout)
     log_rank0("context parallelism: cp=%d (%s), %d tokens per rank in chunks %s of %d", cp, impl, seq // cp,

@@ -36,7 +36,7 @@ from hpctrain.comm.protocol import P2POp
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
 
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, merge, pair_kind, reduce_kv
+from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, filled, merge, pair_kind, reduce_kv
 
 TAG_KV, TAG_DKV = 31, 32
 
@@ -91,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             block = nxt if nxt is not None else block
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = torch.cat(filled(outs), dim=2), torch.cat(filled(lses), dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout, ctx.scale, ctx.clock = group, layout, scale, clock
         return out.to(q.dtype)

@@ -46,17 +46,21 @@ class DataParallel(DataHandle):
         self.engine = grad_sync.GradSync(grad_sync.reduction_comm(self.mesh), self.config)
         self.engine.attach([p for p in self.model.parameters() if p.requires_grad])
 
+    def _engine(self) -> grad_sync.GradSync:
+        assert self.engine is not None, "after_materialize attaches the engine"
+        return self.engine
+
     def before_backward(self, microbatch: int, num_microbatches: int) -> None:
-        self.engine.begin_microbatch(microbatch, num_microbatches)
+        self._engine().begin_microbatch(microbatch, num_microbatches)
 
     def no_sync(self) -> ContextManager[None]:
-        return self.engine.no_sync()
+        return self._engine().no_sync()
 
     def mark_ready(self, param: nn.Parameter) -> None:
-        self.engine.mark_ready(param)
+        self._engine().mark_ready(param)
 
     def reduce_gradients(self) -> None:
-        self.engine.finish()
+        self._engine().finish()
 
 
 @hookimpl

@@ -179,6 +179,7 @@ class H5Checkpointer:
             if any(errors):
                 raise CheckpointSaveFailed(f"checkpoint step {step} not saved: copying to host memory failed: "
                                            f"{writer.summarize_failures(errors)}")
+            assert owned is not None  # no rank failed, this one neither
             self._write_and_commit(plan, owned, attrs, final, stats, needed)
 
         if self._bg is None:
@@ -238,6 +239,7 @@ class H5Checkpointer:
         cached = self._cached_plan is not None and self._cached_plan[0] == signature
         everyone = self.comm.allgather((cached, view.meta))
         if all(ok for ok, _ in everyone) and all(m == view.meta for _, m in everyone):
+            assert self._cached_plan is not None  # this rank's flag said cached
             plan = self._cached_plan[1]
             plan.meta = dict(view.meta)
             return plan
@@ -323,6 +325,7 @@ class H5Checkpointer:
         steps = [store.step_of(os.path.basename(p)) for p in found]
         log_rank0("checkpoint.resume=auto: %d checkpoint(s) in %s (steps %s); trying the newest, step %d",
                   len(found), where, ", ".join(map(str, steps[:8])) + (" ..." if len(steps) > 8 else ""), steps[0])
+        assert self.directory is not None  # the candidates were found in it
         latest = store.read_latest(self.directory)
         if latest and os.path.abspath(latest) != os.path.abspath(found[0]):
             log.warning("checkpoint.resume=auto: 'latest' names %s, older than %s; the newest committed "

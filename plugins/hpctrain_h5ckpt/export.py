@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import h5py
 import numpy as np
@@ -130,10 +130,14 @@ def export_safetensors(path: str, out: str, dtype: Optional[str] = None) -> List
         n_kv = int(model.n_kv_heads) if model.n_kv_heads is not None else n_heads
         head_dim = int(model.d_model) // n_heads
         group = f["model"]
-        plan, unknown = [], []
+        plan: List[Tuple[str, str]] = []
+        unknown: List[str] = []
         for logical in sorted(group):
             name = hf_name(logical)
-            (unknown if name is None else plan).append((logical, name) if name else logical)
+            if name is None:
+                unknown.append(logical)
+            else:
+                plan.append((logical, name))
         if unknown:
             raise CheckpointError(f"checkpoint {path}: no Hugging Face Llama name for {', '.join(unknown)}")
         header: Dict[str, Any] = {}

@@ -86,7 +86,7 @@ class CheckpointReader:
             raise CheckpointError("\n".join(errors))
         try:
             self.index = self._index()
-            self.meta = {k: _decode(v) for k, v in self.file["meta"].attrs.items()} if "meta" in self.file else {}
+            self.meta = {k: _decode(v) for k, v in self.opened["meta"].attrs.items()} if "meta" in self.opened else {}
         except Exception as e:
             self.close()
             raise CheckpointError(f"checkpoint {path}: its structure is unreadable ({type(e).__name__}: {e})") from e
@@ -103,7 +103,7 @@ class CheckpointReader:
                 attrs = {k: _decode(v) if k != "checksum" else v for k, v in obj.attrs.items()}
                 out["/" + name] = DatasetInfo("/" + name, tuple(obj.shape), obj.dtype.str, attrs)
 
-        self.file.visititems(visit)
+        self.opened.visititems(visit)
         return out
 
     def _format_problem(self) -> Optional[str]:
@@ -116,6 +116,12 @@ class CheckpointReader:
         if unsummed:
             return f"dataset {unsummed[0]} has no checksum attribute (torn or foreign file)"
         return None
+
+    @property
+    def opened(self) -> h5py.File:
+        """The file, until ``close``."""
+        assert self.file is not None, f"checkpoint {self.path} is closed"
+        return self.file
 
     def close(self) -> None:
         if self.file is not None:
@@ -168,7 +174,7 @@ class CheckpointReader:
         for p in sorted(self.index):  # same order on every rank: collective calls must match
             mine = list(wants.get(p, ()))
             try:
-                dset = self.file[p]
+                dset = self.opened[p]
                 if collective and self.index[p].nbytes >= self.opts.collective_min_bytes:
                     arrays = []
                     for k in range(rounds.get(p, 0)):
@@ -206,13 +212,14 @@ class CheckpointReader:
         self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         for i, p in enumerate(paths):
             stored = self.index[p].stored_checksum
+            assert stored is not None  # _format_problem refused files without
             if not np.array_equal(stored, sums[i]):
                 errors.append(f"checkpoint {self.path}: dataset {p}: checksum mismatch (stored {checksum.fmt(stored)}, "
                               f"computed {checksum.fmt(sums[i])}); the data is corrupt")
         return errors
 
     def _checksum_whole(self, p: str) -> np.ndarray:
-        info, dset = self.index[p], self.file[p]
+        info, dset = self.index[p], self.opened[p]
         if not info.shape:
             return checksum.partial(h5io.read_box(dset, ()), (), ())
         row_bytes = max(1, info.nbytes // max(1, info.shape[0]))

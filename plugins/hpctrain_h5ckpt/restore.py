@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, cast
 
 import torch
 
@@ -81,7 +81,7 @@ def _rng_wants(trainer: Any, reader: CheckpointReader) -> Dict[str, List[Box]]:
                   "training draws no random numbers today, so losses are unaffected)", saved, mesh.world_size)
         return {}
     keys = ["torch_cpu"] + (["torch_cuda"] if trainer.device.type == "cuda" else [])
-    out = {}
+    out: Dict[str, List[Box]] = {}
     for key in keys:
         path = f"/meta/rng/{key}"
         if path in reader.index:
@@ -199,7 +199,7 @@ def _saved_config(reader: CheckpointReader) -> Any:
     text = None
     if reader.comm.Get_rank() == 0 and "/meta/config" in reader.index:
         try:
-            raw = reader.file["meta/config"][()]
+            raw = reader.opened["meta/config"][()]
             text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
         except Exception:  # noqa: BLE001 - unreadable: reader.read names it
             text = None
@@ -275,8 +275,9 @@ def _model_differences(saved_cfg: Any, cfg: Any, limit: int = 4) -> str:
         return ""
     from omegaconf import OmegaConf
 
-    then = OmegaConf.to_container(saved, resolve=True) if OmegaConf.is_config(saved) else {}
-    now = OmegaConf.to_container(cfg.model, resolve=True)
+    # (casts: OmegaConf types to_container for any node; model sections are mappings)
+    then = cast(Dict[str, Any], OmegaConf.to_container(saved, resolve=True)) if OmegaConf.is_config(saved) else {}
+    now = cast(Dict[str, Any], OmegaConf.to_container(cfg.model, resolve=True))
     keys = [k for k in now if k in then and then[k] != now[k] and k != "name"]
     shown = [f"model.{k}={then[k]!r} there, {now[k]!r} here" for k in keys[:limit]]
     return ", ".join(shown) + (f", and {len(keys) - limit} more" if len(keys) > limit else "")

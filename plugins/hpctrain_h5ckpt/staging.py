@@ -101,17 +101,18 @@ class Stager:
     def copy(self) -> Owned:
         """The owned boxes in host memory. Runs once; afterwards the Stager
         holds no reference to the training's tensors."""
-        copy = self.buffers is not None
+        buffers = self.buffers
+        copy = buffers is not None
         streams = {dev: torch.cuda.Stream(dev) for dev in self._ready}
         out: Owned = {}
         try:
             for dev, stream in streams.items():
                 stream.wait_event(self._ready[dev])
             for path, box, data, _ in self.items:
-                buf = self.buffers.get(path, box, data) if copy else None
-                stream = streams.get(data.device) if isinstance(data, torch.Tensor) else None
-                if stream is not None:
-                    with torch.cuda.stream(stream):
+                buf = buffers.get(path, box, data) if buffers is not None else None
+                on = streams.get(data.device) if isinstance(data, torch.Tensor) else None
+                if on is not None:
+                    with torch.cuda.stream(on):
                         arr = host_copy(data, copy, buf, non_blocking=True)
                 else:
                     arr = host_copy(data, copy, buf)

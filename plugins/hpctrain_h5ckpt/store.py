@@ -95,12 +95,12 @@ def commit(tmp: str, final: str, directory: Optional[str], keep: int, fsync: boo
     paths removed."""
     os.replace(tmp, final)
     parent = os.path.dirname(os.path.abspath(final))
-    managed = directory is not None and os.path.abspath(directory) == parent
-    if managed:
-        write_latest(directory, final)
+    managed = directory if directory is not None and os.path.abspath(directory) == parent else None
+    if managed is not None:
+        write_latest(managed, final)
     if fsync:  # both renames durable before anything older is deleted
         fsync_path(parent)
-    return prune(directory, keep, protect=(final,)) if managed else []
+    return prune(managed, keep, protect=(final,)) if managed is not None else []
 
 
 def prune(directory: str, keep: int, protect: tuple = ()) -> List[str]:

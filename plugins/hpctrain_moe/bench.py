@@ -41,7 +41,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -107,7 +107,7 @@ def _raw_alltoallv(mpi_comm: Any, send: torch.Tensor, recv: torch.Tensor, send_r
     return call
 
 
-def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
+def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Tuple[Table, float]:
     from omegaconf import OmegaConf
 
     from hpctrain.comm.differentiable import all_to_all
@@ -119,10 +119,10 @@ def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
 
     world = rt.mpi_comm
     x = tokens_of(cfg, rt.world_rank).reshape(-1, cfg.model.d_model)
-    contenders = []
+    contenders: List[Tuple[str, Callable[[], Any]]] = []
     sent_bytes = 0.0
     for backend in args.backends:
-        raw = OmegaConf.to_container(cfg, resolve=True)
+        raw = cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # (OmegaConf types it for any node)
         raw["comm"]["backend"] = backend
         group = build_mesh(to_config(raw, pm), rt, pm).group("ep")
         layer = make_layer(cfg, group)
@@ -189,7 +189,7 @@ def layer_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
     from hpctrain.run import build_mesh
 
     world = rt.mpi_comm
-    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw = cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # (OmegaConf types it for any node)
     raw["comm"]["backend"] = args.backends[0]
     group = build_mesh(to_config(raw, pm), rt, pm).group("ep")
     mine = tokens_of(cfg, rt.world_rank).requires_grad_()

@@ -50,7 +50,7 @@ class DispatchPlan:
 
 
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int,
-                  group: Group) -> DispatchPlan:
+                  group: Optional[Group]) -> DispatchPlan:
     """The plan for (N, k) ``experts`` and ``weights``, ``keep`` (N, k) the
     assignments within capacity (None: all). Collective over ``group`` (the
     ep group; None or size 1: no exchange)."""
@@ -63,10 +63,10 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     order = torch.argsort(flat_e, stable=True)
     tok, flat_e, flat_w = tok[order], flat_e[order], flat_w[order]
     counts = torch.bincount(flat_e, minlength=num_experts)
-    ep = 1 if group is None else group.size
-    if ep == 1:
+    if group is None or group.size == 1:
         sent = [int(flat_e.numel())]
         return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())))
+    ep = group.size
     local = num_experts // ep
     received = torch.empty_like(counts)
     group.communicator().all_to_all(received, counts)  # equal parts: E/ep counts to each rank
@@ -77,16 +77,20 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True)
 
 
-def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
+def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -> torch.Tensor:
     """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``)."""
     rows = tokens[plan.token]
-    return all_to_all(rows, group, plan.recv_splits, plan.send_splits) if plan.exchange else rows
+    if not plan.exchange:
+        return rows
+    assert group is not None  # rows cross ranks of the ep group
+    return all_to_all(rows, group, plan.recv_splits, plan.send_splits)
 
 
-def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Group, n_tokens: int) -> torch.Tensor:
+def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Optional[Group], n_tokens: int) -> torch.Tensor:
     """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
     sum of its experts' outputs times their router weights."""
     if plan.exchange:
+        assert group is not None  # rows cross ranks of the ep group
         expert_rows = all_to_all(expert_rows, group, plan.send_splits, plan.recv_splits)
     weighted = expert_rows * plan.weight.unsqueeze(-1).to(expert_rows.dtype)
     out = torch.zeros((n_tokens, expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)

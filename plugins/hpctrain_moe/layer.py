@@ -27,13 +27,14 @@ cp rank 0's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from hpctrain.comm.differentiable import all_gather_along, copy_to_region, reduce_from_region
 from hpctrain.data.sequence import cp_positions
+from hpctrain.mesh import Group
 from hpctrain.model.aux import add_aux_loss, collecting
 from hpctrain.model.recompute import recomputing
 
@@ -45,20 +46,26 @@ from hpctrain_moe.router import Router, assignment_counts, balance_loss, route, 
 from hpctrain_moe.stats import LayerStats
 
 
+def _positions(cp_rank: int, cp_size: int, seq_len: int) -> torch.Tensor:
+    positions = cp_positions(cp_rank, cp_size, seq_len)
+    assert positions is not None  # a sequence group has several ranks
+    return positions
+
+
 @dataclass
 class MoERegions:
     """The groups one MoE layer talks to (None: a group of one)."""
 
-    ep: Any = None
+    ep: Optional[Group] = None
     """Expert parallelism: the ranks that split the experts (set by the ep split)."""
-    token_split: Any = None
+    token_split: Optional[Group] = None
     """The tp group when sequence parallelism splits each micro-batch's tokens over it."""
     counts_tokens: bool = True
     """Whether this rank's tokens count in the step statistics (tp ranks without
     sequence parallelism hold the same tokens: only tp rank 0's count)."""
     counts_values: bool = True
     """Whether this rank adds the micro-batch's loss values to the statistics (tp rank 0)."""
-    sequence: Any = None
+    sequence: Optional[Group] = None
     """The cp group when context parallelism splits each sequence over it (zigzag chunks)."""
 
 
@@ -92,15 +99,16 @@ class MoE(nn.Module):
             whole = all_gather_along(whole, split, dim=1)
         if seq is not None:
             per_rank = whole.shape[1]
-            order = torch.cat([cp_positions(r, seq.size, per_rank * seq.size) for r in range(seq.size)])
+            order = torch.cat([_positions(r, seq.size, per_rank * seq.size) for r in range(seq.size)])
             gathered = all_gather_along(whole, seq, dim=1)
             whole = torch.empty_like(gathered)
             whole[:, order.to(whole.device)] = gathered  # rank-major -> position order
-        cap = expert_capacity(whole.shape[0] * whole.shape[1], k, self.cfg.num_experts,
-                              float(self.cfg.capacity_factor))
+        factor = self.cfg.capacity_factor
+        assert factor is not None  # asked with a capacity only
+        cap = expert_capacity(whole.shape[0] * whole.shape[1], k, self.cfg.num_experts, float(factor))
         keep = keep_mask(whole.reshape(-1, k), self.cfg.num_experts, cap).view(batch, -1, k)
         if seq is not None:
-            mine = cp_positions(seq.rank, seq.size, keep.shape[1]).to(keep.device)
+            mine = _positions(seq.rank, seq.size, keep.shape[1]).to(keep.device)
             keep = keep[:, mine]
         if split is not None:
             s = n // batch

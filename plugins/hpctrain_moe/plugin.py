@@ -61,7 +61,9 @@ def moe_layer_ids(n_layers: int, every: int) -> List[int]:
 
 def moe_layers(model: nn.Module) -> Dict[int, MoE]:
     """This rank's MoE blocks by their index in the whole model."""
-    return {int(name): block.ffn for name, block in model.layers.named_children() if isinstance(block.ffn, MoE)}
+    layers = model.layers
+    assert isinstance(layers, nn.Module)
+    return {int(name): block.ffn for name, block in layers.named_children() if isinstance(block.ffn, MoE)}
 
 
 @hookimpl
@@ -185,6 +187,7 @@ def hpctrain_after_optimizer_step(trainer: Any, step: int) -> None:
         for row, layer_id in enumerate(moe_layer_ids(cfg.model.n_layers, m.every)):
             if layer_id in held:
                 bias = held[layer_id].router.expert_bias
+                assert bias is not None  # the sigmoid router keeps selection biases
                 update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
 
 

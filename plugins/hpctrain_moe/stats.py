@@ -10,7 +10,7 @@ sequence parallelism see the same tokens, so only tp rank 0 counts them.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ class LayerStats:
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
-        self.row = None  # (E + EXTRA,) float64, made on first use on the layer's device
+        self.row: Optional[torch.Tensor] = None  # (E + EXTRA,) float64, made on first use on the layer's device
 
     def add(self, counts: torch.Tensor, dropped: torch.Tensor, assigned: float, balance: torch.Tensor,
             z: torch.Tensor, count_weight: float, value_weight: float) -> None:

@@ -39,7 +39,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    loss_reader,
+    machine_summary,
+    metric_reader,
+    print_rank0,
+    time_interleaved,
+)
 from hpctrain.bench.torch_peer import fill_from_init, start
 
 DEFAULT_OVERRIDES = (  # 8 blocks of d_model 256: 2 per virtual stage at pp 2 x vpp 2; 8 micro-batches per step
@@ -101,7 +109,8 @@ class TorchPipelineLoop:
         self.optimizer = build_adamw(self.params, cfg.optim)
         self.cursor = DataCursor(SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed), t.global_batch_size,
                                  t.micro_batch_size, 0, 1)
-        self.step_count, self.last_loss = 0, None
+        self.step_count = 0
+        self.last_loss: Optional[float] = None
 
     def step(self) -> None:
         from hpctrain.train.optim import lr_at, set_lr
@@ -148,7 +157,7 @@ def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str, schedule: str):
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
 
 
-Contender = Tuple[str, str, Callable[[], None], Callable[[], Optional[float]], Any]
+Contender = Tuple[str, str, Callable[[], Any], Callable[[], Optional[float]], Any]
 
 
 def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
@@ -156,11 +165,10 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
     out: List[Contender] = []
     for schedule in args.schedules:
         loop = TorchPipelineLoop(cfg, rt, pm, schedule)
-        out.append((f"torch {SCHEDULES[schedule][0]}", schedule, loop.step, lambda lp=loop: lp.last_loss, None))
+        out.append((f"torch {SCHEDULES[schedule][0]}", schedule, loop.step, loss_reader(loop), None))
         for backend in args.backends:
             tr = _our_trainer(cfg, rt, pm, backend, schedule)
-            out.append((f"ours {schedule}[{backend}]", schedule, tr.train_step,
-                        lambda t=tr: t.metrics.get("loss"), tr))
+            out.append((f"ours {schedule}[{backend}]", schedule, tr.train_step, metric_reader(tr, "loss"), tr))
     return out
 
 
@@ -168,10 +176,13 @@ def measured_bubbles(trainer: Any, steps: int) -> Dict[str, float]:
     """Median over ``steps`` steps of the measured bubble, the formula's and the simulator's with measured times."""
     from hpctrain_pp.plugin import write_timeline
 
-    measured, simulated = [], []
+    measured: List[float] = []
+    simulated: List[float] = []
     for _ in range(steps):
         trainer.train_step()
-        tl = write_timeline(trainer, None, log=False)
+        recorded = write_timeline(trainer, None, log=False)
+        assert recorded is not None  # the bench's trainers record their timelines
+        tl = recorded
         theory = tl.simulated_per_rank()
         measured.append(tl.bubble())
         simulated.append(sum(theory.bubble(r) for r in range(tl.p)) / tl.p)

@@ -43,7 +43,8 @@ from hpctrain_pp.weight_pass import WeightPass, backward_input
 
 def chunks_of(model: torch.nn.Module) -> List[torch.nn.Module]:
     """A rank's model chunks in order (one unless interleaved)."""
-    return list(model.chunks) if hasattr(model, "chunks") else [model]
+    chunks = getattr(model, "chunks", None)
+    return list(chunks) if chunks is not None else [model]
 
 
 def trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
@@ -157,6 +158,7 @@ class PipelineSchedule:
                                                 inputs=trainable(chunks[a.chunk]))
                 elif a.kind == "SEND_B":
                     grad = inputs.pop(key).grad
+                    assert grad is not None  # this micro-batch's backward wrote it
                     sends.append((grad, comm.batch_isend_irecv(
                         [P2POp("send", grad, a.peer, self._tag(a.microbatch, stage - 1, True))])))
                 self.recorder.record(started)

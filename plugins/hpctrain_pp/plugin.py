@@ -28,6 +28,7 @@ from hpctrain import hookimpl
 from hpctrain.config import plugin_section
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
+from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.handles import PipelineHandle
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import check
@@ -121,12 +122,13 @@ class Pipeline(PipelineHandle):
 def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[Pipeline]:
     if axis != "pp":
         return None
+    assert isinstance(model, Transformer)  # the core model, cut into stages here
     pc = pipeline_config(cfg)
     p, v, r = mesh.size("pp"), pc.vpp, mesh.coords["pp"]
     stages = p * v
     layers = stage_layers(pc.layers, model.shape.n_layers, stages)
     tied = model.shape.tie_embeddings
-    chunks = []
+    chunks: List[nn.Module] = []
     for c in range(v):
         s = c * p + r
         chunks.append(model.part(layers[s], first=s == 0, last=s == stages - 1))

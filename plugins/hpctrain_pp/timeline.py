@@ -36,7 +36,7 @@ import torch
 from hpctrain.mesh import Group
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass
-from hpctrain.pipeline.simulate import simulate
+from hpctrain.pipeline.simulate import Timeline, simulate
 
 JSON_NAME = "pipeline_timeline.json"
 PNG_NAME = "pipeline_timeline.png"
@@ -102,7 +102,7 @@ class PipelineTimeline:
             t_b, t_w = t_b * 0.5, t_b * 0.5
         return simulate(self.programs, self.p, self.v, self.mean_time("F"), t_b, t_w)
 
-    def simulated_per_rank(self):
+    def simulated_per_rank(self) -> Timeline:
         """The simulator's play with each rank's own mean action times: what
         the schedule gives these (possibly unequal) stages with free messages;
         measured minus this is the executor's and the wire's share."""

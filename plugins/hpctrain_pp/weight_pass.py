@@ -33,7 +33,9 @@ def grad_node(t: torch.Tensor) -> Optional[Node]:
         return t.grad_fn
     if not t.requires_grad:
         return None
-    return t.view_as(t).grad_fn.next_functions[0][0]
+    view = t.view_as(t).grad_fn
+    assert view is not None  # a view of a tensor that requires grad has one
+    return view.next_functions[0][0]
 
 
 def _consumers(roots: Sequence[Node]) -> Dict[Node, List[Node]]:
@@ -50,6 +52,12 @@ def _consumers(roots: Sequence[Node]) -> Dict[Node, List[Node]]:
                 seen.add(child)
                 queue.append(child)
     return up
+
+
+def _weight_edge(p: torch.Tensor) -> GradientEdge:
+    node = grad_node(p)
+    assert node is not None  # a weight the graph reached
+    return GradientEdge(node, 0)
 
 
 def _returning(grads: Optional[tuple]) -> Callable[..., object]:
@@ -104,7 +112,7 @@ class WeightPass:
             pins = ([n.register_prehook(_returning(g.kept.get(n))) for n in g.frontier]
                     if len(g.frontier) > 1 else [])
             try:
-                dws = torch.autograd.grad(edges, [GradientEdge(grad_node(p), 0) for p in g.params], grads,
+                dws = torch.autograd.grad(edges, [_weight_edge(p) for p in g.params], grads,
                                           retain_graph=True, allow_unused=True)
             finally:
                 for h in pins:
@@ -125,17 +133,18 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
     up = _consumers(roots)
     input_node = grad_node(stage_input)
     on_input_path = _upwards(input_node, up, set())[0] if input_node is not None else set()
-    frontiers: Optional[Dict[torch.nn.Parameter, Set[Node]]] = {}
+    frontiers: Dict[torch.nn.Parameter, Set[Node]] = {}
+    met = True  # every weight's path meets the input's
     for p in params:
         node = grad_node(p)
-        if node not in up:
+        if node is None or node not in up:
             continue  # not used by this micro-batch's graph
         hit = _upwards(node, up, on_input_path)[1]
         if not hit:
-            frontiers = None
+            met = False
             break
         frontiers[p] = hit
-    groups = _merge(frontiers) if frontiers is not None else []
+    groups = _merge(frontiers) if met else []
     hooks = [node.register_prehook(lambda grad_outputs, g=g, node=node: g.kept.__setitem__(node, grad_outputs))
              for g in groups for node in g.frontier]
     try:
@@ -144,7 +153,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[tor
         for h in hooks:
             h.remove()
     stage_input.grad = dx
-    return WeightPass(groups) if frontiers is not None else None
+    return WeightPass(groups) if met else None
 
 
 def _merge(frontiers: Dict[torch.nn.Parameter, Set[Node]]) -> List[_Group]:

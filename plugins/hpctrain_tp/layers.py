@@ -58,7 +58,8 @@ class TensorParallelLinears(Linears):
         self.replicas = replicas
 
     def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
-        weights = [copy_to_region(m.weight, self.replicas) if i in self.replicated else m.weight
+        replicas = self.replicas
+        weights = [copy_to_region(m.weight, replicas) if replicas is not None and i in self.replicated else m.weight
                    for i, m in enumerate(linears)]
         return self.regions.columns(x, weights)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+import torch
 from torch import nn
 
 from hpctrain import hookimpl
@@ -32,7 +33,7 @@ from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import narrow_param
 from hpctrain.model.shapes import padded_vocab
-from hpctrain.model.transformer import SwiGLU
+from hpctrain.model.transformer import SwiGLU, Transformer
 from hpctrain.parallel.handles import AxisHandle
 from hpctrain.shard import get_spec
 
@@ -60,6 +61,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
         log.warning("the tp group spans nodes (%d of its %d ranks share a node): tensor parallelism's blocking "
                     "collectives will cross the network; launch more ranks per node or put tp first in "
                     "parallel.order", mesh.node_local("tp").size, tp)
+    assert isinstance(model, Transformer)  # tp is the first axis: the core model
     sequence_parallel = bool(cfg.parallel.sequence_parallel)
     regions = Regions(group, sequence_parallel)
     shape = model.shape
@@ -100,14 +102,15 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     return AxisHandle(model)
 
 
-def _vocab_parallel(model: nn.Module, mesh: Mesh, regions: Regions, padded: int) -> None:
+def _vocab_parallel(model: Transformer, mesh: Mesh, regions: Regions, padded: int) -> None:
     """Cut the embedding and output rows (one tensor when tied) into padded ranges."""
     rows = padded // regions.group.size
     start = mesh.coords["tp"] * rows
-    split = {}
+    split: Dict[int, nn.Parameter] = {}
 
     def cut(module: nn.Module) -> nn.Parameter:
         old = module.weight
+        assert isinstance(old, torch.Tensor)
         if id(old) not in split:
             spec = get_spec(old).split(0, "tp", padded=padded)
             split[id(old)] = narrow_param(module, "weight", spec, mesh)

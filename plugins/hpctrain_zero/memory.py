@@ -78,7 +78,9 @@ def expected(setup: Any) -> ZeroMemory:
     first = next((p for fg in flats for p in fg.params), None)
     own = first.dtype if first is not None and setup.stage != 3 else torch.float32
     p_size = _size(dtype_of(z.param_dtype) or own)
-    r_size = _size(dtype_of(z.reduce_dtype))
+    reduce_dtype = dtype_of(z.reduce_dtype)
+    assert reduce_dtype is not None  # validated: reduce_dtype is never none
+    r_size = _size(reduce_dtype)
     P = sum(fg.total for fg in flats)
     C = sum(fg.chunk for fg in flats)
     U = sum(p.numel() for p in setup.unsharded)

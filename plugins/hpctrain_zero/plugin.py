@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -146,23 +146,27 @@ class Zero(DataHandle):
                   ", ".join(sorted({fg.group.name for fg in self.flats})) or "-", padding, len(self.unsharded))
 
     # -- the step ---------------------------------------------------------------
+    def _engine(self) -> grad_sync.GradSync:
+        assert self.engine is not None, "after_materialize attaches the engine"
+        return self.engine
+
     def before_backward(self, microbatch: int, num_microbatches: int) -> None:
-        self.engine.begin_microbatch(microbatch, num_microbatches)
+        self._engine().begin_microbatch(microbatch, num_microbatches)
 
     def no_sync(self) -> ContextManager[None]:
-        return self.engine.no_sync()
+        return self._engine().no_sync()
 
     def mark_ready(self, param: nn.Parameter) -> None:
-        self.engine.mark_ready(param)
+        self._engine().mark_ready(param)
 
     def reduce_gradients(self) -> None:
         """Each flat group's averaged chunk becomes its shard parameters' gradients."""
-        self.engine.finish()
+        self._engine().finish()
         if self.stage == 0:
             return
         if self.gatherer is not None:  # units a pipeline stage still holds gathered: back to their shards first
             self.gatherer.release_all()
-        for reduced, fg in zip(self.engine.shards(), reversed(self.flats)):
+        for reduced, fg in zip(self._engine().shards(), reversed(self.flats)):
             used_anywhere = reduced.used_anywhere
             if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
                 across = fg.replicas.communicator()
@@ -216,8 +220,11 @@ class Zero(DataHandle):
         elif self.cfg.offload == "cpu":
             log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the "
                       "host" if self.host else "the run is on the CPU already; nothing moves")
-        return optimizer.ZeroOptimizer(list(params), self.shards, cfg.optim, self._after_step,
+        zero = optimizer.ZeroOptimizer(list(params), self.shards, cfg.optim, self._after_step,
                                        masters_apart=apart, segments=segments)
+        # (cast: it has what the core calls of a torch optimizer, step, zero_grad, param_groups, state and
+        # state_dict, without deriving from torch.optim.Optimizer)
+        return cast(torch.optim.Optimizer, zero)
 
     @torch.no_grad()
     def _after_step(self) -> None:
@@ -225,6 +232,7 @@ class Zero(DataHandle):
         if self.stage == 3:
             return
         for fg, full, master in zip(self.flats, self.full, self.masters):
+            assert full is not None  # stages 1-2 keep the whole flat buffer
             mine = full[fg.lo:fg.hi]
             if mine.data_ptr() != master.data_ptr():
                 mine.copy_(master)
@@ -333,9 +341,9 @@ def _shard_parameters(model: nn.Module, flats: List[FlatGroup], units: List[Unit
             new[id(p)] = q
             fg.params[i] = q
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) in new:
-                module._parameters[name] = new[id(p)]
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in new:
+                module._parameters[name] = new[id(param)]
     for unit in units:
         unit.params = [new.get(id(p), p) for p in unit.params]
 

@@ -9,7 +9,7 @@ units that use it record that one as a dependency.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List
 
 from torch import nn
 
@@ -40,15 +40,16 @@ def model_units(model: nn.Module) -> List[Unit]:
 
 def _part_units(model: nn.Module) -> List[Unit]:
     found: List[Unit] = []
-    if getattr(model, "tok_embeddings", None) is not None:
-        found.append(Unit("embed", [model.tok_embeddings]))
+    embeddings = getattr(model, "tok_embeddings", None)
+    if embeddings is not None:
+        found.append(Unit("embed", [embeddings]))
     layers = getattr(model, "layers", None)
     for key, block in (layers.items() if layers is not None else ()):
         found.append(Unit(f"layers.{key}", [block]))
     head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if head:
         found.append(Unit("head", head))
-    owner = {}
+    owner: Dict[int, str] = {}
     for unit in found:
         for module in unit.modules:
             for p in module.parameters():

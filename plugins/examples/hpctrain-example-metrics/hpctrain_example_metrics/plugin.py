@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Dict
 
 from hpctrain import hookimpl
 
@@ -20,7 +21,7 @@ class ExampleMetricsConfig:
     """EMA decay of the loss."""
 
 
-_ema = {}
+_ema: Dict[int, float] = {}
 
 
 @hookimpl
