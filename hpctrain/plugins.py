@@ -82,12 +82,6 @@ def get_manager() -> pluggy.PluginManager:
     return _manager
 
 
-def set_manager(pm: Optional[pluggy.PluginManager]) -> None:
-    """Replace the process-wide manager (tests register plugins by hand)."""
-    global _manager
-    _manager = pm
-
-
 def capabilities(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
     """Every name served, by kind, over all loaded plugins."""
     merged: Dict[str, List[str]] = {}

@@ -54,7 +54,6 @@ from hpctrain.bench.common import (
 )
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-RAW = ("raw-mpi4py", "raw-gloo")
 
 
 def bus_factor(op: str, n: int) -> float:

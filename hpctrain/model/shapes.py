@@ -101,6 +101,3 @@ class ModelShape:
         out = 0 if self.tie_embeddings else self.embedding_params
         return self.embedding_params + self.n_layers * self.block_params + self.d_model + out
 
-
-def param_count(model_cfg: Any) -> int:
-    return ModelShape.from_config(model_cfg).total_params

@@ -46,9 +46,6 @@ from hpctrain.plugins import axis_plugin, parallelize_caller
 from hpctrain.train.optim import build_adamw
 from hpctrain.train.schedule import GradAccumulation, StepSchedule
 
-ORDER = ("tp", "cp", "ep", "pp", "dp")
-"""The axes in the order their transforms apply (inside out)."""
-
 
 @dataclass
 class Parallelized:

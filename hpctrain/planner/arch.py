@@ -31,8 +31,6 @@ from typing import Any, Optional
 from hpctrain.errors import ConfigError
 from hpctrain.model.shapes import ModelShape, padded_vocab
 
-FAMILIES = ("llama", "gpt")
-
 
 @dataclass(frozen=True)
 class Arch:

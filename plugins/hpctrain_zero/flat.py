@@ -10,7 +10,6 @@ numel is its numel before the flat split (after any tensor-parallel split).
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -75,7 +74,3 @@ class FlatGroup:
 def padded(numel: int, size: int) -> int:
     return -(-numel // size) * size
 
-
-def local_numel(spec: ShardSpec, sizes) -> int:
-    """Elements of a parameter before its flat split (its dim-split local tensor, padding included)."""
-    return math.prod(spec.dim_local_shape(sizes))
