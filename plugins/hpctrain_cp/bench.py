@@ -1,6 +1,7 @@
-"""Context parallelism: attention forward + backward at cp = world against one
-process on the whole sequence, and each rank's share of the work (zigzag vs
-contiguous).
+"""Context parallelism: attention fwd + bwd at cp = world vs one process; each rank's share of the work.
+
+The one process attends over the whole sequence; the shares compare the
+zigzag layout with a contiguous one.
 
 Run under the launcher, e.g. ``mpiexec -n 2 --bind-to core hpctrain-bench
 cp`` (cp = the world size). One attention layer's core (the part context

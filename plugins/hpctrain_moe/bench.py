@@ -1,5 +1,4 @@
-"""MoE: dispatch + combine bus bandwidth against raw mpi4py Alltoallv, and the
-MoE layer at ep = world against one process.
+"""MoE: dispatch + combine bus bandwidth vs raw mpi4py Alltoallv; the MoE layer at ep = world vs one process.
 
 Run under the launcher, e.g. ``mpiexec -n 2 --bind-to core hpctrain-bench
 moe``; ep = the world size; extra ``key=value`` arguments are Hydra

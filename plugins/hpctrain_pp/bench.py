@@ -1,5 +1,6 @@
-"""Pipeline parallelism against ``torch.distributed.pipelining``: step time per
-schedule on the same stages, and our measured bubble against theory.
+"""Pipeline parallelism against ``torch.distributed.pipelining``: step time per schedule; our bubble vs theory.
+
+Step times are taken on the same stages for both.
 
 Run under the launcher, e.g. ``mpiexec -n 2 hpctrain-bench pp``; every rank
 is one pipeline rank (pp = the world size); extra ``key=value`` arguments
