@@ -7,8 +7,8 @@ ranks. Every rank runs the whole session, so fixtures that touch the
 filesystem agree on one path through MPI.
 
 At 8 ranks (and more) only the tests written for 8 ranks and those marked
-``every_size`` run: 8 oversubscribed ranks cost about four times what 4 do on
-a 2-core CI machine, and a test written for 2 or 4 ranks has already run at
+``every_size`` run: 8 oversubscribed ranks cost several times what 4 do on
+a small CI machine, and a test written for 2 or 4 ranks has already run at
 2 and 4 (at 8 the same code gets only a larger dp). Mark ``every_size`` what
 the world size changes (collectives, resharding, shard padding, emulated
 nodes, tp = the world). ``HPCTRAIN_TEST_EVERY_SIZE=1`` runs every test at

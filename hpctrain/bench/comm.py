@@ -7,9 +7,9 @@ of one size are timed in families, each raw peer with the backends compared
 to it (raw mpi4py with mpi and hier; raw gloo with torch), interleaved call
 by call in rotating order (``common.time_interleaved``), so a backend and
 its peer see the same machine conditions. Families are timed apart because
-a gloo call slows the MPI call that follows it by up to 60% at 1-8 MiB here
-(it leaves the caches full of its own buffers): interleaving gloo with MPI
-measured that, not the backends. The implementations:
+a gloo call slows the MPI call that follows it (it leaves the caches full of
+its own buffers), so interleaving gloo with MPI would time that, not the
+backends (docs/benchmarks.md, "How they measure"). The implementations:
 - ``raw-mpi4py``: ``MPI.COMM_WORLD`` on zero-copy numpy views of the tensors
   (``Allreduce(IN_PLACE)``, ``Allgather``, ``Reduce_scatter_block``,
   ``Alltoall``, ``Bcast``): what an MPI program gets without hpctrain;

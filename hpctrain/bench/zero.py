@@ -25,7 +25,7 @@ Peak memory: a process's peak resident set cannot be shared between
 contenders, so rank 0 starts one job per contender (``--only``, the same
 ranks, ``--rss-steps`` steps) and reads back the largest ``ru_maxrss`` over
 its ranks. Set ``--rss-model`` to a bigger model than the timing one: peak
-RSS of identical runs varies by tens of MiB here (allocator, page timing),
+RSS of identical runs varies (allocator, page timing; docs/benchmarks.md),
 so model states must dwarf that.
 
 Wire bytes: our communicators count bus bytes per step (``comm_bytes``);

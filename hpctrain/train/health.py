@@ -31,9 +31,9 @@ exceed by 2x.)
 The floor (``reliability.straggler_min_s``; by default max(10 ms, 5% of
 the median step time), taken at each check) is there because the factor
 alone names noise: on a small model a forward takes a few milliseconds, and
-a rank the OS deschedules for 3 ms is 2x slower twice in a row now and then
-(several false reports in a few hundred steps on an oversubscribed node)
-while costing the job nothing worth acting on. A rank that is a few
+a rank the OS deschedules for as long is 2x slower twice in a row now and
+then (on an oversubscribed node: docs/benchmarks.md) while costing the job
+nothing worth acting on. A rank that is a few
 percent of the step slower, steadily, is what a user can act on.
 """
 from __future__ import annotations

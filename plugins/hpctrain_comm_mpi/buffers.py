@@ -118,9 +118,9 @@ class ViewCache:
 
     Why it matters: right after a large collective the CPU caches hold message
     data, not the interpreter's, so every Python operation before the next MPI
-    call is a cache miss. Building a ``WireBuffer`` measured 30-130 us there
-    (1-8 MiB messages, 2 ranks) against 13 us in a warm loop, which made
-    ``all_reduce`` 10-25% slower than a bare mpi4py call.
+    call is a cache miss. Building a ``WireBuffer`` then costs several times
+    what it costs in a warm loop, enough to make ``all_reduce`` visibly slower
+    than a bare mpi4py call (docs/comm.md, "Overhead", has the figures).
 
     An entry holds no reference to the tensor or its memory (a weak reference
     and an address-based mpi4py buffer), so caching never keeps memory alive;

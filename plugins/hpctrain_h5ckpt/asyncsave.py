@@ -10,7 +10,7 @@ threads at once legal (checked with ``MPI.Query_thread()``; below that level
 saves run synchronously, with a warning). numpy's copy and mpi4py's
 blocking calls release the GIL; h5py holds it for the length of each
 ``H5Dwrite``, so the training thread can stall for one box's write at a
-time (4-39 ms measured for 276 MB per rank; docs/checkpointing.md). A helper process
+time (docs/checkpointing.md, "Async saving", gives the stalls measured). A helper process
 would need the state copied again (shared memory), its own MPI world to
 write one collective file (``MPI_Comm_spawn``, which many SLURM sites do
 not allow), and twice the MPI endpoints.

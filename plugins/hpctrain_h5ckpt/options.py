@@ -6,12 +6,11 @@ The user-facing switches common to any format live in the core's
 is a Python keyword and cannot be a dataclass field). What only this format
 needs lives here.
 
-``collective_min_mb`` defaults to 64 MiB from a measurement (2 ranks, Open
-MPI 4.1 OMPIO, local ext4): every collective ``H5Dwrite`` costs 2-6 ms of
-synchronisation, so collective I/O took 2.5x the time of independent I/O
-for 1 MiB datasets, 1.6x at 4 MiB, 1.2x at 16 MiB and 1.02x at 64 MiB.
-Below that size the per-call cost is not repaid; on a parallel file system
-with many writers per file, where aggregation pays, lower it.
+``collective_min_mb`` defaults to 64 MiB: every collective ``H5Dwrite``
+pays a synchronisation of the ranks, which smaller datasets do not repay
+(measured on local disk: docs/checkpointing.md, "Collective I/O"); on a
+parallel file system with many writers per file, where aggregation pays,
+lower it.
 """
 from __future__ import annotations
 

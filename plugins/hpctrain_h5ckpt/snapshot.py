@@ -264,9 +264,9 @@ def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None,
     if buffer is None:
         buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
     if src.device.type == "cpu" and src.is_contiguous() and buffer.is_contiguous():
-        # host to host: numpy's copy is a plain memcpy, ~1.7x torch's copy_ on
-        # one thread here (12 vs 20 ms for 92 MB), and this copy is what the
-        # training step waits for
+        # host to host: numpy's copy is a plain memcpy, faster than torch's copy_ on
+        # one thread (docs/benchmarks.md, "Figures behind code and test choices"), and
+        # this copy is what the training step waits for
         np.copyto(_as_numpy(buffer), _as_numpy(src))
     else:
         buffer.copy_(src, non_blocking=non_blocking and buffer.is_pinned())

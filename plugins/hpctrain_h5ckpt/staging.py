@@ -6,8 +6,7 @@ next optimizer step changes the tensors in place. ``checkpoint.hdf5.staging``
 says when that copy happens:
 
 - ``blocking``: ``save()`` copies before it returns, so the step waits for a
-  memcpy of this rank's owned state (measured ~57 ms for 276 MB on one core
-  here).
+  memcpy of this rank's owned state (docs/checkpointing.md, "Measured").
 - ``overlap`` (the default): ``save()`` only records which tensors to copy;
   the copy runs on the background saver's thread while the next forward and
   backward run (they read parameters and optimizer state, never write

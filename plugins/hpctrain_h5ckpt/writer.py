@@ -153,8 +153,8 @@ def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any
     checksums (one Allreduce) and add them as attributes before the flush
     (``MPI_File_sync``, the fsync); close. Checksums are summed after the
     data writes, while the kernel is already writing the dirty pages back
-    (a helper thread summing during the writes measured slower here: the
-    ranks have one core each)."""
+    (a helper thread summing during the writes competes with them for the
+    rank's core: docs/benchmarks.md, "Figures behind code and test choices")."""
     f = h5io.open_file(path, "w", comm, opts.alignment)  # collective; a failure here is every rank's
 
     def reserve() -> Optional[str]:  # rank 0, for the whole file (see ``space``)

@@ -73,7 +73,7 @@ def test_a_frozen_rank_is_named_as_not_responding(tmp_path):
 
 
 def test_a_rank_stalled_before_a_checkpoint_save_is_named_and_older_checkpoints_kept(tmp_path):
-    """The other ranks wait inside the save's MPI collectives (where they used to spin for ever)."""
+    """The other ranks wait inside the save's MPI collectives (where, unwatched, they would wait for ever)."""
     ckpt = tmp_path / "ckpt"
     code, out, took = _launch(["trainer.steps=40", "checkpoint.every=2", f"checkpoint.dir={ckpt}", "debug.fault=stall",
                                "debug.fault_at=checkpoint", "debug.fault_rank=3", "debug.fault_step=4"], tmp_path)
@@ -87,8 +87,8 @@ def test_a_rank_stalled_before_a_checkpoint_save_is_named_and_older_checkpoints_
 
 
 def test_a_killed_rank_ends_the_job_with_one_line_naming_it(tmp_path):
-    """gloo survivors used to print a 'connection reset' traceback each; now
-    rank 0 sees the dead rank's heartbeat connection close and says so."""
+    """Rank 0 sees the dead rank's heartbeat connection close and says so in
+    one line, instead of a 'connection reset' traceback from each gloo survivor."""
     code, out, took = _launch(["trainer.steps=40", "comm.backend=torch", "debug.fault=die", "debug.fault_rank=2",
                                "debug.fault_step=5"], tmp_path)
     assert code != 0

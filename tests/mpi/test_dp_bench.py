@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-# Benchmark plumbing does not change with the rank count; at 8 oversubscribed
-# ranks on a 2-core machine these smoke runs alone take a minute.
+# Benchmark plumbing does not change with the rank count, and at 8
+# oversubscribed ranks these smoke runs are slow.
 MAX_RANKS = 4
 
 

@@ -104,7 +104,7 @@ class Slurm:
         """Poll until job ``job_id`` ends; its ``scontrol -o show job`` line.
 
         Polling every second rather than ``sbatch --wait``, whose back-off
-        noticed the end of a 40 s job 30 s late; and a job stuck pending
+        can notice a job's end tens of seconds late; and a job stuck pending
         fails here with Slurm's reason instead of a bare timeout."""
         deadline = time.monotonic() + (timeout or self.timeout)
         info = ""

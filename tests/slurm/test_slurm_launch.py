@@ -162,8 +162,8 @@ def test_a_multirun_sweep_goes_to_slurm_one_job_per_point(slurm, job_name, tmp_p
 def test_the_jobs_time_limit_stops_the_run_with_a_checkpoint(slurm, job_name, tmp_path):
     """srun --time=1: a minute; with a margin of the whole minute the first
     step already leaves too little, so the run saves and stops (exit status
-    75). (A margin of 55 s made this depend on the start-up taking over 5 s:
-    a fast start trained all 50 steps before the deadline came near.) The end
+    75) however fast the job starts (with a smaller margin a fast start can
+    train all 50 steps before the deadline comes near). The end
     time comes from Slurm (SLURM_JOB_END_TIME or squeue), not from the config:
     no trainer.max_time is set. No checkpoint.every either: the stop saves."""
     ckpt = tmp_path / "ckpt"

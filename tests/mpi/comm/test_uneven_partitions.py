@@ -5,10 +5,10 @@ At pp >= 3 the first/last-stage group (``pp_ends``) pairs the two ends of
 each pipeline while every middle stage is alone. Backends make a group's
 communicator collectively over the world once per partition, so the
 middle ranks must join that call even though their own group has one rank.
-When they skipped it (a one-rank group shortcut), the ends' split was
-matched with a later, different split of the middle ranks: communicators
-crossed and the next mesh's build hung (seen as pp 4 followed by tp 2 x
-pp 2 at 8 ranks). Each group's all-reduce of ones must give its size.
+A middle rank that skipped it (a one-rank group shortcut) would match the
+ends' split with a later, different split: communicators cross and the next
+mesh's build hangs (pp 4 followed by tp 2 x pp 2 at 8 ranks, as here). Each
+group's all-reduce of ones must give its size.
 """
 from __future__ import annotations
 

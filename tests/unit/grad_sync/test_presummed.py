@@ -1,7 +1,7 @@
 """Which gradients the core divides after the fact: a weight whose
 *dimension* is split on a data axis (experts on ep) is divided by that
 axis's size; replicated weights, tp splits and ZeRO's flat shards over the
-data axes are not touched (ZeRO-3 tests failed when flat shards were)."""
+data axes are not touched (their reduction already averages them)."""
 from __future__ import annotations
 
 import torch

@@ -12,8 +12,8 @@ from hpctrain.train.health import ForwardClock, Stragglers, slow_ranks
 
 
 def test_millisecond_noise_is_not_a_straggler():
-    """The README demo's false report: 0.005 s against the others' 0.002 s is
-    2.5x, but 3 ms is below the 10 ms floor."""
+    """Noise on a small model: 0.005 s against the others' 0.002 s is 2.5x,
+    but 3 ms is below the 10 ms floor."""
     floor = Stragglers(1.5).floor([0.05] * 4)
     assert floor == 0.010
     assert slow_ranks([0.005, 0.002, 0.002, 0.002], 1.5, floor) == set()
