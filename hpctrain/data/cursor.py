@@ -77,7 +77,13 @@ class MicroBatch(NamedTuple):
     targets: torch.Tensor
     """Next-token ids, shaped like inputs."""
     positions: Optional[torch.Tensor] = None
-    """Absolute positions of the tokens in their sequences (context parallelism); None: 0, 1, ..."""
+    """The tokens' positions for RoPE: their absolute positions in the sample (context parallelism
+    holds some of them), or, with document masking, their positions in their own document (0 at
+    each document's first token); None: 0, 1, ..."""
+    segments: Optional[torch.Tensor] = None
+    """Document masking (``data.document_mask``): per token, the index of its document in its
+    sample (0, 1, ...; int64, shaped like ``inputs``, the same tokens context parallelism keeps),
+    so attention never crosses a document boundary; None: each sample is one sequence."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         return MicroBatch(*(None if t is None else t.to(device) for t in self))
