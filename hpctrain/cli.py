@@ -114,6 +114,12 @@ def _hydra_main(argv: List[str], world) -> int:
         from hpctrain.checkpoint import default_checkpoint_dir
 
         run_dir = HydraConfig.get().runtime.output_dir
+        if str(cfg.model.vocab_size) == "auto":  # the data tokenizer's vocabulary (validation says when unknown)
+            from hpctrain.data.sources import data_vocab_size
+
+            vocab = data_vocab_size(cfg.data)
+            if vocab is not None:
+                cfg.model.vocab_size = int(vocab)
         if cfg.checkpoint.dir is None and (cfg.checkpoint.every or cfg.checkpoint.resume
                                            or cfg.checkpoint.save_on_stop):
             # one directory per experiment, found again by a relaunch (README, "Checkpoints");

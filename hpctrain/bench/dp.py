@@ -109,7 +109,7 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         n, total = len(micro), None
-        for i, (x, y, _) in enumerate(micro):
+        for i, (x, y, *_) in enumerate(micro):
             quiet = self.model.no_sync() if self.sync == "ddp" and i < n - 1 else contextlib.nullcontext()
             with quiet:
                 loss = self.model(x, y)

@@ -126,6 +126,9 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 
     t, p = cfg.trainer, cfg.parallel
+    if cfg.model.vocab_size == "auto":  # left so by the command line when the data records no vocabulary
+        return [f"model.vocab_size=auto: data.source={cfg.data.source} records no tokenizer vocabulary "
+                "(hpctrain-prepare's manifest or a .json sidecar does); set model.vocab_size=<the tokenizer's size>"]
     given = {a: p[a] for a in AXES}
     problems = check_layout(given, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
     sizes, _ = given_sizes(given, world_size, p.order, [])  # check_layout has reported a bad product
