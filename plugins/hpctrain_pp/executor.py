@@ -121,8 +121,9 @@ class PipelineSchedule:
                     # a later stage's input may be a sequence shard (tp): name the tokens' positions
                     positions = mb.positions if mb.positions is not None else \
                         torch.arange(mb.inputs.shape[1], device=device)
-                    with autocast(), collect_aux_losses() as aux:
-                        out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions)
+                    with autocast(), collect_aux_losses() as aux:  # every stage's attention masks documents
+                        out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions,
+                                              segments=mb.segments)
                     if stage == self.last:
                         count = mb.targets.numel()
                         loss_sum = loss_sum + out.detach().float() * count
