@@ -44,8 +44,8 @@ class DocumentSchedule:
     """A step schedule that gives ``schedule`` this rank's tokens of every
     whole-sample micro-batch, with segments and document positions."""
 
-    def __init__(self, schedule: Any, keep: Optional[torch.Tensor]):
-        self.schedule, self.keep = schedule, keep
+    def __init__(self, schedule: Any, keep: Optional[torch.Tensor], segments: bool = True):
+        self.schedule, self.keep, self.segments = schedule, keep, segments
         self.seen: List[MicroBatch] = []
         """The micro-batches handed on (the tests check the documents are there)."""
 
@@ -56,7 +56,7 @@ class DocumentSchedule:
         if self.keep is not None:
             tensors = [t[:, self.keep.to(t.device)] for t in tensors]
         inputs, targets, positions, segments = (t.contiguous() for t in tensors)
-        return MicroBatch(inputs, targets, positions=positions, segments=segments)
+        return MicroBatch(inputs, targets, positions=positions, segments=segments if self.segments else None)
 
     def run(self, model: torch.nn.Module, microbatches: Sequence[MicroBatch], grads: Any,
             autocast: Callable[[], ContextManager] = contextlib.nullcontext):
@@ -65,10 +65,12 @@ class DocumentSchedule:
         return self.schedule.run(model, cut, grads, autocast)
 
 
-def with_documents(trainer: Any) -> Any:
-    """``trainer`` (before its first step), trained on document-masked micro-batches."""
+def with_documents(trainer: Any, segments: bool = True) -> Any:
+    """``trainer`` (before its first step), trained on document-masked
+    micro-batches (``segments=False``: document positions, no mask)."""
     mesh = trainer.mesh
     trainer.cursor.positions = None  # whole samples; DocumentSchedule cuts them
     trainer.schedule = DocumentSchedule(trainer.schedule,
-                                        cp_positions(mesh.rank("cp"), mesh.size("cp"), trainer.cfg.trainer.seq_len))
+                                        cp_positions(mesh.rank("cp"), mesh.size("cp"), trainer.cfg.trainer.seq_len),
+                                        segments)
     return trainer

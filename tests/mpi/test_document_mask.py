@@ -57,6 +57,20 @@ def _check(pm, model, *layout):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+def test_masking_changes_the_one_process_run(world, pm, model):
+    """The parity below has teeth: the reference is not the same run with
+    document positions but no mask (a schedule dropping the segments on
+    both sides would pass the parity tests, not this)."""
+    from hpctrain.config import compose_resolved
+    from hpctrain.run import reference_trainer
+
+    unmasked = with_documents(reference_trainer(compose_resolved(BASE + model, pm), pm), segments=False)
+    for m, u in zip(one_process(pm, *model), record(unmasked, STEPS, MPI.COMM_SELF)):
+        assert abs(m.loss - u.loss) > 1e-4 * abs(u.loss)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 def test_cp2(world, pm, impl):
     trainer = _check(pm, (), "parallel.cp=2", f"parallel.cp_impl={impl}")

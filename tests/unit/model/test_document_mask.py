@@ -106,3 +106,23 @@ def test_masking_changes_the_result(make_config, pm):
         plain = net(inputs, positions=positions)
     assert not torch.allclose(masked[0], plain[0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(masked[1], plain[1], rtol=0, atol=0)  # one document: no mask needed, same numbers
+
+
+def test_positions_per_sample_reach_rope(make_config, pm):
+    """Positions (batch, seq) rotate each sample by its own row: the packed
+    call equals each sample alone with its 1-D positions, with segments or
+    without. (RoPE scores depend on position differences only, so inside a
+    document, absolute and document-relative positions give the same
+    attention up to rounding: the per-document test above cannot tell them
+    apart; positions that are not a shift of 0, 1, ... can.)"""
+    net = _model(make_config, pm)
+    g = torch.Generator().manual_seed(4)
+    inputs = torch.randint(0, 256, (2, T), generator=g)
+    positions = torch.stack([torch.randperm(T, generator=g) for _ in range(2)])
+    one_document = torch.zeros(2, T, dtype=torch.long)
+    with torch.no_grad():
+        for segments in (None, one_document):
+            both = net(inputs, positions=positions, segments=segments)
+            for s in range(2):
+                _close(both[s:s + 1], net(inputs[s:s + 1], positions=positions[s]))
+            assert not torch.allclose(both, net(inputs, segments=segments), rtol=1e-3, atol=1e-3)
