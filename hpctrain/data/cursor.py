@@ -143,8 +143,8 @@ class DataCursor:
         self.defer_short_reads = defer_short_reads
         self.short_reads = 0
         """1 when a window of the last step could not be read whole (deferred), else 0."""
-        self.last_sources: Optional[np.ndarray] = None
-        """The source of each of this rank's samples in the last step."""
+        self.last_samples: Optional[np.ndarray] = None
+        """This rank's samples of the last step: rows of (source, index in that source)."""
 
     @property
     def order(self) -> SampleOrder:
@@ -172,8 +172,8 @@ class DataCursor:
     def prepare(self, consumed: int, counts: Sequence[int]) -> Tuple[List[MicroBatch], List[int], int, np.ndarray]:
         """This rank's micro-batches of the step that starts after ``consumed``
         samples (``counts`` per source), the counts after it, its short-read
-        flag and its samples' sources. Reads only; changes nothing (a
-        prefetcher runs it ahead on a thread)."""
+        flag and its samples (rows of (source, index in that source)). Reads
+        only; changes nothing (a prefetcher runs it ahead on a thread)."""
         sources, local, after = self._assign(counts)
         per_rank = self.global_batch_size // self.sample_size
         mine = slice(self.sample_rank * per_rank, (self.sample_rank + 1) * per_rank)
@@ -196,7 +196,7 @@ class DataCursor:
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
             mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), positions,
                                   None if segments is None else segments.contiguous()))
-        return mbs, after, int(bool(short)), sources
+        return mbs, after, int(bool(short)), np.stack([sources, local], axis=1)
 
     def _starts(self, source: int, index: int) -> np.ndarray:
         starts = self.orders[source].document_starts(index)
@@ -204,16 +204,16 @@ class DataCursor:
 
     def next_step(self) -> List[MicroBatch]:
         """This rank's micro-batches for the next step; advances the cursor."""
-        mbs, after, short, sources = self.prepare(self.consumed_samples, self.counts)
-        self.advance(after, short, sources)
+        mbs, after, short, samples = self.prepare(self.consumed_samples, self.counts)
+        self.advance(after, short, samples)
         return mbs
 
-    def advance(self, counts: List[int], short: int, sources: np.ndarray) -> None:
+    def advance(self, counts: List[int], short: int, samples: np.ndarray) -> None:
         """Take a prepared step (``prepare`` at this cursor's state) as consumed."""
         self.consumed_samples += self.global_batch_size
         self.counts = list(counts)
         self.short_reads = short
-        self.last_sources = sources
+        self.last_samples = samples
 
     def raise_if_short(self, ranks: int, step: int) -> None:
         """``TokenFileChanged`` when ``ranks`` (the agreed count of ranks whose

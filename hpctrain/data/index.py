@@ -33,10 +33,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from hpctrain.data.indexed import bin_path, check_shard, idx_path, prefix_of, read_description, read_index
 from hpctrain.data.streams import DocumentStream, DocumentTable, Shard
-from hpctrain.data.tokenfile import size_problem
+from hpctrain.data.tokenfile import TokenFile
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass
@@ -66,16 +67,16 @@ class DataIndex:
     vocab_size: Optional[int] = None
     """The tokenizer's vocabulary, from the shards' manifests (None: not recorded)."""
     eos_id: Optional[int] = None
+    largest_ids: Dict[str, int] = field(default_factory=dict)
+    """The largest token id in each shard that records no vocabulary (a
+    foreign Megatron shard: rank 0 scans its .bin once; kept in the cache)."""
     problems: List[str] = field(default_factory=list)
 
 
 # -- naming shards ---------------------------------------------------------------
 
 def _strip(path: str) -> str:
-    for ext in (".bin", ".idx"):
-        if path.endswith(ext):
-            return path[: -len(ext)]
-    return path
+    return prefix_of(path)  # the format's rule
 
 
 def resolve(entries: List[str], key: str) -> Tuple[List[str], List[dict], List[str]]:
@@ -108,30 +109,19 @@ def resolve(entries: List[str], key: str) -> Tuple[List[str], List[dict], List[s
     return prefixes, manifests, problems
 
 
-def _shard(prefix: str, key: str) -> Tuple[Optional[Shard], Optional[DocumentTable], Optional[str]]:
-    """A shard's .bin and its documents (shard column 0), or the problem."""
-    idx, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx, bin_path):
-        if not os.path.isfile(path):
-            return None, None, (f"{key}: shard {prefix} has no {os.path.basename(path)}; a shard is a .bin/.idx "
-                                "pair written by hpctrain-prepare (or Megatron's preprocess_data.py)")
+def _shard(prefix: str, key: str) -> Tuple[Optional[Shard], Optional[DocumentTable], Optional[dict], Optional[str]]:
+    """A shard's .bin, its documents (shard column 0) and its description
+    (``hpctrain-prepare``'s ``<prefix>.json``: vocabulary, BOS/EOS), or the problem."""
+    problem = check_shard(prefix, key)
+    if problem:
+        return None, None, None, problem
+    docs = read_index(idx_path(prefix))
     try:
-        dtype, num_tokens, offsets, lengths = _documents_of(idx)
+        described = read_description(prefix)
     except (OSError, ValueError) as e:
-        return None, None, f"{key}: {idx} is not a Megatron index ({e}); write the shard again with hpctrain-prepare"
-    wrong = size_problem(f"{key}: shard {bin_path}", bin_path, os.path.getsize(bin_path), dtype, num_tokens,
-                         f"its index {os.path.basename(idx)}")
-    if wrong:
-        return None, None, wrong
-    table = DocumentTable(np.zeros(len(lengths), np.int32), offsets.astype(np.int64), lengths.astype(np.int64))
-    return Shard(bin_path, dtype.name, int(num_tokens)), table, None
-
-
-def _documents_of(idx_path: str) -> Tuple[np.dtype, int, np.ndarray, np.ndarray]:
-    """(token dtype, tokens in the .bin, each document's first token, each document's length)."""
-    from hpctrain.data.indexed import read_index  # the format's reader (hpctrain.data.indexed)
-
-    return read_index(idx_path)
+        return None, None, None, f"{key}: {prefix}'s description cannot be read ({e}); write the shard again"
+    table = DocumentTable(np.zeros(len(docs.lengths), np.int32), docs.offsets, docs.lengths)
+    return Shard(bin_path(prefix), docs.dtype.name, int(docs.num_tokens)), table, described, None
 
 
 # -- the tables ------------------------------------------------------------------
@@ -148,15 +138,28 @@ def _split(table: DocumentTable, fraction: float, seed: int, salt: int) -> Tuple
     return table.take(np.flatnonzero(keep)), table.take(np.flatnonzero(~keep))
 
 
-def _source(name: str, weight: float, entries: List[str], key: str, split: float, seed: int, salt: int
-            ) -> Tuple[Optional[SourceIndex], List[dict], List[str]]:
+def largest_id(shard: Shard) -> int:
+    """The largest token id in ``shard``'s .bin (positioned reads, in chunks)."""
+    tokens = TokenFile(shard.bin_path, np.dtype(shard.dtype), shard.num_tokens)
+    try:
+        return tokens.max()
+    finally:
+        tokens.close()
+
+
+def _source(name: str, weight: float, entries: List[str], key: str, split: float, seed: int, salt: int,
+            largest: Dict[str, int]) -> Tuple[Optional[SourceIndex], List[dict], List[str]]:
     prefixes, manifests, problems = resolve(entries, key)
     shards, tables = [], []
     for prefix in prefixes:
-        shard, table, problem = _shard(prefix, key)
+        shard, table, described, problem = _shard(prefix, key)
         if problem:
             problems.append(problem)
             continue
+        if described:
+            manifests.append(described)
+        if not (described or {}).get("vocab_size"):
+            largest[shard.bin_path] = largest_id(shard)
         table.shard[:] = len(shards)
         shards.append(shard)
         tables.append(table)
@@ -179,19 +182,21 @@ def _entries(data: Any) -> List[Tuple[str, float, List[str], str]]:
     return [("data", 1.0, [str(p) for p in data.paths], "data.paths")]
 
 
-def build(data: Any, model_vocab: int) -> DataIndex:
-    """Every source's tables and the problems found (rank 0; no collective)."""
+def build(data: Any) -> DataIndex:
+    """Every source's tables and the problems with the files (rank 0; no
+    collective); ``vocab_problems`` checks the ids against the model."""
     out = DataIndex([])
     manifests: List[dict] = []
     for salt, (name, weight, entries, key) in enumerate(_entries(data)):
-        src, found, problems = _source(name, weight, entries, key, float(data.split), int(data.seed), salt)
+        src, found, problems = _source(name, weight, entries, key, float(data.split), int(data.seed), salt,
+                                       out.largest_ids)
         manifests += found
         out.problems += problems
         if src is not None:
             out.sources.append(src)
     if data.validation.paths:
         src, found, problems = _source("validation", 1.0, [str(p) for p in data.validation.paths],
-                                       "data.validation.paths", 0.0, int(data.seed), 0)
+                                       "data.validation.paths", 0.0, int(data.seed), 0, out.largest_ids)
         manifests += found
         out.problems += problems
         if src is not None:
@@ -203,10 +208,22 @@ def build(data: Any, model_vocab: int) -> DataIndex:
                             "tokenise every source with the same tokenizer")
     out.vocab_size = max(vocabs) if vocabs else None
     out.eos_id = eos.pop() if len(eos) == 1 else None
-    if out.vocab_size is not None and model_vocab and out.vocab_size > model_vocab:
-        out.problems.append(f"the data's tokenizer has {out.vocab_size} tokens but model.vocab_size={model_vocab}; "
-                            f"set model.vocab_size={out.vocab_size} (or model.vocab_size=auto)")
     return out
+
+
+def vocab_problems(index: DataIndex, model_vocab: int) -> List[str]:
+    """Token ids the model's embedding cannot hold: the recorded vocabulary,
+    or for a shard that records none, its largest id."""
+    problems = []
+    if index.vocab_size is not None and model_vocab and index.vocab_size > model_vocab:
+        problems.append(f"the data's tokenizer has {index.vocab_size} tokens but model.vocab_size={model_vocab}; "
+                        f"set model.vocab_size={index.vocab_size} (or model.vocab_size=auto)")
+    for path, largest in index.largest_ids.items():
+        if model_vocab and largest >= model_vocab:
+            problems.append(f"{path} holds token id {largest}, at or above model.vocab_size={model_vocab}; set "
+                            f"model.vocab_size to the tokenizer's size (at least {largest + 1}) or tokenise the data "
+                            "again with the model's tokenizer")
+    return problems
 
 
 # -- cache -----------------------------------------------------------------------
@@ -236,7 +253,8 @@ def _key(data: Any) -> Optional[Tuple[str, str]]:
 
 def _save(path: str, index: DataIndex) -> None:
     arrays: Dict[str, np.ndarray] = {}
-    meta = {"vocab_size": index.vocab_size, "eos_id": index.eos_id, "sources": [], "validation": []}
+    meta = {"vocab_size": index.vocab_size, "eos_id": index.eos_id, "largest_ids": index.largest_ids,
+            "sources": [], "validation": []}
     for group, sources in (("sources", index.sources), ("validation", index.validation)):
         for i, s in enumerate(sources):
             meta[group].append({"name": s.name, "weight": s.weight, "shards": [vars(x) for x in s.shards],
@@ -262,7 +280,7 @@ def _load(path: str) -> Optional[DataIndex]:
     try:
         with np.load(path) as z:
             meta = json.loads(bytes(z["meta"]).decode())
-            out = DataIndex([], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"])
+            out = DataIndex([], vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], largest_ids=meta["largest_ids"])
             for group in ("sources", "validation"):
                 for i, s in enumerate(meta[group]):
                     tables = {part: DocumentTable(*(z[f"{group}{i}_{part}_{f}"] for f in ("shard", "offset", "length")))
@@ -293,9 +311,10 @@ def index_on_rank0(data: Any, model_vocab: int) -> DataIndex:
     cached = _key(data) if data.index_cache else None
     index = _load(cached[0]) if cached else None
     if index is None:
-        index = build(data, model_vocab)
+        index = build(data)
         if cached and not index.problems:
             _save(cached[0], index)
+    index.problems += vocab_problems(index, model_vocab)
     _BUILT[key] = index
     return index
 

@@ -55,8 +55,8 @@ class Prefetcher:
         if self._error is not None:
             error, self._error, self._thread = self._error, None, None
             raise error
-        mbs, after, short, sources = self._result
-        self.cursor.advance(after, short, sources)
+        mbs, after, short, samples = self._result
+        self.cursor.advance(after, short, samples)
         self.wait_s = time.perf_counter() - t0
         self._start(*self._state())  # the step after this one, while it computes
         return mbs

@@ -16,6 +16,7 @@ into the training and validation sample orders the cursor draws from.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -153,6 +154,20 @@ def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
         return ["data.source=indexed needs data.paths=[<shards>] or data.blend (shards written by hpctrain-prepare)"]
     if data.paths and data.blend:
         return ["set data.paths (one source) or data.blend (several), not both"]
+    problems = []
+    for i, source in enumerate(data.blend):
+        weight = source.weight
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            problems.append(f"data.blend[{i}].weight={weight}: must be a finite number > 0 (the weights are "
+                            "normalised); drop the source to leave it out")
+        if not source.paths:
+            problems.append(f"data.blend[{i}].paths is empty; give the source's shards (prefixes, directories, "
+                            "globs or manifests)")
+    if data.split and data.validation.paths:
+        problems.append(f"data.split={data.split} and data.validation.paths both choose the validation documents; "
+                        "set one (data.split=0 to use the validation shards)")
+    if problems:
+        return problems
     if not get_runtime().is_main:
         return []
     index = index_on_rank0(data, model_vocab)
