@@ -70,3 +70,36 @@ def test_validation_in_training_and_hpctrain_eval_at_another_layout(tmp_path):
     [line] = _errors(bad.stderr)
     assert "hpctrain-eval needs validation data: data.source=indexed with data.split=<fraction>" in line, line
     assert "Traceback" not in bad.stderr
+
+
+def test_the_readme_data_example(tmp_path):
+    """README "Data": a JSON Lines corpus (gzip) and a tokenizer.json (a BPE
+    trained here) through ``mpirun -n 2 hpctrain-prepare``, then training on
+    the manifest with ``model.vocab_size=auto``, ``data.split`` and
+    validation, then ``hpctrain-eval`` on the checkpoint."""
+    import gzip
+
+    from test_prepare_under_mpiexec import LINES, _bpe, _mpiexec
+
+    tok = _bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus").mkdir()
+    for part in range(2):
+        with gzip.open(tmp_path / "corpus" / f"part{part}.jsonl.gz", "wt") as f:
+            for i in range(150):
+                f.write(json.dumps({"text": "\n".join(LINES[(part * 150 + i) * 3:(part * 150 + i + 1) * 3])}) + "\n")
+    p = _mpiexec([f"{tmp_path}/corpus/*.jsonl.gz", "--tokenizer", tmp_path / "tokenizer.json", "--text-key", "text",
+                  "-o", tmp_path / "data" / "corpus"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = ["data=indexed", f"data.paths=[{tmp_path}/data/corpus.json]", "model.vocab_size=auto", "data.split=0.05",
+            f"checkpoint.dir={tmp_path}/ckpt", "trainer.progress=off", *SMALL]
+    r = _launch(2, "hpctrain-train", *data, "trainer.steps=3", "trainer.eval_every=2", "trainer.eval_batches=2",
+                "checkpoint.every=3", f"hydra.run.dir={tmp_path}/train")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"model.vocab_size=auto: {tok.get_vocab_size()}, the data tokenizer's vocabulary" in r.stderr
+    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [("val_loss" in row) for row in rows] == [False, True, True]
+    e = _launch(2, "hpctrain-eval", *data, "trainer.eval_batches=2", "checkpoint.resume=auto",
+                f"hydra.run.dir={tmp_path}/eval")
+    assert e.returncode == 0, e.stderr[-3000:]
+    found = json.loads((tmp_path / "eval" / "validation.json").read_text())
+    assert found["step"] == 3 and found["val_loss"] == pytest.approx(rows[-1]["val_loss"], rel=1e-6)
