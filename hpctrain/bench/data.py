@@ -1,4 +1,4 @@
-"""Data pipeline: hpctrain-prepare's encoding against the tokenizers library's own batch encoding, per core.
+"""Data pipeline: tokeniser throughput against the tokenizers library, the loader against the step, index start-up.
 
 Run: ``hpctrain-bench data`` (one process; under ``mpiexec`` rank 0
 measures and the other ranks wait, so a core is not shared). Sections run
@@ -25,7 +25,14 @@ in order, ``--part NAME`` picks one:
   (``library, ids only``), so the cost of what we add on top of the library
   is read between those two rows.
 
-The text is the built-in corpus (``hpctrain.data.embedded``; ``--text FILE``
+- ``loader`` and ``index`` (``hpctrain.bench._data_loader``): the real
+  trainer with and without ``data.prefetch``, side by side (data_wait_s and
+  its share of the step), the loader's own samples/s against what a step
+  consumes, and the index start-up for many shards (rank 0 and a broadcast,
+  cold and cached, against every rank indexing); run these under
+  ``mpiexec -n 2`` (loader) and ``mpiexec -n 8`` (index).
+
+The tokenizer section's text is the built-in corpus (``hpctrain.data.embedded``; ``--text FILE``
 takes a local text file instead), cut into documents of ``--doc-lines``
 lines. The built-in corpus has few distinct words, so the library's word
 cache makes its encoding fast and our per-token overhead weighs the most:
@@ -43,6 +50,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from hpctrain.bench import _data_loader as loader
 from hpctrain.bench.common import Column, Table, machine_summary, parse_size, print_rank0, time_interleaved
 
 
@@ -58,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     tok.add_argument("--text", help="a local UTF-8 text file to use instead of the built-in corpus")
     tok.add_argument("--doc-lines", type=int, default=48, help="lines per document (default 48, about 1.7 KB)")
     tok.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary to train (capped by the text)")
+    loader.add_arguments(ap)
     return ap
 
 
@@ -213,7 +222,8 @@ def tokenizer_section(args: argparse.Namespace, comm: Any) -> int:
     return 0
 
 
-SECTIONS: Dict[str, Callable[[argparse.Namespace, Any], int]] = {"tokenizer": tokenizer_section}
+SECTIONS: Dict[str, Callable[[argparse.Namespace, Any], int]] = {
+    "tokenizer": tokenizer_section, "loader": loader.loader_section, "index": loader.index_section}
 """Sections in the order ``--part all`` runs them: name -> fn(args, comm) -> exit status."""
 
 

@@ -4,7 +4,8 @@
 prepared from the cursor's state, advances the cursor, and starts preparing
 the step after: the reads (positioned reads of the token files, which
 release the GIL) overlap the forward and backward. What the training thread
-still waited is ``data_wait_s`` in the step's metrics. The cursor's state
+still waits for it is ``data_wait_s`` in the step's metrics (the trainer
+times ``next_step``; without a prefetcher it is the whole read). The cursor's state
 moves only when a step is handed over, so a checkpoint saved between steps
 holds exactly what training consumed; a state changed from outside (a
 resume) is noticed and the prepared batch dropped.
@@ -12,7 +13,6 @@ resume) is noticed and the prepared batch dropped.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, List, Optional, Tuple
 
 from hpctrain.data.cursor import DataCursor, MicroBatch
@@ -23,8 +23,6 @@ class Prefetcher:
 
     def __init__(self, cursor: DataCursor):
         self.cursor = cursor
-        self.wait_s = 0.0
-        """Seconds the last ``next_step`` waited for its data."""
         self._thread: Optional[threading.Thread] = None
         self._key: Optional[Tuple[int, Tuple[int, ...]]] = None
         self._result: Any = None
@@ -47,7 +45,6 @@ class Prefetcher:
 
     def next_step(self) -> List[MicroBatch]:
         """The micro-batches of the cursor's next step; the cursor advances."""
-        t0 = time.perf_counter()
         if self._thread is None or self._key != self._state():
             self._join()
             self._start(*self._state())
@@ -57,7 +54,6 @@ class Prefetcher:
             raise error
         mbs, after, short, samples = self._result
         self.cursor.advance(after, short, samples)
-        self.wait_s = time.perf_counter() - t0
         self._start(*self._state())  # the step after this one, while it computes
         return mbs
 

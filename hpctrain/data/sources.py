@@ -176,6 +176,15 @@ def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
         if len(s.train.length) and int(s.train.length.sum()) < seq_len + 1:
             problems.append(f"source {s.name!r} has {int(s.train.length.sum())} training tokens, fewer than "
                             f"trainer.seq_len+1={seq_len + 1}")
+        held = 0 if s.valid is None else int(s.valid.length.sum())
+        if s.valid is not None and held < seq_len + 1:
+            problems.append(f"data.split={data.split} holds out {held} tokens of source {s.name!r}, fewer than one "
+                            f"sample (trainer.seq_len+1={seq_len + 1}); raise data.split or name validation shards "
+                            "(data.validation.paths)")
+    for s in index.validation:
+        if int(s.train.length.sum()) < seq_len + 1:
+            problems.append(f"data.validation.paths hold {int(s.train.length.sum())} tokens, fewer than one sample "
+                            f"(trainer.seq_len+1={seq_len + 1})")
     return problems
 
 

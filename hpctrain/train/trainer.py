@@ -175,7 +175,9 @@ class Trainer:
         board = self.mesh.board
         board.step, board.phase = self.step + 1, "training"
         self.faults.before_step(self.step + 1, [m for m in self.model.modules() if isinstance(m, Transformer)])
+        t_data = time.perf_counter()
         step_data = self.prefetch.next_step() if self.prefetch is not None else self.cursor.next_step()
+        data_wait = time.perf_counter() - t_data  # with the prefetcher, what its read-ahead did not hide
         microbatches = [mb.to(self.device) for mb in step_data]
         lr = lr_at(self.step, cfg.optim, cfg.trainer.steps)
         set_lr(self.optimizer, lr)
@@ -220,7 +222,7 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "consumed_samples": self.cursor.consumed_samples,
-            "data_wait_s": self.prefetch.wait_s if self.prefetch is not None else 0.0,
+            "data_wait_s": data_wait,
             "peak_rss_bytes": peak_rss_bytes(),
         }
         if self.guard.skipped:

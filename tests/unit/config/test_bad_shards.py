@@ -117,10 +117,23 @@ def fewer_tokens_than_a_sample(tmp_path):
     return [f"data.paths=[{tmp_path}/tiny]"], ["source 'data' has 3 training tokens, fewer than trainer.seq_len+1"]
 
 
+def split_holding_out_less_than_a_sample(tmp_path):
+    return _good(tmp_path) + ["data.split=0.01"], \
+        ["data.split=0.01 holds out", "fewer than one sample (trainer.seq_len+1=", "raise data.split"]
+
+
+def validation_shards_shorter_than_a_sample(tmp_path):
+    _good(tmp_path)
+    _shard(tmp_path / "tiny", [[1, 2, 3]])
+    return _good(tmp_path) + [f"data.validation.paths=[{tmp_path}/tiny]"], \
+        ["data.validation.paths hold 3 tokens, fewer than one sample"]
+
+
 BAD_SHARDS = [missing_shard, missing_bin, truncated_bin, bad_idx_magic, idx_cut_short, idx_for_another_bin,
               empty_blend_source, glob_matching_nothing, vocabulary_larger_than_the_model,
               foreign_shard_with_a_token_past_the_vocabulary, auto_vocabulary_not_recorded, validation_shard_missing,
-              fewer_tokens_than_a_sample]
+              fewer_tokens_than_a_sample, split_holding_out_less_than_a_sample,
+              validation_shards_shorter_than_a_sample]
 
 
 def _validate(make_config, pm, overrides):
@@ -145,3 +158,4 @@ def test_good_shards_pass(make_config, pm, tmp_path):
     assert _validate(make_config, pm, _good(tmp_path) + [f"data.validation.paths=[{tmp_path}/b]"]) == []
     _shard(tmp_path / "foreign", [[5, 6, 7] * 30, [1, 255, 2] * 30], vocab=None)
     assert _validate(make_config, pm, [f"data.paths=[{tmp_path}/foreign]", "model.vocab_size=256"]) == []
+
