@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -36,8 +37,6 @@ import torch
 from mpi4py import MPI
 
 from parity import assert_parity, record, world_trainer
-
-pytestmark = pytest.mark.mpi(min_size=4)
 
 VOCAB = 320
 STEPS = 3
@@ -133,6 +132,7 @@ def _assert_same_validation(got, want):
         assert got[key] == pytest.approx(want[key], rel=VAL_RTOL), key
 
 
+@pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("layout", [("parallel.tp=2",), ("parallel.pp=2", "parallel.zero.stage=3")],
                          ids=["tp2xdp2", "pp2xdp2-zero3"])
 def test_a_blend_with_validation_trains_like_one_process(world, pm, shards, layout):
@@ -154,6 +154,7 @@ def test_a_blend_with_validation_trains_like_one_process(world, pm, shards, layo
     assert trainer.orders.valid_names == ["books", "web"]
 
 
+@pytest.mark.mpi(min_size=4)
 def test_resuming_on_another_layout_draws_the_same_sample_ids(world, pm, shards, shared_tmp):
     """Steps 1-2 at tp 2 x dp 2, a checkpoint, steps 3-4 at dp 4 with
     ZeRO-1: the sample ids of each step equal the uninterrupted one-process
@@ -173,6 +174,7 @@ def test_resuming_on_another_layout_draws_the_same_sample_ids(world, pm, shards,
     assert [r.loss for r in got + more] == pytest.approx([r.loss for r in straight], rel=LOSS_RTOL)
 
 
+@pytest.mark.mpi(min_size=4)
 def test_document_masking_from_the_shards_at_cp2_trains_like_one_process(world, pm, shards):
     blend, _ = shards
     masked = ("data.document_mask=true",)
@@ -185,3 +187,53 @@ def test_document_masking_from_the_shards_at_cp2_trains_like_one_process(world, 
     got, _ = _drawn(trainer, STEPS)
     assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     _assert_same_validation(_validate_touches_nothing(trainer), want_val)
+
+
+_WATCHING = {"root": None, "seen": []}
+
+
+def _audit(event, args):
+    root = _WATCHING["root"]
+    if root is None or event not in ("open", "os.listdir", "os.scandir", "glob.glob", "glob.glob/2"):
+        return
+    path = args[0]
+    if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).startswith(root):
+        _WATCHING["seen"].append((event, os.fsdecode(path), args[1] if len(args) > 1 else None))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_only_rank_0_lists_stats_or_reads_the_index_files(world, pm, shards, monkeypatch):
+    """Building the trainer (the index, the sample orders, validation of the
+    config) and two steps: ranks other than 0 open the shards' ``.bin``
+    files to read tokens and touch nothing else of the data: no listing, no
+    glob, no stat, no ``.idx`` or description (rank 0 read them and
+    broadcast the tables). Checked with Python's audit hooks (open, listdir,
+    scandir, glob) and a wrapped ``os.stat``; rank 0 is watched too, to show
+    the watch sees what indexing does."""
+    blend, root = shards
+    sys.addaudithook(_audit)  # an audit hook stays for the process: it does nothing unless a root is set
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).startswith(root):
+            _WATCHING["seen"].append(("os.stat", os.fsdecode(path), None))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    _WATCHING["root"], _WATCHING["seen"] = root, []
+    try:
+        from hpctrain.data import index as data_index
+
+        data_index._BUILT.clear()  # as in a new job: rank 0 indexes during validation
+        trainer = world_trainer(pm, *BASE, blend, "data.index_cache=true")
+        trainer.train_step()
+        trainer.train_step()
+    finally:
+        _WATCHING["root"] = None
+    seen = _WATCHING["seen"]
+    if world.Get_rank() == 0:
+        assert any(p.endswith(".idx") for _, p, _ in seen) and any(e == "glob.glob" for e, _, _ in seen), seen
+    else:
+        others = [(e, p) for e, p, _ in seen if not (e == "open" and p.endswith(".bin"))]
+        assert others == [], others
+        assert any(p.endswith(".bin") for _, p, _ in seen)  # the watch works here too: the tokens were read
