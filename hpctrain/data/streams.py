@@ -1,7 +1,7 @@
 """A source's documents as one flat token stream.
 
 A source is many shards (Megatron-format ``.bin``/``.idx`` pairs); its
-documents, in an order fixed by the data seed, make one stream of tokens
+documents, in the order its shards are named, make one stream of tokens
 that the sample order cuts into windows (``cursor.SampleOrder``). The
 stream knows where each document starts, so a window can say where its
 documents begin (document masking: attention never crosses a boundary,
