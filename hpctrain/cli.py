@@ -66,8 +66,8 @@ def crash(rt) -> int:
     return 1
 
 
-def _execute(cfg_yaml: str, run_dir: str) -> int:
-    """Run one job on this rank from rank 0's resolved config."""
+def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
+    """Run one job on this rank from rank 0's resolved config (``evaluate``: hpctrain-eval's one validation)."""
     from hpctrain.bootstrap import get_runtime
     from hpctrain.config.store import to_config
     from hpctrain.plugins import get_manager
@@ -78,7 +78,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
     try:
         cfg = to_config(cfg_yaml, get_manager())
         cfg.run_dir = run_dir
-        run(cfg, run_dir)
+        run(cfg, run_dir, evaluate_only=evaluate)
         return 0
     except JobStopped as e:
         return e.exit_code  # the watchdog's line (rank 0 or 1) already says why
@@ -93,7 +93,7 @@ def _execute(cfg_yaml: str, run_dir: str) -> int:
         return crash(rt)
 
 
-def _hydra_main(argv: List[str], world) -> int:
+def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     """Rank 0 (or the only rank): run the Hydra app; broadcast each job."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -115,6 +115,14 @@ def _hydra_main(argv: List[str], world) -> int:
         from hpctrain.checkpoint import default_checkpoint_dir
 
         run_dir = HydraConfig.get().runtime.output_dir
+        if str(cfg.model.vocab_size) == "auto":  # the data tokenizer's vocabulary (validation says when unknown)
+            from hpctrain.data.sources import data_vocab_size
+            from hpctrain.log import log_rank0
+
+            vocab = data_vocab_size(cfg.data)
+            if vocab is not None:
+                cfg.model.vocab_size = int(vocab)
+                log_rank0("model.vocab_size=auto: %d, the data tokenizer's vocabulary", int(vocab))
         if cfg.checkpoint.dir is None and (cfg.checkpoint.every or cfg.checkpoint.resume
                                            or cfg.checkpoint.save_on_stop):
             # one directory per experiment, found again by a relaunch (README, "Checkpoints");
@@ -130,7 +138,7 @@ def _hydra_main(argv: List[str], world) -> int:
             raise SystemExit(code) from None
         if world is not None:
             world.bcast((_RUN, cfg_yaml, run_dir), root=0)
-        code = _execute(cfg_yaml, run_dir)
+        code = _execute(cfg_yaml, run_dir, evaluate)
         codes.append(code)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN and get_runtime().world_rank == 0:
@@ -179,7 +187,8 @@ def _composition_failed(e: Exception, full_error: bool) -> int:
     return 1 if message is None else _fail(message, 0, 2)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
+    """``hpctrain-train`` (or with ``evaluate``, ``hpctrain-eval``) on this process; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--plugins" in argv:
         return _print_plugins()
@@ -194,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rt.is_main:
             code = 1
             try:
-                code = _hydra_main(argv, world)
+                code = _hydra_main(argv, world, evaluate)
             finally:
                 if world is not None:
                     world.bcast((_STOP, code, None), root=0)
@@ -206,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if kind == _STOP:
                     code = max(code, payload)  # a composition error on rank 0 fails every rank
                     break
-                code = max(code, _execute(payload, run_dir))
+                code = max(code, _execute(payload, run_dir, evaluate))
     finally:
         shutdown()
     return code
@@ -214,6 +223,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def entry() -> None:
     sys.exit(main())
+
+
+def entry_eval() -> None:
+    """``hpctrain-eval <overrides>``: the same app, launched the same way, but
+    it loads ``checkpoint.resume`` at the layout given and runs one validation
+    (``data.split`` or ``data.validation.paths``) instead of training."""
+    sys.exit(main(evaluate=True))
 
 
 if __name__ == "__main__":

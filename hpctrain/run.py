@@ -86,8 +86,10 @@ def build_mesh(cfg: Any, rt: Runtime, pm, board: Optional[OpBoard] = None) -> Me
     return mesh
 
 
-def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, float]]:
+def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = False) -> List[Dict[str, float]]:
     """Train according to ``cfg``; returns the per-step metrics (every rank).
+    ``evaluate_only`` (``hpctrain-eval``): build the layout, load
+    ``checkpoint.resume`` and run one validation instead of training.
 
     With ``reliability.hang_timeout_s`` > 0 on more than one rank, the hang
     watchdog runs from after validation to the end (``hpctrain.train.watchdog``).
@@ -95,7 +97,10 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, floa
     holder: List[Any] = []
     done = False
     try:
-        history = prepare_run(cfg, run_dir, pm, watchdog_holder=holder).fit()
+        if evaluate_only:
+            _check_evaluation(cfg)  # a config problem: before any collective
+        trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder)
+        history = evaluate(trainer, run_dir) if evaluate_only else trainer.fit()
         done = True
         return history
     except Exception as e:
@@ -108,6 +113,34 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None) -> List[Dict[str, floa
     finally:
         if holder:
             holder[0].stop("done" if done else "error")
+
+
+def evaluate(trainer: Any, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
+    """One validation of the trainer's weights (``hpctrain-eval``); rank 0 writes
+    ``validation.json`` in the run directory."""
+    import json
+
+    if trainer.step == 0:  # the same on every rank: checkpoint.resume=auto found nothing
+        raise ConfigError(f"hpctrain-eval: checkpoint.resume={trainer.cfg.checkpoint.resume} found no checkpoint "
+                          f"in {trainer.cfg.checkpoint.dir}; name a checkpoint file or the run's checkpoint.dir")
+    out = {"step": trainer.step, **trainer.validate()}
+    if run_dir and trainer.mesh.world_rank == 0:
+        with open(os.path.join(run_dir, "validation.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return [out]
+
+
+def _check_evaluation(cfg: Any) -> None:
+    """What ``hpctrain-eval`` needs beyond a training config: a checkpoint and validation data."""
+    problems = []
+    if not cfg.checkpoint.resume:
+        problems.append("hpctrain-eval needs the checkpoint to validate: checkpoint.resume=<file>, or "
+                        "checkpoint.resume=auto with the run's checkpoint.dir")
+    if cfg.data.source != "indexed" or not (cfg.data.split or cfg.data.validation.paths):
+        problems.append("hpctrain-eval needs validation data: data.source=indexed with data.split=<fraction> "
+                        "(the training run's) or data.validation.paths=[<shards>]")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def start_watchdog(cfg: Any, rt: Runtime):

@@ -59,6 +59,10 @@ pip install --no-index --find-links "$wheelhouse" "h5py==${H5PY_VERSION}"
 
 pip install "$TORCH_SPEC"
 pip install -e ".[test]"
+# megatron-core, for the tests that read/write Megatron's indexed format with Megatron's own code
+# (tests/unit/data/test_indexed.py; skipped without it). Not a dependency of hpctrain. --no-deps: what
+# it requires (torch, numpy, packaging) is here already, and pip must never touch the pinned torch.
+pip install --no-deps "megatron-core==0.16.1"
 rm -f "$VENV"/.hpctrain-setup-*
 touch "$stamp"
 say "ready: $VENV"

@@ -124,7 +124,7 @@ class StepLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         n, total = len(micro), None
-        for i, (x, y, _) in enumerate(micro):
+        for i, (x, y, *_) in enumerate(micro):
             ddp = self.model if isinstance(self.model, DistributedDataParallel) else None  # sync == "ddp"
             quiet = ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext()
             with quiet:

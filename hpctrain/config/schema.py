@@ -11,7 +11,7 @@ hook; ``build_schema`` folds them in (see ``store.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -20,7 +20,7 @@ class ModelConfig:
 
     name: str = "tiny"
     """Preset name, recorded in metrics and checkpoints."""
-    vocab_size: int = 256
+    vocab_size: Any = 256
     """Token vocabulary size (256 = byte-level)."""
     d_model: int = 64
     """Hidden size h."""
@@ -117,17 +117,52 @@ class CommConfig:
 
 
 @dataclass
+class BlendSource:
+    """One weighted source of a blend (``data.blend``)."""
+
+    weight: float = 1.0
+    """Its share of the samples (the weights are normalised)."""
+    paths: List[str] = field(default_factory=list)
+    """Its shards: prefixes, directories, globs or hpctrain-prepare manifests."""
+    name: Optional[str] = None
+    """Its name in the log and metrics (validation loss per source); default source<i>."""
+
+
+@dataclass
+class ValidationDataConfig:
+    """Validation shards of their own (else data.split holds documents out)."""
+
+    paths: List[str] = field(default_factory=list)
+    """Shards for validation (prefixes, directories, globs or manifests)."""
+
+
+@dataclass
 class DataConfig:
     """Training data source."""
 
     source: str = "embedded"
-    """"embedded" (built-in generated corpus, no downloads) or "tokens" (a .bin token file)."""
+    """"embedded" (built-in generated corpus, no downloads), "tokens" (one legacy .bin token file with its .json
+    sidecar) or "indexed" (Megatron-format .bin/.idx shards from hpctrain-prepare: data.paths or data.blend)."""
     path: Optional[str] = None
-    """Token file for source=tokens (written by hpctrain-prepare)."""
+    """Token file for source=tokens (written by the byte-level hpctrain-prepare of old)."""
     dtype: Optional[str] = None
     """Token dtype of the .bin file (uint16/uint32); None reads it from the .json sidecar."""
+    paths: List[str] = field(default_factory=list)
+    """source=indexed: the shards of the one source (prefixes, directories, globs or hpctrain-prepare manifests)."""
+    blend: List[BlendSource] = field(default_factory=list)
+    """source=indexed: several sources sampled by weight (Megatron's blend: at every prefix of the stream each
+    source's share is within one sample of its weight); replaces data.paths."""
+    split: float = 0.0
+    """Fraction of each source's documents held out for validation (whole documents, chosen by data.seed); 0: none."""
+    validation: ValidationDataConfig = field(default_factory=ValidationDataConfig)
+    document_mask: bool = False
+    """Attention never crosses a document boundary and RoPE positions restart at each document (source=indexed)."""
+    index_cache: bool = True
+    """Cache the document index next to the shards (.hpctrain-index-<key>.npz), so a relaunch reads one file."""
+    prefetch: bool = True
+    """Prepare the next step's micro-batches on a thread while this step computes (metrics: data_wait_s)."""
     seed: int = 1234
-    """Seed of the sample order (and of the embedded corpus)."""
+    """Seed of the sample order (and of the embedded corpus and the held-out documents)."""
     embedded_bytes: int = 262144
     """Size of the embedded corpus in bytes."""
 
@@ -186,6 +221,11 @@ class TrainerConfig:
     left. Under SLURM the job's own end time is a limit too. None: no limit."""
     max_time_margin_s: float = 60.0
     """Seconds kept free before trainer.max_time or the SLURM job's end, for the final save."""
+    eval_every: int = 0
+    """Validation every N steps (and after the last), when the data has a validation source (data.split or
+    data.validation.paths); 0: only after the last step."""
+    eval_batches: int = 4
+    """Global batches of each validation source per validation (the same ones every time, so the numbers compare)."""
 
 
 @dataclass

@@ -121,11 +121,37 @@ def _tensor_parallel_checks(tp: int, cp: int, seq_len: int, model: Any, sequence
     return problems
 
 
+def _with_data_vocab(cfg: Any) -> Tuple[Any, Any]:
+    """``cfg`` with ``model.vocab_size=auto`` replaced by the data tokenizer's
+    size, or the problem when the data records none. Indexed shards are looked
+    at by rank 0 only (the other ranks wait for its agreed verdict)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.bootstrap import get_runtime
+    from hpctrain.data.sources import check_data_config, data_vocab_size
+
+    if cfg.data.source == "indexed" and not get_runtime().is_main:
+        return cfg, []
+    vocab = data_vocab_size(cfg.data)
+    if vocab is None:  # a missing or damaged file first: it is why nothing is recorded
+        unrecorded = (f"model.vocab_size=auto: data.source={cfg.data.source} records no tokenizer vocabulary "
+                      "(hpctrain-prepare's shard description or a .json sidecar does); "
+                      "set model.vocab_size=<the tokenizer's size>")
+        return cfg, check_data_config(cfg.data, cfg.trainer.seq_len, 2**31 - 1) or [unrecorded]
+    resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    resolved.model.vocab_size = int(vocab)
+    return resolved, None
+
+
 def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain import plugins
     from hpctrain.data.sources import check_data_config
     from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 
+    if cfg.model.vocab_size == "auto":  # hpctrain-train resolves it; here when called before that
+        cfg, unresolved = _with_data_vocab(cfg)
+        if unresolved is not None:
+            return unresolved
     t, p = cfg.trainer, cfg.parallel
     given = {a: p[a] for a in AXES}
     problems = check_layout(given, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))

@@ -1,17 +1,27 @@
 """The global sample order and the data cursor.
 
-Sample ``i`` of the stream is a window of ``seq_len + 1`` tokens. Windows are
-the non-overlapping ``seq_len``-token blocks of the source, visited in a
-random permutation per epoch (seed, epoch): a function of ``i`` alone.
-Step ``s`` consumes samples ``[c, c + global_batch)`` where ``c`` is the
-number consumed so far; sample rank ``r`` of ``D`` (``D`` = dp x ep, the
-mesh's sample axes) takes the r-th contiguous slice, then cuts it into
+Sample ``i`` of a source is a window of ``seq_len + 1`` tokens. Windows are
+the non-overlapping ``seq_len``-token blocks of the source's token stream,
+visited in a random permutation per epoch (seed, epoch): a function of
+``i`` alone. With several sources (``data.blend``) each sample of the
+global stream is first given a source by the blend rule (``blend``: at
+every prefix each source's share is within one sample of its weight) and
+then the next sample of that source. Step ``s`` consumes samples
+``[c, c + global_batch)`` of the global stream, where ``c`` is the number
+consumed so far; sample rank ``r`` of ``D`` (``D`` = dp x ep, the mesh's
+sample axes) takes the r-th contiguous slice, then cuts it into
 micro-batches. With context parallelism each sample's tokens are split too:
 the cp rank keeps only its positions (``data.sequence.cp_positions``) of
 the inputs and targets, and the micro-batch carries those positions for
 RoPE. So the global batch at a step is the same tokens whatever the layout,
-and a resumed run continues the same stream on any layout (the cursor is one
-integer).
+and a resumed run continues the same stream on any layout: the cursor is
+the count of consumed samples and, with a blend, each source's count.
+
+Document masking (``data.document_mask``): the stream knows where its
+documents begin (``streams.DocumentStream``); each micro-batch carries,
+per token, its document's index in the sample (``segments``) and its
+position in that document (``positions``, restarting at each document), so
+attention never crosses a boundary.
 
 A window a token file can no longer supply (it shrank under the job) is
 ``ShortRead`` at once, or, for the trainer's cursor (``defer_short_reads``),
@@ -20,12 +30,14 @@ before the update (``raise_if_short``; why: ``hpctrain.data.tokenfile``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from hpctrain.data.blend import assign, normalised
 from hpctrain.data.sources import TokenSource
+from hpctrain.data.streams import segments_and_positions
 from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 from hpctrain.errors import ConfigError
 from hpctrain.log import log_rank0
@@ -65,6 +77,12 @@ class SampleOrder:
             short.append(e)
             return np.zeros(self.seq_len + 1, dtype=np.int64)
 
+    def document_starts(self, index: int) -> np.ndarray:
+        """Where documents begin inside sample ``index`` (relative, > 0); the
+        stream must know its documents (``streams.DocumentStream``)."""
+        start = self.window_start(index)
+        return self.source.tokens.document_starts(start, start + self.seq_len + 1)
+
     def batch(self, indices: range, short: Optional[List[ShortRead]] = None) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.sample(i, short) for i in indices]))
 
@@ -77,7 +95,13 @@ class MicroBatch(NamedTuple):
     targets: torch.Tensor
     """Next-token ids, shaped like inputs."""
     positions: Optional[torch.Tensor] = None
-    """Absolute positions of the tokens in their sequences (context parallelism); None: 0, 1, ..."""
+    """The tokens' positions for RoPE: their absolute positions in the sample (context parallelism
+    holds some of them), or, with document masking, their positions in their own document (0 at
+    each document's first token); None: 0, 1, ..."""
+    segments: Optional[torch.Tensor] = None
+    """Document masking (``data.document_mask``): per token, the index of its document in its
+    sample (0, 1, ...; int64, shaped like ``inputs``, the same tokens context parallelism keeps),
+    so attention never crosses a document boundary; None: each sample is one sequence."""
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved: List[Any] = [None if t is None else t.to(device) for t in self]  # the optional ones stay None
@@ -87,54 +111,110 @@ class MicroBatch(NamedTuple):
 class DataCursor:
     """Hands each rank its micro-batches, step by step, from the global order.
 
-    ``sample_rank``/``sample_size``: this rank's place among the ranks that
-    split the samples (dp x ep). ``positions``: the token positions this rank
-    keeps of every sample (context parallelism), or None for all.
-    ``defer_short_reads``: a window the token file can no longer supply is
-    zeros and counted in ``short_reads`` (the caller agrees on it over the
-    ranks and calls ``raise_if_short`` before using the step), instead of
-    ``ShortRead`` from ``next_step``.
+    ``orders``: one sample order, or one per blended source with their
+    ``weights``. ``sample_rank``/``sample_size``: this rank's place among
+    the ranks that split the samples (dp x ep). ``positions``: the token
+    positions this rank keeps of every sample (context parallelism), or
+    None for all. ``document_mask``: micro-batches carry ``segments`` and
+    document-relative ``positions``. ``defer_short_reads``: a window the
+    token file can no longer supply is zeros and counted in ``short_reads``
+    (the caller agrees on it over the ranks and calls ``raise_if_short``
+    before using the step), instead of ``ShortRead`` from ``next_step``.
     """
 
-    def __init__(self, order: SampleOrder, global_batch_size: int, micro_batch_size: int,
-                 sample_rank: int, sample_size: int, consumed_samples: int = 0,
-                 positions: Optional[torch.Tensor] = None, defer_short_reads: bool = False):
+    def __init__(self, orders: Union[SampleOrder, Sequence[SampleOrder]], global_batch_size: int,
+                 micro_batch_size: int, sample_rank: int, sample_size: int, consumed_samples: int = 0,
+                 positions: Optional[torch.Tensor] = None, defer_short_reads: bool = False,
+                 weights: Optional[Sequence[float]] = None, document_mask: bool = False):
         if global_batch_size % (sample_size * micro_batch_size):
             raise ValueError("global batch must be divisible by dp * ep * micro batch (validated earlier)")
-        self.order = order
+        self.orders: List[SampleOrder] = [orders] if isinstance(orders, SampleOrder) else list(orders)
+        self.weights = normalised(weights if weights is not None else [1.0] * len(self.orders))
+        if len(self.weights) != len(self.orders):
+            raise ValueError(f"{len(self.orders)} sources but {len(self.weights)} blend weights")
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.sample_rank = sample_rank
         self.sample_size = sample_size
         self.consumed_samples = consumed_samples
+        self.counts: List[int] = [consumed_samples] + [0] * (len(self.orders) - 1)
+        """Samples each source has given so far (the blend's state)."""
         self.positions = positions
+        self.document_mask = document_mask
         self.defer_short_reads = defer_short_reads
         self.short_reads = 0
         """1 when a window of the last step could not be read whole (deferred), else 0."""
+        self.last_samples: Optional[np.ndarray] = None
+        """This rank's samples of the last step: rows of (source, index in that source)."""
+
+    @property
+    def order(self) -> SampleOrder:
+        """The first source's order (the only one without a blend)."""
+        return self.orders[0]
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.sample_size * self.micro_batch_size)
 
     def local_indices(self) -> range:
+        """This rank's samples of the next step in the global stream."""
         per_rank = self.global_batch_size // self.sample_size
         start = self.consumed_samples + self.sample_rank * per_rank
         return range(start, start + per_rank)
 
-    def next_step(self) -> List[MicroBatch]:
-        """This rank's micro-batches for the next step; advances the cursor."""
-        idx = self.local_indices()
-        mbs = []
+    def _assign(self, counts: Sequence[int]) -> Tuple[np.ndarray, np.ndarray, List[int]]:
+        """Every sample of the next global batch: its source, its index there; the counts after."""
+        n = self.global_batch_size
+        if len(self.orders) == 1:
+            first = int(counts[0])
+            return np.zeros(n, dtype=np.int64), np.arange(first, first + n, dtype=np.int64), [first + n]
+        return assign(self.weights, counts, n)
+
+    def prepare(self, consumed: int, counts: Sequence[int]) -> Tuple[List[MicroBatch], List[int], int, np.ndarray]:
+        """This rank's micro-batches of the step that starts after ``consumed``
+        samples (``counts`` per source), the counts after it, its short-read
+        flag and its samples (rows of (source, index in that source)). Reads
+        only; changes nothing (a prefetcher runs it ahead on a thread)."""
+        sources, local, after = self._assign(counts)
+        per_rank = self.global_batch_size // self.sample_size
+        mine = slice(self.sample_rank * per_rank, (self.sample_rank + 1) * per_rank)
+        sources, local = sources[mine], local[mine]
         short: Optional[List[ShortRead]] = [] if self.defer_short_reads else None
-        for k in range(0, len(idx), self.micro_batch_size):
-            window = self.order.batch(idx[k:k + self.micro_batch_size], short)
+        mbs = []
+        for k in range(0, per_rank, self.micro_batch_size):
+            picks = list(zip(sources[k:k + self.micro_batch_size], local[k:k + self.micro_batch_size]))
+            window = torch.from_numpy(np.stack([self.orders[int(s)].sample(int(i), short) for s, i in picks]))
             inputs, targets = window[:, :-1], window[:, 1:]
+            positions, segments = self.positions, None
+            if self.document_mask:
+                seg_pos = [segments_and_positions(window.shape[1] - 1, self._starts(int(s), int(i)))
+                           for s, i in picks]
+                segments = torch.from_numpy(np.stack([sp[0] for sp in seg_pos]))
+                positions = torch.from_numpy(np.stack([sp[1] for sp in seg_pos]))
+                if self.positions is not None:
+                    segments, positions = segments[:, self.positions], positions[:, self.positions]
             if self.positions is not None:
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
-            mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), self.positions))
-        self.consumed_samples += self.global_batch_size
-        self.short_reads = int(bool(short))
+            mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), positions,
+                                  None if segments is None else segments.contiguous()))
+        return mbs, after, int(bool(short)), np.stack([sources, local], axis=1)
+
+    def _starts(self, source: int, index: int) -> np.ndarray:
+        starts = self.orders[source].document_starts(index)
+        return starts[starts < self.orders[source].seq_len]  # a document starting at the last target is no input's
+
+    def next_step(self) -> List[MicroBatch]:
+        """This rank's micro-batches for the next step; advances the cursor."""
+        mbs, after, short, samples = self.prepare(self.consumed_samples, self.counts)
+        self.advance(after, short, samples)
         return mbs
+
+    def advance(self, counts: List[int], short: int, samples: np.ndarray) -> None:
+        """Take a prepared step (``prepare`` at this cursor's state) as consumed."""
+        self.consumed_samples += self.global_batch_size
+        self.counts = list(counts)
+        self.short_reads = short
+        self.last_samples = samples
 
     def raise_if_short(self, ranks: int, step: int) -> None:
         """``TokenFileChanged`` when ``ranks`` (the agreed count of ranks whose
@@ -149,7 +229,10 @@ class DataCursor:
     """Accept a state saved with another global batch size (``checkpoint.allow_batch_change``; the trainer sets it)."""
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "global_batch_size": self.global_batch_size}
+        state: Dict[str, Any] = {"consumed_samples": self.consumed_samples, "global_batch_size": self.global_batch_size}
+        if len(self.orders) > 1:
+            state["source_counts"] = list(self.counts)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state["consumed_samples"]``. A state saved with another
@@ -174,3 +257,12 @@ class DataCursor:
                       "of %d; the learning-rate schedule follows the step, not the samples", int(saved),
                       self.global_batch_size, consumed, self.global_batch_size)
         self.consumed_samples = consumed
+        counts = state.get("source_counts")
+        if len(self.orders) > 1:
+            if counts is None or len(counts) != len(self.orders):
+                raise ConfigError(
+                    f"the checkpoint's data cursor holds {len(counts) if counts else 'no'} blend counts, this run "
+                    f"blends {len(self.orders)} sources; resume with the blend it was saved with")
+            self.counts = [int(c) for c in counts]
+        else:
+            self.counts = [consumed]

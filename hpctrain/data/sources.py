@@ -1,15 +1,22 @@
-"""Token sources: the embedded corpus, or a ``.bin`` token file.
+"""Token sources: the embedded corpus, one legacy ``.bin`` token file, or
+Megatron-format shards (``data.source=indexed``).
 
-A token file is a flat array of uint16 or uint32 token ids with a JSON
-sidecar (``<name>.json``: dtype, vocab_size, num_tokens) written by
-``hpctrain-prepare``. Every rank opens the same file and reads only the
-windows it samples, with positioned reads (``hpctrain.data.tokenfile``: a
-file that shrinks under the job is an agreed error, not SIGBUS). Validation
-checks its size against the sidecar and the dtype before step 1.
+A legacy token file is a flat array of uint16 or uint32 token ids with a
+JSON sidecar (``<name>.json``: dtype, vocab_size, num_tokens). Every rank
+opens the same file and reads only the windows it samples, with positioned
+reads (``hpctrain.data.tokenfile``: a file that shrinks under the job is an
+agreed error, not SIGBUS). Validation checks its size against the sidecar
+and the dtype before step 1.
+
+Indexed shards (``data.paths`` or ``data.blend``, written by
+``hpctrain-prepare``) are indexed once by rank 0 (``index``) and every
+rank gets the tables by broadcast; ``orders.sample_orders`` turns them
+into the training and validation sample orders the cursor draws from.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -17,6 +24,8 @@ from typing import Any, Optional
 import numpy as np
 
 from hpctrain.data.embedded import generate_corpus
+from hpctrain.data.index import index_on_rank0
+from hpctrain.data.streams import unknown_documents
 from hpctrain.data.tokenfile import TokenFile, refill_advice, size_problem
 from hpctrain.errors import ConfigError
 
@@ -117,6 +126,8 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
         if model_vocab < 256:
             problems.append(f"the embedded corpus is byte-level (256 tokens) but model.vocab_size={model_vocab}; "
                             "set model.vocab_size>=256")
+    elif data.source == "indexed":
+        problems += _indexed_problems(data, seq_len, model_vocab)
     elif data.source == "tokens":
         if not data.path:
             problems.append("data.source=tokens needs data.path=<file.bin> "
@@ -127,11 +138,73 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
         else:
             problems += _token_file_problems(data, seq_len, model_vocab)
     else:
-        problems.append(f"data.source={data.source!r} is not one of: embedded, tokens")
+        problems.append(f"data.source={data.source!r} is not one of: embedded, tokens, indexed")
+    if data.source != "indexed" and (data.paths or data.blend or data.validation.paths or data.split):
+        problems.append(f"data.paths, data.blend, data.validation.paths and data.split are for Megatron-format shards; "
+                        f"set data.source=indexed (data=indexed), not {data.source}")
+    if data.document_mask and data.source != "indexed":
+        problems.append(unknown_documents(f"data.source={data.source}"))
+    return problems
+
+
+def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
+    """Rank 0 indexes the shards (the other ranks never touch them before
+    training; the problems are agreed with theirs) and reports what it found."""
+    from hpctrain.bootstrap import get_runtime
+
+    if not (data.paths or data.blend):
+        return ["data.source=indexed needs data.paths=[<shards>] or data.blend (shards written by hpctrain-prepare)"]
+    if data.paths and data.blend:
+        return ["set data.paths (one source) or data.blend (several), not both"]
+    problems = []
+    for i, source in enumerate(data.blend):
+        weight = source.weight
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            problems.append(f"data.blend[{i}].weight={weight}: must be a finite number > 0 (the weights are "
+                            "normalised); drop the source to leave it out")
+        if not source.paths:
+            problems.append(f"data.blend[{i}].paths is empty; give the source's shards (prefixes, directories, "
+                            "globs or manifests)")
+    if data.split and data.validation.paths:
+        problems.append(f"data.split={data.split} and data.validation.paths both choose the validation documents; "
+                        "set one (data.split=0 to use the validation shards)")
+    if problems:
+        return problems
+    if not get_runtime().is_main:
+        return []
+    index = index_on_rank0(data, model_vocab)
+    problems = list(index.problems)
+    for s in index.sources:
+        if len(s.train.length) and int(s.train.length.sum()) < seq_len + 1:
+            problems.append(f"source {s.name!r} has {int(s.train.length.sum())} training tokens, fewer than "
+                            f"trainer.seq_len+1={seq_len + 1}")
+        held = 0 if s.valid is None else int(s.valid.length.sum())
+        if s.valid is not None and held < seq_len + 1:
+            problems.append(f"data.split={data.split} holds out {held} tokens of source {s.name!r}, fewer than one "
+                            f"sample (trainer.seq_len+1={seq_len + 1}); raise data.split or name validation shards "
+                            "(data.validation.paths)")
+    for s in index.validation:
+        if int(s.train.length.sum()) < seq_len + 1:
+            problems.append(f"data.validation.paths hold {int(s.train.length.sum())} tokens, fewer than one sample "
+                            f"(trainer.seq_len+1={seq_len + 1})")
     return problems
 
 
 def open_source(data: Any) -> TokenSource:
+    """The one flat source of ``data.source=embedded`` or ``tokens``."""
     if data.source == "embedded":
         return embedded_source(data.embedded_bytes, data.seed)
     return token_file_source(data.path, data.dtype)
+
+
+def data_vocab_size(data: Any) -> Optional[int]:
+    """The vocabulary of the data's tokenizer (``model.vocab_size=auto``), where it is recorded."""
+    if data.source == "embedded":
+        return 256
+    if data.source == "tokens":
+        try:
+            meta = read_sidecar(data.path) or {}
+        except (OSError, ValueError):
+            return None
+        return meta.get("vocab_size")
+    return index_on_rank0(data, 0).vocab_size

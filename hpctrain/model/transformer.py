@@ -18,12 +18,21 @@ Head counts are derived from the projection outputs at run time, so a
 plugin that narrows ``wq``/``wk``/``wv`` to a rank's heads, or gathers the
 sequence, needs no change here.
 
+Document masking (``forward(..., segments=)``): ``segments`` gives each
+token the index of its document in its sample, shaped like the token ids
+(the tokens this rank holds, as ``positions``); every block's attention
+core receives it and lets a query attend only to earlier keys of its own
+document. RoPE takes ``positions`` as given (with document masking, each
+token's position within its document). Under sequence parallelism the
+attention core sees the gathered sequence, which is what ``segments``
+covers, so it needs no splitting.
+
 Each module lists the initialisation of its parameters in ``param_init``
 (default ``normal``); the builder turns that into the parameter's ShardSpec.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,17 +87,23 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin of shape (seq, head_dim/2) for the given absolute positions."""
+    """cos, sin for the given positions: (seq, head_dim/2) for positions (seq,)
+    shared by the batch, (batch, seq, head_dim/2) for per-sample positions
+    (batch, seq) (document masking: positions within each document)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, seq, heads, head_dim); rotates interleaved pairs (Llama convention)."""
+    """x: (batch, seq, heads, head_dim); rotates interleaved pairs (Llama convention).
+    cos, sin: (seq, head_dim/2), or (batch, seq, head_dim/2) per sample."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.dim() == 2:
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -111,14 +126,19 @@ class Attention(nn.Module):
         self.recompute_core = False
         """Selective recomputation: the core keeps only q, k, v for backward."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``segments`` (batch, seq): document masking's per-token document
+        index, handed to the core (which is called with q, k, v alone when None)."""
         q, k, v = self.linears.columns(x, [self.wq, self.wk, self.wv])
         b, t = q.shape[:2]  # t: the tokens the projections produced (sequence parallelism gathers them)
         q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
         k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
         v = v.view(b, t, -1, self.head_dim)
-        qkv = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out = recomputed(self.core, *qkv) if self.recompute_core else self.core(*qkv)
+        args: Tuple[torch.Tensor, ...] = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if segments is not None:
+            args += (segments,)  # recomputation keeps it with q, k, v (an integer tensor: no gradient)
+        out = recomputed(self.core, *args) if self.recompute_core else self.core(*args)
         return self.linears.rows(out.transpose(1, 2).reshape(b, t, -1), self.wo)
 
 
@@ -147,13 +167,13 @@ class Block(nn.Module):
         self.recompute = False
         """Full recomputation: the block keeps only its inputs for backward."""
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, segments=None):
         if self.recompute:
-            return recomputed(self._forward, x, cos, sin)
-        return self._forward(x, cos, sin)
+            return recomputed(self._forward, x, cos, sin, segments)
+        return self._forward(x, cos, sin, segments)
 
-    def _forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def _forward(self, x, cos, sin, segments=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, segments)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -221,6 +241,7 @@ class Transformer(nn.Module):
         inputs: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run the parts this module holds.
 
@@ -228,15 +249,22 @@ class Transformer(nn.Module):
         hidden states (batch, seq, d_model) from the previous stage. Returns
         logits (batch, seq, vocab), or the mean loss when ``targets`` is
         given, when it holds the head; hidden states otherwise.
-        ``positions`` are the tokens' absolute positions (context parallelism
-        passes its chunks'); default ``arange(seq)``.
+        ``positions`` are the tokens' positions for RoPE, (seq,) or
+        (batch, seq): their absolute positions (context parallelism passes
+        its chunks'), or with document masking their positions within their
+        own documents; default ``arange(seq)``. ``segments`` (batch, seq),
+        document masking: each token's document index in its sample (the
+        same tokens as ``positions``, the whole sequence of this rank even
+        when a later stage's input is a sequence-parallel shard); every
+        block's attention then stays inside each document. None: one
+        sequence per sample.
         """
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
         cos, sin = rope_tables(positions, self.shape.head_dim, self.rope_theta)
         x = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for block in self.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, segments)
         if self.output is None:
             return x
         assert self.norm is not None and self.loss_fn is not None  # set with the head

@@ -32,6 +32,11 @@ Compute orders (k counts a rank's forward or backward slots):
   the last r W's end its step, where later stages would otherwise wait for
   the earlier ones' backwards (Qi et al. 2023, ZB-H1: 1F1B's activation
   memory and about a third of its bubble when F, B and W take equal time).
+
+``forward_actions(p, v, m)`` is the forward-only program validation runs
+under every schedule: each rank's forwards in the training schedule's
+forward order (micro-batch order; the interleaved slot order with v
+chunks), with their sends and receives, and nothing kept for a backward.
 """
 from __future__ import annotations
 
@@ -126,30 +131,47 @@ def place(stage: int, p: int) -> Tuple[int, int]:
     return stage % p, stage // p
 
 
+def forward_order(p: int, v: int, m: int) -> List[Tuple[str, int, int]]:
+    """Every rank's forwards of a forward-only step (the same on every rank)."""
+    if v > 1 and m % p:
+        raise ValueError(check("interleaved", p, v, m))
+    # the interleaved slot order (k // p) % v: p micro-batches through a chunk, then the next chunk
+    return [("F", (k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)] if v > 1 else \
+        [("F", i, 0) for i in range(m)]
+
+
 def actions(schedule: str, p: int, v: int, m: int) -> Dict[int, List[Action]]:
     """Every rank's program: its compute order with the sends and receives it needs."""
+    return {rank: _with_transfers(compute_order(schedule, p, v, m, rank), rank, p, v) for rank in range(p)}
+
+
+def forward_actions(p: int, v: int, m: int) -> Dict[int, List[Action]]:
+    """Every rank's forward-only program (validation), with its transfers."""
+    return {rank: _with_transfers(forward_order(p, v, m), rank, p, v) for rank in range(p)}
+
+
+def _with_transfers(order: List[Tuple[str, int, int]], rank: int, p: int, v: int) -> List[Action]:
+    """``order``'s compute actions on ``rank`` with the receive before each
+    that needs another stage's output and the send after each that feeds one."""
     last = p * v - 1
-    out: Dict[int, List[Action]] = {}
-    for rank in range(p):
-        prog: List[Action] = []
-        for kind, mb, chunk in compute_order(schedule, p, v, m, rank):
-            s = stage_of(rank, chunk, p)
-            if kind == "F":
-                if s > 0:
-                    prog.append(Action("RECV_F", mb, chunk, place(s - 1, p)[0]))
-                prog.append(Action("F", mb, chunk))
-                if s < last:
-                    prog.append(Action("SEND_F", mb, chunk, place(s + 1, p)[0]))
-            elif kind == "B":
-                if s < last:
-                    prog.append(Action("RECV_B", mb, chunk, place(s + 1, p)[0]))
-                prog.append(Action("B", mb, chunk))
-                if s > 0:
-                    prog.append(Action("SEND_B", mb, chunk, place(s - 1, p)[0]))
-            else:
-                prog.append(Action("W", mb, chunk))
-        out[rank] = prog
-    return out
+    prog: List[Action] = []
+    for kind, mb, chunk in order:
+        s = stage_of(rank, chunk, p)
+        if kind == "F":
+            if s > 0:
+                prog.append(Action("RECV_F", mb, chunk, place(s - 1, p)[0]))
+            prog.append(Action("F", mb, chunk))
+            if s < last:
+                prog.append(Action("SEND_F", mb, chunk, place(s + 1, p)[0]))
+        elif kind == "B":
+            if s < last:
+                prog.append(Action("RECV_B", mb, chunk, place(s + 1, p)[0]))
+            prog.append(Action("B", mb, chunk))
+            if s > 0:
+                prog.append(Action("SEND_B", mb, chunk, place(s - 1, p)[0]))
+        else:
+            prog.append(Action("W", mb, chunk))
+    return prog
 
 
 def splits_weight_pass(schedule: str) -> bool:

@@ -37,15 +37,17 @@ class Timeline:
         return (self.makespan - self.busy[rank]) / self.busy[rank]
 
 
-def check_programs(programs: Dict[int, List[Action]], p: int, v: int, m: int) -> None:
+def check_programs(programs: Dict[int, List[Action]], p: int, v: int, m: int, forward_only: bool = False) -> None:
     """Every (micro-batch, chunk) has one F and one B (and at most one W) per
-    rank, and every send has a matching receive on its peer."""
+    rank, or one F alone when ``forward_only``, and every send has a matching
+    receive on its peer."""
     split = any(a.kind == "W" for prog in programs.values() for a in prog)
+    kinds = ("F",) if forward_only else ("F", "B", "W") if split else ("F", "B")
     for rank, prog in programs.items():
         count = Counter((a.kind, a.microbatch, a.chunk) for a in prog if a.kind in ("F", "B", "W"))
-        want = {(k, mb, c) for k in (("F", "B", "W") if split else ("F", "B")) for mb in range(m) for c in range(v)}
+        want = {(k, mb, c) for k in kinds for mb in range(m) for c in range(v)}
         if set(count) != want or any(n != 1 for n in count.values()):
-            raise ScheduleError(f"rank {rank}: compute actions are not one F{'/B/W' if split else '/B'} per "
+            raise ScheduleError(f"rank {rank}: compute actions are not one {'/'.join(kinds)} per "
                                 f"micro-batch and chunk")
     sends = Counter((r, a.peer, a.kind[5:], a.microbatch, stage_of(r, a.chunk, p))
                     for r, prog in programs.items() for a in prog if a.kind.startswith("SEND"))

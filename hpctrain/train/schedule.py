@@ -45,9 +45,11 @@ class StepSchedule(Protocol):
         microbatches: Sequence[MicroBatch],
         grads: GradientControl,
         autocast: Callable[[], ContextManager],
+        forward_only: bool = False,
     ) -> StepResult:
         """Forward and backward every micro-batch (gradients: the mean over
-        micro-batches) and return this rank's loss sum and token count.
+        micro-batches) and return this rank's loss sum and token count;
+        ``forward_only`` (validation): forwards alone, no gradient made.
         Call ``grads.before_backward`` before each backward (or run the
         backwards under ``grads.no_sync()``; ``grads.mark_ready`` for a
         gradient written by hand). (Returning a detached mean-loss tensor or
@@ -69,16 +71,21 @@ class GradAccumulation:
     """Forward then backward per micro-batch (loss scaled by 1/n)."""
 
     def run(self, model: torch.nn.Module, microbatches: Sequence[MicroBatch], grads: GradientControl,
-            autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
+            autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+            forward_only: bool = False) -> StepResult:
         n = len(microbatches)
         total: Optional[torch.Tensor] = None
         tokens = 0
         for i, mb in enumerate(microbatches):
-            with autocast(), collect_aux_losses() as aux:
-                loss = model(mb.inputs, mb.targets, mb.positions)
-                objective = with_aux(loss, aux)
-            grads.before_backward(i, n)
-            (objective / n).backward()
+            if forward_only:  # validation: no graph, no auxiliary losses, the gradients untouched
+                with torch.no_grad(), autocast():
+                    loss = model(mb.inputs, mb.targets, mb.positions, segments=mb.segments)
+            else:
+                with autocast(), collect_aux_losses() as aux:
+                    loss = model(mb.inputs, mb.targets, mb.positions, segments=mb.segments)
+                    objective = with_aux(loss, aux)
+                grads.before_backward(i, n)
+                (objective / n).backward()
             count = mb.targets.numel()
             part = loss.detach().float() * count
             total = part if total is None else total + part

@@ -28,7 +28,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hpctrain.data import DataCursor, SampleOrder, open_source
+from hpctrain.data import DataCursor, SampleOrder
+from hpctrain.data.orders import Orders, sample_orders
+from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
@@ -60,7 +62,6 @@ def peak_rss_bytes() -> int:
 class Trainer:
     def __init__(self, cfg: Any, mesh: Mesh, pm, device: torch.device, run_dir: Optional[str] = None):
         self.cfg, self.mesh, self.pm, self.device, self.run_dir = cfg, mesh, pm, device, run_dir
-        t = cfg.trainer
         self.step = 0
         self.parallel = parallelize(cfg, mesh, pm, device)
         """The layout, built: model, handles, optimizer and schedule (``hpctrain.parallel.compose``)."""
@@ -71,11 +72,13 @@ class Trainer:
         self.data = self.parallel.data
         """The data axes' handle (``hpctrain.parallel.handles.DataHandle``)."""
         self.logical_params = self.parallel.logical_params
-        order = SampleOrder(open_source(cfg.data), t.seq_len, cfg.data.seed)
-        self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
-                                 positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len),
-                                 defer_short_reads=True)  # agreed in reduce_totals (hpctrain.data.tokenfile)
+        self.orders = self._sample_orders()
+        """The training and validation sample orders (``hpctrain.data.orders``)."""
+        self.cursor = self.cursor_over(self.orders.train, self.orders.weights)
+        self.cursor.defer_short_reads = True  # agreed in reduce_totals (hpctrain.data.tokenfile)
         self.cursor.allow_batch_change = bool(cfg.checkpoint.allow_batch_change)  # the rule: DataCursor.load_state_dict
+        self.prefetch = Prefetcher(self.cursor) if cfg.data.prefetch else None
+        """Reads the next step's data while a step computes (``data.prefetch``)."""
         self.metrics: Dict[str, float] = {}
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
@@ -96,6 +99,38 @@ class Trainer:
                 path = self.checkpointer.load(self, path) or path
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step,
                           self.cursor.consumed_samples)
+
+    def validate(self) -> Dict[str, float]:
+        """The validation losses now (``hpctrain.train.evaluate``; collective), logged by rank 0."""
+        from hpctrain.train.evaluate import validate
+
+        self.mesh.board.phase = "validation"
+        out = validate(self)
+        self.mesh.board.phase = "training"
+        if out:
+            per_source = ", ".join(f"{k.split('.', 1)[1]} {v:.4f}" for k, v in out.items() if k.startswith("val_loss."))
+            log_rank0("step %d: validation loss %.4f, perplexity %.2f%s", self.step, out["val_loss"], out["val_ppl"],
+                      f" ({per_source})" if per_source else "")
+        return out
+
+    def _sample_orders(self) -> Orders:
+        """The data's sample orders; an indexed source's tables come from rank 0
+        (one broadcast over the world, a numbered op for the hang watchdog)."""
+        from hpctrain.bootstrap import get_runtime
+
+        cfg, mesh = self.cfg, self.mesh
+        alone = mesh.world_size == 1
+        comm = None if alone else get_runtime().mpi_comm
+        with mesh.board.collective("data index", "data", tuple(range(mesh.world_size))):
+            return sample_orders(cfg.data, cfg.trainer.seq_len, int(cfg.model.vocab_size), comm,
+                                 alone or mesh.world_rank == 0)
+
+    def cursor_over(self, orders: List[SampleOrder], weights: Optional[List[float]] = None) -> DataCursor:
+        """A cursor over ``orders`` at this rank's place (samples over dp x ep, tokens over cp)."""
+        t, mesh = self.cfg.trainer, self.mesh
+        return DataCursor(orders, t.global_batch_size, t.micro_batch_size, mesh.sample_rank, mesh.sample_size,
+                          positions=cp_positions(mesh.rank("cp"), mesh.size("cp"), t.seq_len), weights=weights,
+                          document_mask=bool(self.cfg.data.document_mask))
 
     def _make_checkpointer(self, for_stop: bool = False):
         """The checkpoint format plugin's checkpointer: at set-up when the run
@@ -140,7 +175,10 @@ class Trainer:
         board = self.mesh.board
         board.step, board.phase = self.step + 1, "training"
         self.faults.before_step(self.step + 1, [m for m in self.model.modules() if isinstance(m, Transformer)])
-        microbatches = [mb.to(self.device) for mb in self.cursor.next_step()]
+        t_data = time.perf_counter()
+        step_data = self.prefetch.next_step() if self.prefetch is not None else self.cursor.next_step()
+        data_wait = time.perf_counter() - t_data  # with the prefetcher, what its read-ahead did not hide
+        microbatches = [mb.to(self.device) for mb in step_data]
         lr = lr_at(self.step, cfg.optim, cfg.trainer.steps)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,6 +222,7 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "consumed_samples": self.cursor.consumed_samples,
+            "data_wait_s": data_wait,
             "peak_rss_bytes": peak_rss_bytes(),
         }
         if self.guard.skipped:
@@ -229,6 +268,9 @@ class Trainer:
         try:
             while self.step < total:
                 m = self.train_step()
+                every = cfg.trainer.eval_every
+                if self.orders.valid and (self.step == total or (every and self.step % every == 0)):
+                    m.update(self.validate())  # collective: the same steps on every rank
                 self.history.append(m)
                 writer.write(m)
                 progress.update(self.step, m)

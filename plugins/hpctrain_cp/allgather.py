@@ -8,6 +8,12 @@ chunk sees earlier key chunks fully, its own causally, later ones not at
 all, so no masked work is done), merged by log-sum-exp; backward recomputes
 each pair from the saved output and log-sum-exp, then reduce-scatters
 dK/dV so each rank gets the sum of every rank's gradient for its own keys.
+
+Document masking (``forward(q, k, v, segments)``): the segment ids are
+all-gathered with the keys and values (one more all-gather of a few bytes
+per token; rank order, like the keys) and saved for backward with them;
+each pair is masked by causality AND segment equality, and a pair whose
+chunks share no document is not computed (``blocks.plan_pairs``).
 """
 from __future__ import annotations
 
@@ -21,7 +27,16 @@ from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
 
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, filled, merge, pair_kind, reduce_kv
+from hpctrain_cp.blocks import (
+    block_backward,
+    block_forward,
+    expand_kv,
+    filled,
+    merge,
+    pair_kind,
+    plan_pairs,
+    reduce_kv,
+)
 
 
 def _pairs(layout: SequenceLayout, rank: int):
@@ -37,26 +52,28 @@ def _pairs(layout: SequenceLayout, rank: int):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float):
+    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float,
+                segments: Optional[torch.Tensor] = None):
         rank, heads = group.rank, q.shape[1]
         c = q.shape[2] // len(layout.chunks[rank])
         kv = all_gather_along(torch.stack([k, v]), group, dim=3)  # (2, b, kv_heads, T, d), rank order
+        every = None if segments is None else all_gather_along(segments, group, dim=1)  # (b, T), rank order
         kx, vx = expand_kv(kv[0].float(), heads), expand_kv(kv[1].float(), heads)
         q32 = q.float()
         outs: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
         lses: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
-        for i, j, causal in _pairs(layout, rank):
+        for i, j, causal, mask in plan_pairs(_pairs(layout, rank), segments, every, c):
             o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
-                                     vx[:, :, j * c:(j + 1) * c], scale, causal)
+                                     vx[:, :, j * c:(j + 1) * c], scale, causal, mask)
             outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
         out, lse = torch.cat(filled(outs), dim=2), torch.cat(filled(lses), dim=2)
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, kv, out, lse, segments, every)
         ctx.group, ctx.layout, ctx.scale, ctx.kv_heads = group, layout, scale, k.shape[1]
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, segments, every = ctx.saved_tensors
         group, layout, scale = ctx.group, ctx.layout, ctx.scale
         rank, heads = group.rank, q.shape[1]
         c = q.shape[2] // len(layout.chunks[rank])
@@ -64,28 +81,31 @@ class _AllGatherAttention(torch.autograd.Function):
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(dim=-1)
         dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(kx), torch.zeros_like(vx)
-        for i, j, causal in _pairs(layout, rank):
+        for i, j, causal, mask in plan_pairs(_pairs(layout, rank), segments, every, c):
             qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
             g_q, g_k, g_v = block_backward(q32[:, :, qs], kx[:, :, ks], vx[:, :, ks], scale, causal, lse[:, :, qs],
-                                           dout32[:, :, qs], delta[:, :, qs], out[:, :, qs])
+                                           dout32[:, :, qs], delta[:, :, qs], out[:, :, qs], mask)
             dq[:, :, qs] += g_q
             dk[:, :, ks] += g_k
             dv[:, :, ks] += g_v
         dkv = torch.stack([reduce_kv(dk, ctx.kv_heads), reduce_kv(dv, ctx.kv_heads)])
         mine = reduce_scatter_along(dkv, group, dim=3)  # every rank's gradient for this rank's keys, summed
-        return dq.to(q.dtype), mine[0].to(kv.dtype), mine[1].to(kv.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(kv.dtype), mine[1].to(kv.dtype), None, None, None, None
 
 
 class AllGatherAttention(nn.Module):
-    """Core attention (``forward(q, k, v)``, (batch, heads, tokens, head_dim),
-    causal) over a sequence split across ``group`` as ``layout`` says, keys
-    and values all-gathered per call; grouped-query attention when k/v have
-    fewer heads."""
+    """Core attention (``forward(q, k, v, segments=None)``, (batch, heads,
+    tokens, head_dim), causal) over a sequence split across ``group`` as
+    ``layout`` says, keys and values all-gathered per call; grouped-query
+    attention when k/v have fewer heads; ``segments`` (batch, tokens), this
+    rank's tokens' document ids: document masking."""
 
     def __init__(self, group: Group, layout: SequenceLayout):
         super().__init__()
         self.group, self.layout = group, layout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _AllGatherAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout,
-                                         1.0 / math.sqrt(q.shape[-1]))
+                                         1.0 / math.sqrt(q.shape[-1]),
+                                         None if segments is None else segments.contiguous())

@@ -13,6 +13,18 @@ Grouped-query attention: k and v have fewer heads than q; query head i
 uses key head i // (q heads / kv heads) (``expand_kv``; ``reduce_kv``
 sums the gradients back).
 
+Document masking: a pair may also carry a document mask (``mask``,
+(batch, 1, c, c), True where query and key are in the same document),
+ANDed with the pair's causality. ``plan_pairs`` decides, from the chunks'
+segment ids, which pairs have work: a pair whose chunks share no document
+adds nothing and is left out; one whose chunks are one document in every
+sample needs no mask. Within a masked pair a query row may see no key at
+all (its document starts after the key chunk): its partial output is 0
+and its log-sum-exp -inf, and ``merge`` folds such a part in as nothing
+(two empty parts stay empty, no NaN). Every query sees at least itself
+(the diagonal pair), so the final log-sum-exp of every row is finite and
+the backward, which uses it, needs no special case.
+
 On CPU a pair runs through torch's flash-attention kernel for CPU (the
 aten op behind ``scaled_dot_product_attention``, which also returns the
 log-sum-exp, and its backward, which takes the final output and
@@ -21,9 +33,11 @@ the plain matrix products below (the reference the unit tests compare).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from hpctrain.model.attention import document_mask
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -56,8 +70,24 @@ def _fused(q: torch.Tensor) -> bool:
     return FUSED and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _allowed(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """A pair's document mask ANDed with its causality (the lower triangle on the diagonal)."""
+    if not causal:
+        return mask
+    n = mask.shape[-1]
+    return mask & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril_()
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The fused kernel's mask: 0 where allowed, -inf elsewhere (it takes the query's dtype, not bool)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+            mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     s = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        return s.masked_fill(~_allowed(mask, causal), float("-inf"))
     if causal:
         n = s.shape[-1]
         upper = torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1)
@@ -66,18 +96,36 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool, mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(output, lse) of fp32 query chunk ``q`` (b, h, c, d) against one key/value
-    chunk (expanded to h heads): output (b, h, c, d), lse (b, h, c)."""
+    chunk (expanded to h heads): output (b, h, c, d), lse (b, h, c).
+    ``mask`` (b, 1, c, c), document masking: only where True (and causal
+    when ``causal``); a row it leaves empty gives output 0 and lse -inf."""
+    if mask is None:
+        if _fused(q):
+            assert _FLASH_CPU is not None  # (_fused checked it)
+            out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+            return out, lse
+        s = _scores(q, k, scale, causal)
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        return (p @ v) / denom, (m + torch.log(denom)).squeeze(-1)
+    allowed = _allowed(mask, causal)
+    empty = ~allowed.any(dim=-1)  # (b, 1, c): rows that see no key of this chunk
     if _fused(q):
         assert _FLASH_CPU is not None  # (_fused checked it)
-        out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
-        return out, lse
-    s = _scores(q, k, scale, causal)
-    m = s.amax(dim=-1, keepdim=True)
+        out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, False,
+                              attn_mask=_additive(allowed, q.dtype), scale=scale)
+        # the kernel leaves an empty row's output 0 but its lse 0, not -inf
+        return out.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).masked_fill(empty.unsqueeze(-1), 0.0)  # exp(-inf - 0) = 0, not NaN
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
-    return (p @ v) / denom, (m + torch.log(denom)).squeeze(-1)
+    out = (p @ v) / denom.masked_fill(denom == 0, 1.0)  # an empty row: 0 / 1
+    return out, (m + torch.log(denom)).squeeze(-1)  # an empty row: log 0 = -inf
 
 
 def filled(parts: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -89,25 +137,77 @@ def filled(parts: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
 
 def merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], out_b: torch.Tensor,
           lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Two partial results over disjoint keys -> their union's (online softmax)."""
+    """Two partial results over disjoint keys -> their union's (online softmax).
+    A row empty in both (lse -inf on both sides) stays output 0, lse -inf;
+    a row empty on one side takes the other side's."""
     if out is None or lse is None:  # (set together)
         return out_b, lse_b
     new = torch.logaddexp(lse, lse_b)
-    return out * torch.exp(lse - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1), new
+    ref = new.masked_fill(new == float("-inf"), 0.0)  # both empty: exp(-inf - 0) = 0, not exp(NaN)
+    return out * torch.exp(lse - ref).unsqueeze(-1) + out_b * torch.exp(lse_b - ref).unsqueeze(-1), new
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: Optional[torch.Tensor] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor, out: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one pair, all fp32 with h heads, from the final ``lse``
     of the query chunk and ``delta`` = rowsum(dout * out); the fused kernel
-    takes ``out`` itself (it forms delta inside)."""
+    takes ``out`` itself (it forms delta inside). ``mask`` as in
+    ``block_forward`` (``lse``, the whole row's, is finite: a masked-out
+    score contributes exp(-inf) = 0)."""
     if _fused(q) and out is not None:
         assert _FLASH_CPU_BACKWARD is not None  # (_fused checked it)
-        dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                                         out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        if mask is None:
+            dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                             out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        else:
+            dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                                             out.contiguous(), lse.contiguous(), 0.0, False,
+                                             attn_mask=_additive(_allowed(mask, causal), q.dtype), scale=scale)
         return dq, dk, dv
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, causal, mask) - lse.unsqueeze(-1))
     dv = p.transpose(-1, -2) @ dout
     ds = p * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))
     return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, dv
+
+
+Pair = Tuple[int, int, bool]
+"""(query chunk index, key chunk index, causal) of a pair with work."""
+
+
+def plan_pairs(pairs: Iterable[Pair], q_segments: Optional[torch.Tensor], k_segments: Optional[torch.Tensor],
+               c: int) -> Iterator[Tuple[int, int, bool, Optional[torch.Tensor]]]:
+    """Each pair of ``pairs`` that has work, with its document mask (None: none needed).
+
+    Without segments (``q_segments`` None), every pair, unmasked. With document
+    masking, ``q_segments`` (b, queries) are the segment ids of the query chunks
+    (chunk i: columns i*c .. (i+1)*c) and ``k_segments`` those of the key chunks
+    ``pairs`` indexes: a pair whose chunks share no document in any sample is
+    left out (every score masked: it would add output 0 with lse -inf, exactly
+    nothing); a pair whose chunks hold one document in every sample keeps only
+    its causality; any other gets its (b, 1, c, c) mask, built when the
+    caller reaches it. The decisions for all ``pairs`` cost one device-to-host
+    transfer. Skipping is compute only, so ranks stay in lock-step (their
+    messages do not depend on it) and none does more work than without
+    document masking."""
+    pairs = list(pairs)
+    if q_segments is None or not pairs:
+        for i, j, causal in pairs:
+            yield i, j, causal, None
+        return
+    assert k_segments is not None  # given with q_segments
+    b = q_segments.shape[0]
+    flags: List[torch.Tensor] = []
+    for i, j, _ in pairs:
+        qs, ks = q_segments[:, i * c:(i + 1) * c], k_segments[:, j * c:(j + 1) * c]
+        both = torch.cat([qs, ks], dim=1)
+        offset = torch.arange(b, device=qs.device)[:, None] * (both.max() + 1 - both.min())  # samples apart
+        shared = torch.isin(qs - both.min() + offset, ks - both.min() + offset).any()
+        single = (both == both[:, :1]).all()
+        flags.append(torch.stack([shared, single]))
+    decided = torch.stack(flags).tolist()
+    for (i, j, causal), (shared, single) in zip(pairs, decided):
+        if not shared:
+            continue
+        mask = None if single else document_mask(q_segments[:, i * c:(i + 1) * c], k_segments[:, j * c:(j + 1) * c])
+        yield i, j, causal, mask

@@ -16,6 +16,9 @@ attention by
 
 Both compute chunk pair by chunk pair (``blocks``), skipping the pairs
 causality masks out, so the zigzag layout gives every rank the same work.
+With document masking (the core called with ``segments``) a pair is
+masked by causality AND segment equality, and pairs that share no
+document are skipped too (docs/cp.md, "Document masking").
 """
 from __future__ import annotations
 

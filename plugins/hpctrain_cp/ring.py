@@ -21,6 +21,15 @@ and 2cp-1-i, the training layout) or, for the benchmark's comparison,
 contiguous (rank i holds chunks 2i and 2i+1).
 Chunk pairs that causality masks out entirely are skipped, so the layout
 decides each rank's work.
+
+Document masking (``forward(q, k, v, segments)``): each key/value block's
+segment ids travel with it, in the same batch of non-blocking sends and
+receives (forward and backward: the backward's blocks travel again, so
+only this rank's own segment ids are saved and saved activations still
+fall as 1/cp). Each pair is masked by causality AND segment equality
+(``blocks.plan_pairs``); a pair whose chunks share no document is not
+computed, which changes no message, so the ranks stay in lock-step, and
+only removes work, so no rank does more than the balanced zigzag share.
 """
 from __future__ import annotations
 
@@ -36,9 +45,18 @@ from hpctrain.comm.protocol import P2POp
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
 
-from hpctrain_cp.blocks import block_backward, block_forward, expand_kv, filled, merge, pair_kind, reduce_kv
+from hpctrain_cp.blocks import (
+    block_backward,
+    block_forward,
+    expand_kv,
+    filled,
+    merge,
+    pair_kind,
+    plan_pairs,
+    reduce_kv,
+)
 
-TAG_KV, TAG_DKV = 31, 32
+TAG_KV, TAG_DKV, TAG_SEG = 31, 32, 33
 
 
 @dataclass
@@ -51,12 +69,18 @@ class ComputeTime:
     backward: float = 0.0
 
 
-def _shift(comm: Any, rank: int, size: int, send: torch.Tensor, tag: int) -> Tuple[torch.Tensor, List[Any]]:
-    """Post sending ``send`` to the next rank and receiving the same shape from the previous one."""
+def _shift(comm: Any, rank: int, size: int, send: torch.Tensor, tag: int,
+           segments: Optional[torch.Tensor] = None) -> Tuple[Any, List[Any]]:
+    """Post sending ``send`` to the next rank and receiving the same shape from
+    the previous one. With ``segments`` (the block's segment ids), they travel
+    in the same batch and the received pair ``(block, segments)`` comes back."""
     recv = torch.empty_like(send)
-    works = comm.batch_isend_irecv([P2POp("send", send, (rank + 1) % size, tag),
-                                    P2POp("recv", recv, (rank - 1) % size, tag)])
-    return recv, works
+    ops = [P2POp("send", send, (rank + 1) % size, tag), P2POp("recv", recv, (rank - 1) % size, tag)]
+    if segments is None:
+        return recv, comm.batch_isend_irecv(ops)
+    seg = torch.empty_like(segments)
+    ops += [P2POp("send", segments, (rank + 1) % size, TAG_SEG), P2POp("recv", seg, (rank - 1) % size, TAG_SEG)]
+    return (recv, seg), comm.batch_isend_irecv(ops)
 
 
 def _pairs(mine: Sequence[int], theirs: Sequence[int]):
@@ -69,7 +93,8 @@ def _pairs(mine: Sequence[int], theirs: Sequence[int]):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime]):
+    def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime],
+                segments: Optional[torch.Tensor] = None):
         comm, rank, n = group.communicator(), group.rank, group.size
         heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
         q32 = q.float()
@@ -77,28 +102,30 @@ class _RingAttention(torch.autograd.Function):
         outs: List[Optional[torch.Tensor]] = [None] * len(mine)
         lses: List[Optional[torch.Tensor]] = [None] * len(mine)
         block = torch.stack([k, v]).contiguous()
+        seg = segments  # the segment ids of the block held now
         for step in range(n):
             src = (rank - step) % n
-            nxt, works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            nxt, works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
             t0 = time.thread_time()
             kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
-            for i, j, causal in _pairs(mine, layout.chunks[src]):
+            for i, j, causal, mask in plan_pairs(_pairs(mine, layout.chunks[src]), segments, seg, c):
                 o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
-                                         vx[:, :, j * c:(j + 1) * c], scale, causal)
+                                         vx[:, :, j * c:(j + 1) * c], scale, causal, mask)
                 outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
             if clock is not None:
                 clock.forward += time.thread_time() - t0
             for w in works:
                 w.wait()
-            block = nxt if nxt is not None else block
+            if nxt is not None:
+                block, seg = nxt if segments is not None else (nxt, None)
         out, lse = torch.cat(filled(outs), dim=2), torch.cat(filled(lses), dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
         ctx.group, ctx.layout, ctx.scale, ctx.clock = group, layout, scale, clock
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, segments = ctx.saved_tensors
         group, layout, scale = ctx.group, ctx.layout, ctx.scale
         comm, rank, n = group.communicator(), group.rank, group.size
         heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // len(layout.chunks[rank])
@@ -107,18 +134,19 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout32 * out).sum(dim=-1)
         dq = torch.zeros_like(q32)
         block = torch.stack([k, v]).contiguous()
+        seg = segments
         dblock = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         for step in range(n):
             src = (rank - step) % n
-            nxt, kv_works = _shift(comm, rank, n, block, TAG_KV) if step < n - 1 else (None, [])
+            nxt, kv_works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
             t0 = time.thread_time()
             kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
             dk = torch.zeros_like(kx)
             dv = torch.zeros_like(vx)
-            for i, j, causal in _pairs(mine, layout.chunks[src]):
+            for i, j, causal, mask in plan_pairs(_pairs(mine, layout.chunks[src]), segments, seg, c):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 g_q, g_k, g_v = block_backward(q32[:, :, qs], kx[:, :, ks], vx[:, :, ks], scale, causal,
-                                               lse[:, :, qs], dout32[:, :, qs], delta[:, :, qs], out[:, :, qs])
+                                               lse[:, :, qs], dout32[:, :, qs], delta[:, :, qs], out[:, :, qs], mask)
                 dq[:, :, qs] += g_q
                 dk[:, :, ks] += g_k
                 dv[:, :, ks] += g_v
@@ -129,20 +157,24 @@ class _RingAttention(torch.autograd.Function):
             dblock, works = _shift(comm, rank, n, dblock, TAG_DKV)  # the gradient travels with its block
             for w in works + kv_works:
                 w.wait()
-            block = nxt if nxt is not None else block
-        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None
+            if nxt is not None:
+                block, seg = nxt if segments is not None else (nxt, None)
+        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None, None
 
 
 class RingAttention(nn.Module):
-    """Core attention (``forward(q, k, v)``, shapes (batch, heads, tokens,
-    head_dim), causal) over a sequence split across ``group`` as ``layout``
-    says; grouped-query attention when k/v have fewer heads. ``clock``
-    (optional) accumulates this rank's compute time."""
+    """Core attention (``forward(q, k, v, segments=None)``, shapes (batch,
+    heads, tokens, head_dim), causal) over a sequence split across ``group``
+    as ``layout`` says; grouped-query attention when k/v have fewer heads;
+    ``segments`` (batch, tokens), this rank's tokens' document ids: document
+    masking. ``clock`` (optional) accumulates this rank's compute time."""
 
     def __init__(self, group: Group, layout: SequenceLayout, clock: Optional[ComputeTime] = None):
         super().__init__()
         self.group, self.layout, self.clock = group, layout, clock
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segments: Optional[torch.Tensor] = None) -> torch.Tensor:
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.group, self.layout,
-                                    1.0 / math.sqrt(q.shape[-1]), self.clock)
+                                    1.0 / math.sqrt(q.shape[-1]), self.clock,
+                                    None if segments is None else segments.contiguous())

@@ -139,7 +139,8 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
     _refuse_another_model(trainer, reader, shapes, saved_cfg)
     data = reader.read(wants, shapes)
     _refuse_nonfinite(reader, index, data)
-    cursor_state = {"consumed_samples": int(meta["consumed_samples"])}
+    cursor_state = json.loads(meta["data_cursor"]) if "data_cursor" in meta else {}  # older files: no blend state
+    cursor_state["consumed_samples"] = int(meta["consumed_samples"])
     saved_batch = _select(saved_cfg, "trainer.global_batch_size")
     if saved_batch is not None:
         cursor_state["global_batch_size"] = int(saved_batch)

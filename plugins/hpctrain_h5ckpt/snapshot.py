@@ -211,7 +211,8 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
                  ((mesh.world_rank, mesh.world_rank + 1), (0, row.shape[1])), row)
     view.add(DatasetDecl("/meta/config", (), f"|S{len(text)}"), (),
              np.array(text, dtype=f"S{len(text)}"))
-    consumed = int(trainer.cursor.state_dict()["consumed_samples"])
+    cursor = trainer.cursor.state_dict()
+    consumed = int(cursor["consumed_samples"])
     view.meta = {"step": int(trainer.step), "consumed_samples": consumed}
     o, total = cfg.optim, int(cfg.trainer.steps)
     view.attrs = {
@@ -221,6 +222,7 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
         "scheduler": json.dumps({"name": "warmup_cosine", "next_lr": lr_at(int(trainer.step), o, total),
                                  "lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio),
                                  "warmup_steps": int(o.warmup_steps), "total_steps": total}),
+        "data_cursor": json.dumps(cursor),  # the core cursor's whole state (a blend's counts too)
         "versions": versions_json, "created_unix": time.time(),
     }
     return view

@@ -137,7 +137,7 @@ class MoE(nn.Module):
         if cfg.z_loss_coef:
             add_aux_loss("moe.z_loss", cfg.z_loss_coef * scale * z)
         dropped = (~keep).sum() if keep is not None else torch.zeros((), device=local_counts.device)
-        if recomputing():  # the original forward counted this micro-batch
+        if recomputing() or not self.training:  # counted once per training forward (validation is not a step's)
             return
         self.stats.add(local_counts, dropped, float(routing.experts.numel()), balance, z,
                        1.0 if self.regions.counts_tokens else 0.0, 1.0 if self.regions.counts_values else 0.0)

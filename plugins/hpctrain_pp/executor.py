@@ -22,6 +22,11 @@ gradients from the gradients B kept (``weight_pass``: one backward's work in
 all); the first stage has no input gradient, so its ``W`` is the whole
 backward. W writes ``.grad`` by hand and marks each gradient ready with the data
 handle (``mark_ready``).
+
+``forward_only`` (validation) runs ``schedules.forward_actions`` instead:
+the forwards and their transfers under ``torch.no_grad``, each stage's
+output sent and dropped, the last stage's loss summed; no gradient, no
+auxiliary loss, the data handle untouched.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from hpctrain.comm.protocol import P2POp
 from hpctrain.mesh import Group
 from hpctrain.model.aux import collect_aux_losses, with_aux
 from hpctrain.parallel.handles import GradientControl
-from hpctrain.pipeline.schedules import Action, actions, splits_weight_pass
+from hpctrain.pipeline.schedules import Action, actions, forward_actions, splits_weight_pass
 from hpctrain.train.schedule import StepResult
 
 from hpctrain_pp.timeline import Recorder
@@ -62,19 +67,24 @@ class PipelineSchedule:
         self.hidden = hidden
         """Shape of a stage's output for a micro-batch's token tensor."""
         self.recorder = recorder or Recorder(False)
-        self._programs: Dict[int, List[Action]] = {}
+        self._programs: Dict[Tuple[int, bool], List[Action]] = {}
 
-    def program(self, m: int) -> List[Action]:
-        if m not in self._programs:
-            self._programs[m] = actions(self.schedule, self.p, self.v, m)[self.rank]
-        return self._programs[m]
+    def program(self, m: int, forward_only: bool = False) -> List[Action]:
+        if (m, forward_only) not in self._programs:
+            programs = forward_actions(self.p, self.v, m) if forward_only else actions(self.schedule, self.p, self.v, m)
+            self._programs[(m, forward_only)] = programs[self.rank]
+        return self._programs[(m, forward_only)]
 
     def _tag(self, microbatch: int, boundary: int, backward: bool) -> int:
         """Messages cross stage boundary ``boundary`` (between stages boundary and boundary + 1)."""
         return ((microbatch * self.last + boundary) << 1) | int(backward)
 
     def run(self, model: torch.nn.Module, microbatches: Sequence[Any], grads: GradientControl,
-            autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> StepResult:
+            autocast: Callable[[], ContextManager] = contextlib.nullcontext, forward_only: bool = False
+            ) -> StepResult:
+        if forward_only:
+            with torch.no_grad():
+                return self._forward_only(model, microbatches, autocast)
         chunks = chunks_of(model)
         comm = self.group.communicator()
         m = len(microbatches)
@@ -88,25 +98,7 @@ class PipelineSchedule:
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         tokens = 0
         program = self.program(m)
-        receives = iter([i for i, a in enumerate(program) if a.kind.startswith("RECV")])
-        posted: Dict[int, Tuple[torch.Tensor, List[Any]]] = {}
-
-        def post_next() -> None:  # the program's next receive, posted now, waited for where it stands
-            i = next(receives, None)
-            if i is not None:
-                a = program[i]
-                s = a.chunk * self.p + self.rank
-                buf = torch.empty(self.hidden(microbatches[a.microbatch].inputs), dtype=torch.float32, device=device)
-                tag = self._tag(a.microbatch, s - 1, False) if a.kind == "RECV_F" else self._tag(a.microbatch, s, True)
-                posted[i] = (buf, comm.batch_isend_irecv([P2POp("recv", buf, a.peer, tag)]))
-
-        def received(i: int) -> torch.Tensor:
-            post_next()  # keep one receive ahead in flight while this one is consumed and computed on
-            buf, works = posted.pop(i)
-            for w in works:
-                w.wait()
-            return buf
-
+        post_next, received = self._receiver(program, microbatches, comm, device)
         self.recorder.begin_step()
         post_next()
         with grads.no_sync():
@@ -118,12 +110,7 @@ class PipelineSchedule:
                 if a.kind == "RECV_F":
                     inputs[key] = received(i).requires_grad_()
                 elif a.kind == "F":
-                    x = mb.inputs if stage == 0 else inputs[key]
-                    # a later stage's input may be a sequence shard (tp): name the tokens' positions
-                    positions = mb.positions if mb.positions is not None else \
-                        torch.arange(mb.inputs.shape[1], device=device)
-                    with autocast(), collect_aux_losses() as aux:
-                        out = chunks[a.chunk](x, mb.targets if stage == self.last else None, positions)
+                    out, aux = self._forward(chunks[a.chunk], stage, mb, inputs.get(key), autocast)
                     if stage == self.last:
                         count = mb.targets.numel()
                         loss_sum = loss_sum + out.detach().float() * count
@@ -136,9 +123,7 @@ class PipelineSchedule:
                             outputs[key].append(extra / m)
                             out_grads[key].append(None)
                 elif a.kind == "SEND_F":
-                    sent = outputs[key][0].detach()
-                    sends.append((sent, comm.batch_isend_irecv(
-                        [P2POp("send", sent, a.peer, self._tag(a.microbatch, stage, False))])))
+                    sends.append(self._send(comm, outputs[key][0].detach(), a, stage, False))
                 elif a.kind == "RECV_B":
                     out_grads[key][0] = received(i)
                 elif a.kind == "B":
@@ -159,11 +144,85 @@ class PipelineSchedule:
                 elif a.kind == "SEND_B":
                     grad = inputs.pop(key).grad
                     assert grad is not None  # this micro-batch's backward wrote it
-                    sends.append((grad, comm.batch_isend_irecv(
-                        [P2POp("send", grad, a.peer, self._tag(a.microbatch, stage - 1, True))])))
+                    sends.append(self._send(comm, grad, a, stage - 1, True))
                 self.recorder.record(started)
-            for _, works in sends:
-                for w in works:
-                    w.wait()
+            _wait_all(sends)
         return StepResult(loss_sum, tokens)
+
+    def _forward_only(self, model: torch.nn.Module, microbatches: Sequence[Any],
+                      autocast: Callable[[], ContextManager]) -> StepResult:
+        chunks = chunks_of(model)
+        comm = self.group.communicator()
+        device = next(model.parameters()).device
+        program = self.program(len(microbatches), forward_only=True)
+        post_next, received = self._receiver(program, microbatches, comm, device)
+        inputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        outputs: Dict[Tuple[int, int], torch.Tensor] = {}
+        sends: List[Any] = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        tokens = 0
+        post_next()
+        for i, a in enumerate(program):
+            key = (a.microbatch, a.chunk)
+            stage = a.chunk * self.p + self.rank
+            mb = microbatches[a.microbatch]
+            if a.kind == "RECV_F":
+                inputs[key] = received(i)
+            elif a.kind == "F":
+                out, _ = self._forward(chunks[a.chunk], stage, mb, inputs.pop(key, None), autocast)
+                if stage == self.last:
+                    loss_sum = loss_sum + out.float() * mb.targets.numel()
+                    tokens += mb.targets.numel()
+                else:
+                    outputs[key] = out
+            elif a.kind == "SEND_F":
+                sends.append(self._send(comm, outputs.pop(key), a, stage, False))
+        _wait_all(sends)
+        return StepResult(loss_sum, tokens)
+
+    def _forward(self, chunk: torch.nn.Module, stage: int, mb: Any, received: Optional[torch.Tensor],
+                 autocast: Callable[[], ContextManager]) -> Tuple[torch.Tensor, Any]:
+        """One chunk's forward of ``mb``: its output (the loss on the last stage) and its auxiliary losses."""
+        x = mb.inputs if stage == 0 else received
+        assert x is not None  # a later stage's RECV_F comes before its F
+        # a later stage's input may be a sequence shard (tp): name the tokens' positions
+        positions = mb.positions if mb.positions is not None else torch.arange(mb.inputs.shape[1], device=x.device)
+        with autocast(), collect_aux_losses() as aux:  # every stage's attention masks documents
+            out = chunk(x, mb.targets if stage == self.last else None, positions, segments=mb.segments)
+        return out, aux
+
+    def _send(self, comm: Any, tensor: torch.Tensor, a: Action, boundary: int, backward: bool) -> Tuple[Any, Any]:
+        """Post ``tensor``'s send across stage boundary ``boundary``; (tensor, works), kept alive until waited."""
+        return tensor, comm.batch_isend_irecv([P2POp("send", tensor, a.peer, self._tag(a.microbatch, boundary,
+                                                                                       backward))])
+
+    def _receiver(self, program: List[Action], microbatches: Sequence[Any], comm: Any, device: torch.device):
+        """(post_next, received): receives posted one ahead of where the program consumes them."""
+        receives = iter([i for i, a in enumerate(program) if a.kind.startswith("RECV")])
+        posted: Dict[int, Tuple[torch.Tensor, List[Any]]] = {}
+
+        def post_next() -> None:  # the program's next receive, posted now, waited for where it stands
+            i = next(receives, None)
+            if i is not None:
+                a = program[i]
+                s = a.chunk * self.p + self.rank
+                buf = torch.empty(self.hidden(microbatches[a.microbatch].inputs), dtype=torch.float32, device=device)
+                tag = self._tag(a.microbatch, s - 1, False) if a.kind == "RECV_F" else self._tag(a.microbatch, s, True)
+                posted[i] = (buf, comm.batch_isend_irecv([P2POp("recv", buf, a.peer, tag)]))
+
+        def received(i: int) -> torch.Tensor:
+            post_next()  # keep one receive ahead in flight while this one is consumed and computed on
+            buf, works = posted.pop(i)
+            for w in works:
+                w.wait()
+            return buf
+
+        return post_next, received
+
+
+def _wait_all(sends: List[Tuple[Any, Any]]) -> None:
+    for _, works in sends:
+        for w in works:
+            w.wait()
+
 

@@ -27,7 +27,7 @@ def test_global_batch_is_independent_of_dp_size(order):
 
 
 def test_targets_are_inputs_shifted(order):
-    (x, y, _), *_ = DataCursor(order, 4, 2, 0, 1).next_step()
+    (x, y, *_), *_ = DataCursor(order, 4, 2, 0, 1).next_step()
     assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
 
 

@@ -100,20 +100,27 @@ def test_the_cursor_defers_a_short_read_and_every_rank_raises_the_agreed_error(t
         strict.next_step()
 
 
-def test_a_file_that_shrinks_between_steps_stops_the_run_before_the_update(make_config, tmp_path):
-    """One process through the trainer: the step after the cut raises the
-    agreed error; its update is not applied and the step is not counted."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_file_that_shrinks_between_steps_stops_the_run_before_the_update(make_config, tmp_path, prefetch):
+    """One process through the trainer: the first step that reads after the
+    cut raises the agreed error; its update is not applied and the step is not
+    counted. With ``data.prefetch`` step 3's tokens were read during step 2,
+    before the cut, so step 3 trains on them and step 4 is the one that fails."""
     from hpctrain.run import reference_trainer
 
     out = _file(tmp_path, text_bytes=20000)
-    cfg = make_config("data=tokens", f"data.path={out}", "trainer.steps=5", "trainer.log_every=100")
+    cfg = make_config("data=tokens", f"data.path={out}", "trainer.steps=5", "trainer.log_every=100",
+                      f"data.prefetch={str(prefetch).lower()}")
     trainer = reference_trainer(cfg)
     trainer.train_step()
     trainer.train_step()
     os.truncate(out, 0)
+    if prefetch:
+        trainer.train_step()
+    failing = trainer.step + 1
     before = [p.detach().clone() for p in trainer.params]
-    said = r"step 3 reads past its end on 1 rank; it held 40000 bytes .* holds 0 now"
+    said = rf"step {failing} reads past its end on 1 rank; it held 40000 bytes .* holds 0 now"
     with pytest.raises(TokenFileChanged, match=said):
         trainer.train_step()
-    assert trainer.step == 2
+    assert trainer.step == failing - 1
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params))

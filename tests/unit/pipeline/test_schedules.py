@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.pipeline.bubble import bubble_time, in_flight
-from hpctrain.pipeline.schedules import Action, actions, check, compute_order
+from hpctrain.pipeline.schedules import Action, actions, check, compute_order, forward_actions
 from hpctrain.pipeline.simulate import ScheduleError, check_programs, simulate
 
 SMALL = [(p, m) for p in (2, 3, 4) for m in range(1, 13)]
@@ -99,3 +99,18 @@ def test_check_names_the_problem(args, message):
     assert message in check(*args)
     with pytest.raises(ValueError, match=message.split("=")[0]):
         compute_order(*args, 0)
+
+
+@pytest.mark.parametrize("p,v,m", [(p, 1, m) for p, m in SMALL] + [(p, v, g * p) for p in (2, 3, 4) for v in (2, 3)
+                                                                    for g in (1, 2, 3)])
+def test_forward_only_programs(p, v, m):
+    """Validation's programs: one F per micro-batch and chunk, paired
+    transfers, no deadlock, and the pipeline fill of theory: m forwards plus
+    (p - 1) / v of a micro-batch's forward through the other stages."""
+    programs = forward_actions(p, v, m)
+    check_programs(programs, p, v, m, forward_only=True)
+    assert all(a.kind in ("F", "RECV_F", "SEND_F") for prog in programs.values() for a in prog)
+    assert simulate(programs, p, v).makespan == pytest.approx(m + (p - 1) / v)
+    with pytest.raises(ScheduleError, match="not one F per micro-batch"):
+        check_programs(actions("1f1b", p, 1, m) if v == 1 else actions("interleaved", p, v, m), p, v, m,
+                       forward_only=True)
