@@ -101,7 +101,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from hpctrain.config.store import CONF_DIR, register_configs
+    from hpctrain.config.store import CONF_DIR, expand_shorthands, register_configs
     from hpctrain.plugins import get_manager
 
     register_configs(get_manager())
@@ -151,7 +151,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
 
     app = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(task)
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "hpctrain-train"] + argv
+    sys.argv = [saved[0] if saved else "hpctrain-train"] + expand_shorthands(argv)
     os.environ[_FULL_ERROR] = "1"  # Hydra raises composition errors to us instead of printing seven lines
     try:
         app()

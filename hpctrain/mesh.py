@@ -149,6 +149,10 @@ class Mesh:
         self._created: List[Group] = []                # distinct groups, in creation order
         self._backend_factory: Optional[Callable[[Group], "Communicator"]] = None
         self._sealed = False
+        self.alone_axes: Tuple[str, ...] = ()
+        """Data axes whose ranks are replicas training alone between outer steps (DiLoCo's dp,
+        ``hpctrain.train.outer``): no gradient is averaged over them, and ranks that differ only there
+        need not hold equal weights. Set by the composition, before any axis is applied."""
         self.board = board if board is not None else OpBoard()
         """Numbered collectives and the current wait of this rank (``hpctrain.comm.watch``)."""
         for axes in self.standard_group_keys():
@@ -200,8 +204,8 @@ class Mesh:
 
     def reduction_axes(self, split_axes: Iterable[str]) -> Tuple[str, ...]:
         """Data axes a gradient is averaged over: those its parameter is not
-        split on, of size > 1, in mesh order."""
-        split = set(split_axes)
+        split on, of size > 1, in mesh order (not ``alone_axes``)."""
+        split = set(split_axes) | set(self.alone_axes)
         return tuple(a for a in self.order if a in DATA_AXES and a not in split and self.sizes[a] > 1)
 
     # -- groups ----------------------------------------------------------

@@ -168,6 +168,27 @@ class DataConfig:
 
 
 @dataclass
+class OuterConfig:
+    """An outer optimizer over the data-parallel replicas (``optim.outer=diloco``; hpctrain/train/outer.py): each
+    dp replica takes ``every`` steps of the inner optimizer alone (tp, pp, cp, ep inside it as usual), then the
+    replicas average their parameter deltas in one all-reduce and SGD with Nesterov momentum steps the shared
+    weights with that average as its gradient (DiLoCo; every=1, lr=1, momentum=0 is local SGD's average)."""
+
+    name: str = "none"
+    """none (plain data parallelism) or diloco; ``optim.outer=diloco`` on the command line sets it."""
+    every: int = 50
+    """Inner steps between outer steps (DiLoCo's H; the paper uses 500)."""
+    lr: float = 0.7
+    """Outer learning rate (the DiLoCo paper's 0.7)."""
+    momentum: float = 0.9
+    """Outer SGD momentum; 0: none."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer step (with momentum > 0)."""
+    dtype: str = "fp32"
+    """The parameter deltas' dtype on the wire: fp32, or bf16 (half the bytes; sums in fp32)."""
+
+
+@dataclass
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
 
@@ -188,7 +209,25 @@ class OptimConfig:
     warmup_steps: int = 5
     """Linear warmup steps from 0 to lr."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
+    """Clip the global gradient norm to this value; 0 disables clipping (with optim.outer=diloco: each replica's
+    own norm)."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    """An outer optimizer over the dp replicas (DiLoCo / local SGD); name=none: plain data parallelism."""
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling of ``trainer.precision=fp16`` (hpctrain/train/loss_scale.py): torch's GradScaler rule,
+    with the overflow agreed by every rank in the gradient norm's all-reduce."""
+
+    initial: float = 65536.0
+    """The scale of the first step (2^16, GradScaler's default)."""
+    growth_interval: int = 2000
+    """After this many steps in a row without an overflow the scale grows by ``growth``."""
+    backoff: float = 0.5
+    """An overflow skips the step on every rank and multiplies the scale by this (in (0, 1))."""
+    growth: float = 2.0
+    """What the scale is multiplied by after growth_interval clean steps (> 1)."""
 
 
 @dataclass
@@ -208,7 +247,10 @@ class TrainerConfig:
     log_every: int = 5
     """Log a line (and flush metrics) every N steps."""
     precision: str = "fp32"
-    """fp32, or bf16 (autocast; master weights and optimizer state stay fp32)."""
+    """fp32, bf16 or fp16 (autocast; master weights and optimizer state stay fp32); fp16 adds dynamic loss
+    scaling (trainer.loss_scale)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling, used with precision=fp16 only."""
     device: str = "auto"
     """auto (cuda:local_rank when present, else cpu), cpu or cuda."""
     progress: str = "auto"
@@ -293,7 +335,7 @@ class ReliabilityConfig:
     (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 
 
-FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt")
+FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow")
 
 
 @dataclass
@@ -303,7 +345,8 @@ class DebugConfig:
     fault: str = "none"
     """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process
     stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps
-    slow_s in every step's compute from then on), corrupt (one of its weights changes); none."""
+    slow_s in every step's compute from then on), corrupt (one of its weights changes), overflow (one of its
+    gradients becomes inf after that step's reduction, as an fp16 overflow on one rank); none."""
     fault_rank: int = 0
     """The world rank the fault happens on."""
     fault_step: int = 1

@@ -89,6 +89,22 @@ def register_configs(pm=None) -> type:
     return top
 
 
+SHORTHANDS: Dict[str, str] = {"optim.outer": "optim.outer.name"}
+"""Keys that name a section's choice on the command line: ``optim.outer=diloco``
+sets ``optim.outer.name`` while ``optim.outer.every=4`` sets a field of the
+same section (a config node cannot be both a string and a mapping)."""
+
+
+def expand_shorthands(overrides: Sequence[str]) -> List[str]:
+    """``overrides`` with each shorthand key (``SHORTHANDS``) spelt in full."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        full = SHORTHANDS.get(key.lstrip("+~")) if eq else None
+        out.append(f"{key[:len(key) - len(key.lstrip('+~'))]}{full}={value}" if full else o)
+    return out
+
+
 def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") -> DictConfig:
     """Compose the run config without starting an app (tests, planner, tools)."""
     from hydra import compose as hydra_compose
@@ -98,7 +114,7 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
     register_configs(pm)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+        cfg = hydra_compose(config_name=config_name, overrides=expand_shorthands(overrides))
     return cfg
 
 

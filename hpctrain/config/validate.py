@@ -18,7 +18,8 @@ from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.errors import ConfigError, PluginError
 from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OUTER_OPTIMIZERS = ("none", "diloco")
 
 
 def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size: int,
@@ -161,6 +162,14 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"model.recompute={cfg.model.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if t.precision not in PRECISIONS:
         problems.append(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    outer = cfg.optim.outer
+    if outer.name not in OUTER_OPTIMIZERS:
+        problems.append(f"optim.outer={outer.name!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+    if outer.dtype not in ("fp32", "bf16"):
+        problems.append(f"optim.outer.dtype={outer.dtype!r} is not one of fp32, bf16")
+    if outer.name == "diloco" and outer.every > int(t.steps):
+        problems.append(f"optim.outer.every={outer.every} is more than trainer.steps={t.steps}: the replicas would "
+                        f"never average; use optim.outer.every <= {t.steps}")
     if cfg.reliability.nonfinite not in ("stop", "skip"):
         problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 _ACTIVE: contextvars.ContextVar[Optional["AuxLosses"]] = contextvars.ContextVar("hpctrain_aux_losses", default=None)
+_SCALE: contextvars.ContextVar[Optional[float]] = contextvars.ContextVar("hpctrain_objective_scale", default=None)
 
 
 class AuxLosses:
@@ -97,7 +98,28 @@ def collect_aux_losses() -> Iterator[AuxLosses]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def objective_scale(scale: Optional[float]) -> Iterator[None]:
+    """Training objectives made inside (``with_aux``, ``scaled``) are multiplied
+    by ``scale`` (fp16's loss scale, ``hpctrain.train.loss_scale``; None: 1), so
+    every schedule's backward, whichever stage holds the loss, starts scaled."""
+    token = _SCALE.set(scale)
+    try:
+        yield
+    finally:
+        _SCALE.reset(token)
+
+
+def scaled(objective: torch.Tensor) -> torch.Tensor:
+    """``objective`` times the active ``objective_scale`` (itself when none):
+    for a part of the objective built without ``with_aux`` (a pipeline
+    stage's own auxiliary losses)."""
+    scale = _SCALE.get()
+    return objective if scale is None else objective * scale
+
+
 def with_aux(loss: torch.Tensor, aux: AuxLosses) -> torch.Tensor:
-    """``loss`` plus the collected auxiliary losses (``loss`` itself when none)."""
+    """The training objective: ``loss`` plus the collected auxiliary losses
+    (``loss`` itself when none), times the active ``objective_scale``."""
     extra = aux.total()
-    return loss if extra is None else loss + extra
+    return scaled(loss if extra is None else loss + extra)

@@ -18,8 +18,11 @@ weights real, then the optimizer and the step schedule:
    already sums over a data axis are scaled to an average
    (``grad_sync.presummed``); the handles attach what needs real weights;
 8. **optimizer** (the data handle's, e.g. ZeRO's sharded one; else an
-   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's AdamW)
-   and **schedule** (the pipeline's, or gradient accumulation).
+   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's AdamW),
+   wrapped by the outer optimizer when there is one (``optim.outer=diloco``:
+   ``hpctrain.train.outer``; its dp replicas train alone, so ``dp`` is put
+   in ``Mesh.alone_axes`` before step 1 and step 6 reduces over cp x ep
+   only), and **schedule** (the pipeline's, or gradient accumulation).
 
 Each axis of size > 1 is implemented by the plugin ``hpctrain.plugins.
 axis_plugin`` chooses from the config (``parallel.impl.<axis>``, a claim,
@@ -30,8 +33,9 @@ with it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 from torch import nn
@@ -44,6 +48,7 @@ from hpctrain.model.recompute import set_recompute
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
 from hpctrain.train.optim import build_adamw
+from hpctrain.train.outer import OUTER_AXIS, DiLoCo
 from hpctrain.train.schedule import GradAccumulation, StepSchedule
 
 
@@ -68,7 +73,8 @@ class Parallelized:
 def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
            handles: Dict[str, AxisHandle]) -> nn.Module:
     """Axis ``axis``'s transform by the plugin chosen for it (nothing at size 1)."""
-    size = mesh.data_size if axis == "dp" else mesh.size(axis)
+    # the data axes a gradient is averaged over (DiLoCo's replicas train alone: not dp)
+    size = math.prod(mesh.size(a) for a in mesh.reduction_axes(())) if axis == "dp" else mesh.size(axis)
     if size == 1:
         return model
     name = axis_plugin(pm, cfg, axis)
@@ -89,6 +95,8 @@ def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
 def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallelized:
     """Build this rank's part of the model for ``mesh`` (the module docstring, in order)."""
     handles: Dict[str, AxisHandle] = {}
+    diloco = cfg.optim.outer.name == "diloco"
+    mesh.alone_axes = (OUTER_AXIS,) if diloco else ()     # (step 8) replicas that train alone
     model: nn.Module = build_model(cfg, pm, mesh)         # the one-process model, meta device
     logical = logical_param_count(model)
     model = _apply("tp", model, cfg, mesh, pm, handles)   # 1. tensor
@@ -112,9 +120,16 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     else:
         model = data.model  # a data handle may wrap the real model (torch's DistributedDataParallel)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (data.make_optimizer(params, cfg)                                         # 8. optimizer
+    sharded = data.make_optimizer(params, cfg)                                            # 8. optimizer
+    if sharded is not None and diloco:
+        raise PluginError("optim.outer=diloco: the data axes' plugin made a sharded optimizer; DiLoCo's replicas "
+                          "train alone and need their whole optimizer state (use parallel.zero.stage=0)")
+    optimizer = (sharded
                  or pm.hook.hpctrain_make_optimizer(params=params, model=model, mesh=mesh, cfg=cfg)
                  or build_adamw(params, cfg.optim))
+    if diloco:
+        # (cast: DiLoCo has what the core calls of a torch optimizer, like ZeRO's)
+        optimizer = cast(torch.optim.Optimizer, DiLoCo(optimizer, params, mesh, cfg.optim.outer))
     pipeline: Optional[AxisHandle] = handles.get("pp")
     if pipeline is not None and not isinstance(pipeline, PipelineHandle):
         raise PluginError(f"the pipeline plugin returned a {type(pipeline).__name__}, not a PipelineHandle")

@@ -77,7 +77,7 @@ def dtypes_for(arch: Arch, precision: str) -> Dtypes:
     """GPT: the paper's 16-bit accounting. Ours: what torch saves (see module doc)."""
     if arch.family == "gpt":
         return Dtypes(2, 2, 1, 1)
-    if precision == "bf16":
+    if precision in ("bf16", "fp16"):  # 16-bit autocast either way
         return Dtypes(2, 4, 3, 2)
     return Dtypes(4, 4, 1, 1)
 
@@ -185,7 +185,7 @@ def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int
 def autocast_weight_copy_bytes(params_on_gpu: float, precision: str) -> float:
     """bf16 autocast casts each weight once per forward and keeps the bf16 copy
     for the backward: 2 bytes per (unsharded-by-ZeRO) parameter of the stage."""
-    return 2.0 * params_on_gpu if precision == "bf16" else 0.0
+    return 2.0 * params_on_gpu if precision in ("bf16", "fp16") else 0.0
 
 
 # -- the paper's closed forms (Korthikanti et al. 2022, Table 2) -------------

@@ -12,7 +12,10 @@ Kinds (``debug.fault``):
 - ``slow``: every micro-batch forward sleeps ``debug.slow_s`` from that step
   on (a straggler);
 - ``corrupt``: one of its weights changes after that step's update (silent
-  data corruption, which the replica check catches).
+  data corruption, which the replica check catches);
+- ``overflow``: one of the gradients it holds becomes inf once the step's
+  gradients are reduced, as an fp16 overflow seen by one rank
+  (``hpctrain.train.loss_scale``: every rank must skip that step).
 
 ``debug.fault_at=checkpoint`` fires die, stall and freeze just before the
 checkpoint save after the step instead, so the other ranks are waiting
@@ -70,6 +73,14 @@ class FaultInjector:
     def loss_scale(self, step: int) -> float:
         """What this rank's summed loss is multiplied by (NaN for a nan fault)."""
         return float("nan") if self.mine and self.kind == "nan" and step == self.step else 1.0
+
+    def after_finalize(self, step: int, grads: List[torch.Tensor]) -> None:
+        """Once ``step``'s gradients are reduced (before the norm): an overflow fault."""
+        if self.mine and self.kind == "overflow" and step == self.step and grads:
+            log.warning("debug.fault=overflow: making a gradient inf at step %d", step)
+            with torch.no_grad():
+                g = grads[0]
+                g[(0,) * g.dim()] = float("inf")
 
     def after_update(self, step: int, params: List[torch.nn.Parameter]) -> None:
         if self.mine and self.kind == "corrupt" and step == self.step and params:

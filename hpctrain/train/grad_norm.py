@@ -18,11 +18,20 @@ the mean is unchanged. A fourth value counts the ranks whose data for the
 step could not be read (a token file that shrank under the job,
 ``hpctrain.data.tokenfile``): it rides in the same all-reduce, so every rank
 learns of a rank-local read failure before the update at no extra collective.
+A fifth counts the ranks holding a non-finite gradient (fp16's overflow,
+``hpctrain.train.loss_scale``): every rank skips the same step.
+
+Replicas that train alone (DiLoCo over dp, ``hpctrain.train.outer``) each
+clip with their own norm: the squares then go into one slot per replica
+(a piece's share counted over the ranks of its replica only, i.e. times the
+number of replicas), still in the same one all-reduce, and each rank reads
+its replica's slot; the logged norm is the root mean square over replicas
+(plain data parallelism: the one slot).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,29 +84,37 @@ def _covers(box: Tuple[Tuple[int, int], ...], shape: Sequence[int]) -> bool:
 
 class StepTotals(NamedTuple):
     grad_norm: torch.Tensor
-    """The global gradient norm (fp32 scalar)."""
+    """The global gradient norm (fp32 scalar); with replicas, the root mean square of theirs."""
     loss: torch.Tensor
     """The global mean loss per token (fp32 scalar)."""
     short_reads: int
     """Ranks whose data for the step came back short (the same count on every rank)."""
+    overflow: int = 0
+    """Ranks holding a non-finite gradient (the same count on every rank)."""
+    replica_norm: Optional[torch.Tensor] = None
+    """This rank's replica's gradient norm (what it clips with); None: ``grad_norm``."""
 
 
 def reduce_totals(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,
-                  device: torch.device, short_reads: int = 0) -> StepTotals:
+                  device: torch.device, short_reads: int = 0, replicas: Tuple[int, int] = (0, 1)) -> StepTotals:
     """The step's global numbers from one float64 all-reduce over the world
     that every rank enters; ``short_reads`` is this rank's 0 or 1
-    (``DataCursor.short_reads``)."""
-    values = torch.stack([
-        local_square_sum(pairs, mesh.coords, mesh.sizes, device),
-        loss_sum.detach().to(device=device, dtype=torch.float64).reshape(()),
-        torch.tensor(float(tokens), dtype=torch.float64, device=device),
-        torch.tensor(float(short_reads), dtype=torch.float64, device=device),
-    ])
+    (``DataCursor.short_reads``); ``replicas``: (this rank's replica, the
+    number of replicas training alone; module docstring)."""
+    mine, count_replicas = replicas
+    square = local_square_sum(pairs, mesh.coords, mesh.sizes, device)
+    overflow = 0.0 if bool(torch.isfinite(square)) else 1.0
+    squares = torch.zeros(count_replicas, dtype=torch.float64, device=device)
+    squares[mine] = square * count_replicas
+    values = torch.cat([squares, torch.tensor([float(loss_sum.detach().double()), float(tokens), float(short_reads),
+                                               overflow], dtype=torch.float64, device=device)])
     mesh.group(AXES).communicator().all_reduce(values, ReduceOp.SUM)
-    square, loss, count, short = values.tolist()
-    norm = torch.tensor(math.sqrt(max(square, 0.0)), dtype=torch.float32)
+    got = values.tolist()
+    per_replica, (loss, count, short, overflows) = got[:count_replicas], got[count_replicas:]
+    norm = torch.tensor(math.sqrt(max(sum(per_replica) / count_replicas, 0.0)), dtype=torch.float32)
+    own = torch.tensor(math.sqrt(max(per_replica[mine], 0.0)), dtype=torch.float32) if count_replicas > 1 else None
     mean = torch.tensor(loss / count if count else float("nan"), dtype=torch.float32)
-    return StepTotals(norm, mean, int(round(short)))
+    return StepTotals(norm, mean, int(round(short)), int(round(overflows)) if math.isfinite(overflows) else 1, own)
 
 
 def reduce_step(pairs: Sequence[GradPair], loss_sum: torch.Tensor, tokens: int, mesh: Mesh,

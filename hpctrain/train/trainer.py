@@ -23,6 +23,7 @@ group moves anything).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Dict, List, Optional
 
@@ -35,6 +36,7 @@ from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
+from hpctrain.model.aux import objective_scale
 from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.compose import parallelize
 from hpctrain.parallel.finalize import finalize_grads
@@ -42,12 +44,16 @@ from hpctrain.train.faults import FaultInjector
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
+from hpctrain.train.loss_scale import DynamicLossScale
 from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.schedule import as_step_result
 from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
 
 log = get_logger(__name__)
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``trainer.precision`` -> the autocast dtype (fp32: none)."""
 
 
 def peak_rss_bytes() -> int:
@@ -72,6 +78,9 @@ class Trainer:
         self.data = self.parallel.data
         """The data axes' handle (``hpctrain.parallel.handles.DataHandle``)."""
         self.logical_params = self.parallel.logical_params
+        alone = mesh.alone_axes  # DiLoCo's replicas: each clips with its own gradient norm
+        self.replicas = (mesh.index_on(alone), math.prod(mesh.size(a) for a in alone)) if alone else (0, 1)
+        """(this rank's replica, replicas training alone) for the gradient norm (``hpctrain.train.outer``)."""
         self.orders = self._sample_orders()
         """The training and validation sample orders (``hpctrain.data.orders``)."""
         self.cursor = self.cursor_over(self.orders.train, self.orders.weights)
@@ -83,6 +92,8 @@ class Trainer:
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
         self.spikes = LossSpikes(rel.spike_window, rel.spike_zscore)
+        self.loss_scale = DynamicLossScale(cfg.trainer.loss_scale) if cfg.trainer.precision == "fp16" else None
+        """fp16's dynamic loss scale (``hpctrain.train.loss_scale``), else None."""
         self.stragglers = Stragglers(rel.straggler_factor, rel.straggler_min_s)
         # every model (part) this rank runs: the whole model, or a pipeline's stages
         self.forward_clock = ForwardClock(m for m in self.model.modules() if isinstance(m, Transformer))
@@ -165,8 +176,9 @@ class Trainer:
                 for g in self.mesh.distinct_groups if g.size > 1}
 
     def autocast(self):
-        if self.cfg.trainer.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        dtype = AUTOCAST.get(self.cfg.trainer.precision)
+        if dtype is not None:
+            return torch.autocast(device_type=self.device.type, dtype=dtype)
         return contextlib.nullcontext()
 
     def train_step(self) -> Dict[str, float]:
@@ -183,20 +195,36 @@ class Trainer:
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
-        result = as_step_result(self.schedule.run(self.model, microbatches, self.data, self.autocast), microbatches)
+        scaler = self.loss_scale
+        scale = scaler.scale if scaler is not None else None
+        with objective_scale(scale):
+            result = as_step_result(self.schedule.run(self.model, microbatches, self.data, self.autocast),
+                                    microbatches)
         self.forward_clock.take()  # this step's forwards join the straggler check's window
         finalize_grads(self.model, self.data, mesh)
         self.pm.hook.hpctrain_after_finalize_grads(trainer=self)
         pairs = gradient_pairs(self.params, self.optimizer)
+        self.faults.after_finalize(self.step + 1, [g for g, _ in pairs])
+        if scale is not None and pairs:
+            torch._foreach_mul_([g for g, _ in pairs], 1.0 / scale)  # the true gradients (inf stays inf)
         loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
-        grad_norm, loss, short_reads = reduce_totals(pairs, loss_sum, result.tokens, mesh, self.device,
-                                                     self.cursor.short_reads)
-        self.cursor.raise_if_short(short_reads, self.step + 1)  # every rank alike, before the update
-        loss_value, norm_value = float(loss), float(grad_norm)
+        totals = reduce_totals(pairs, loss_sum, result.tokens, mesh, self.device, self.cursor.short_reads,
+                               self.replicas)
+        self.cursor.raise_if_short(totals.short_reads, self.step + 1)  # every rank alike, before the update
+        loss_value, norm_value = float(totals.loss), float(totals.grad_norm)
         # global values: every rank decides the same (raises to stop the run)
-        update = self.guard.update_allowed(self.step + 1, loss_value, norm_value)
+        if scaler is not None and scale is not None and totals.overflow and scaler.handles_overflow():
+            update = False  # the scale's doing, not a divergence (hpctrain.train.loss_scale)
+            log_rank0("step %d: fp16 gradient overflow on %d rank(s) at loss scale %g: update skipped, scale %g",
+                      self.step + 1, totals.overflow, scale, scale * scaler.backoff)
+            scaler.update(True)
+        else:
+            update = self.guard.update_allowed(self.step + 1, loss_value, norm_value)
+            if scaler is not None and update:
+                scaler.update(False)
         if update:
-            clip_(pairs, grad_norm, cfg.optim.grad_clip)
+            own = totals.replica_norm if totals.replica_norm is not None else totals.grad_norm
+            clip_(pairs, own, cfg.optim.grad_clip)
             # an async save may still be copying parameters and optimizer state to host
             before_update = getattr(self.checkpointer, "before_update", None)
             if before_update is not None:
@@ -227,6 +255,12 @@ class Trainer:
         }
         if self.guard.skipped:
             self.metrics["skipped_steps"] = self.guard.skipped
+        outer_steps = getattr(self.optimizer, "outer_steps", None)
+        if outer_steps is not None:
+            self.metrics["outer_steps"] = outer_steps
+        if scaler is not None and scale is not None:
+            self.metrics["loss_scale"] = scale
+            self.metrics["loss_scale_skips"] = scaler.skipped
         if rel.straggler_every and self.step % rel.straggler_every == 0:
             self.metrics.update(self.stragglers.check(mesh, self.device, self.step, dt,
                                                       self.forward_clock.take_window()))  # median since the last check

@@ -37,7 +37,7 @@ import torch
 
 from hpctrain.comm.protocol import P2POp
 from hpctrain.mesh import Group
-from hpctrain.model.aux import collect_aux_losses, with_aux
+from hpctrain.model.aux import collect_aux_losses, scaled, with_aux
 from hpctrain.parallel.handles import GradientControl
 from hpctrain.pipeline.schedules import Action, actions, forward_actions, splits_weight_pass
 from hpctrain.train.schedule import StepResult
@@ -120,7 +120,7 @@ class PipelineSchedule:
                         outputs[key], out_grads[key] = [out], [None]
                         extra = aux.total()
                         if extra is not None:  # this stage's auxiliary losses join its backward
-                            outputs[key].append(extra / m)
+                            outputs[key].append(scaled(extra) / m)
                             out_grads[key].append(None)
                 elif a.kind == "SEND_F":
                     sends.append(self._send(comm, outputs[key][0].detach(), a, stage, False))

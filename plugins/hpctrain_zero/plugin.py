@@ -39,6 +39,7 @@ import tempfile
 from typing import Any, ContextManager, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from hpctrain import grad_sync, hookimpl
@@ -276,6 +277,10 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         problems.append(f"parallel.zero.shard_group={z.shard_group!r} is not one of {', '.join(SHARD_GROUPS)}")
     if z.offload not in OFFLOADS:
         problems.append(f"parallel.zero.offload={z.offload!r} is not one of {', '.join(OFFLOADS)}")
+    if z.stage > 0 and OmegaConf.select(cfg, "optim.outer.name", default="none") == "diloco":
+        # a replica trains alone, so its optimizer state cannot be cut over the other replicas
+        problems.append(f"parallel.zero.stage={z.stage} with optim.outer=diloco: DiLoCo's dp replicas train alone, "
+                        "so there is no data group to shard over; use parallel.zero.stage=0")
     return problems or None
 
 
