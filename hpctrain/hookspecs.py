@@ -146,8 +146,9 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConf
 @hookspec
 def hpctrain_after_finalize_grads(trainer: Any) -> None:
     """Observer: the step's gradients are final (``hpctrain.parallel.
-    finalize``: reduced over the data axes, tied embeddings summed) and not
-    yet clipped; the optimizer has not stepped. Every rank, same order."""
+    finalize``: reduced over the data axes, tied embeddings summed; with
+    fp16, divided by the loss scale again) and not yet clipped; the
+    optimizer has not stepped. Every rank, same order."""
 
 
 @hookspec

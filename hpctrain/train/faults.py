@@ -76,11 +76,11 @@ class FaultInjector:
 
     def after_finalize(self, step: int, grads: List[torch.Tensor]) -> None:
         """Once ``step``'s gradients are reduced (before the norm): an overflow fault."""
-        if self.mine and self.kind == "overflow" and step == self.step and grads:
+        held = [g for g in grads if g.numel()]  # (a ZeRO rank may hold an empty shard)
+        if self.mine and self.kind == "overflow" and step == self.step and held:
             log.warning("debug.fault=overflow: making a gradient inf at step %d", step)
             with torch.no_grad():
-                g = grads[0]
-                g[(0,) * g.dim()] = float("inf")
+                held[0][(0,) * held[0].dim()] = float("inf")
 
     def after_update(self, step: int, params: List[torch.nn.Parameter]) -> None:
         if self.mine and self.kind == "corrupt" and step == self.step and params:

@@ -202,11 +202,11 @@ class Trainer:
                                     microbatches)
         self.forward_clock.take()  # this step's forwards join the straggler check's window
         finalize_grads(self.model, self.data, mesh)
-        self.pm.hook.hpctrain_after_finalize_grads(trainer=self)
         pairs = gradient_pairs(self.params, self.optimizer)
-        self.faults.after_finalize(self.step + 1, [g for g, _ in pairs])
         if scale is not None and pairs:
             torch._foreach_mul_([g for g, _ in pairs], 1.0 / scale)  # the true gradients (inf stays inf)
+        self.faults.after_finalize(self.step + 1, [g for g, _ in pairs])
+        self.pm.hook.hpctrain_after_finalize_grads(trainer=self)
         loss_sum = result.loss_sum * self.faults.loss_scale(self.step + 1)
         totals = reduce_totals(pairs, loss_sum, result.tokens, mesh, self.device, self.cursor.short_reads,
                                self.replicas)

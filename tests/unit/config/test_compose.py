@@ -84,3 +84,17 @@ def test_layout_presets_compose_and_validate_at_eight_ranks(make_config, pm, pre
     assert validate(cfg, 8, pm) == []
     if preset == "5d-moe":  # a model= on the command line still wins over the preset's
         assert make_config(f"parallel={preset}", "model=tiny").model.name == "tiny"
+
+
+def test_optim_outer_names_the_outer_optimizer_and_its_fields_stay_settable(pm):
+    """``optim.outer=diloco`` (the issue's spelling) selects the outer optimizer
+    while ``optim.outer.every=4`` sets a field of the same section, in either order."""
+    from hpctrain.config import compose_resolved
+    from hpctrain.config.store import expand_shorthands
+
+    for overrides in (["optim.outer=diloco", "optim.outer.every=4"], ["optim.outer.every=4", "optim.outer=diloco"]):
+        outer = compose_resolved(overrides, pm).optim.outer
+        assert (outer.name, outer.every, outer.lr, outer.nesterov) == ("diloco", 4, 0.7, True)
+    assert compose_resolved([], pm).optim.outer.name == "none"
+    assert expand_shorthands(["optim.outer=none,diloco", "optim.outer.lr=1", "+x=1"]) == \
+        ["optim.outer.name=none,diloco", "optim.outer.lr=1", "+x=1"]
