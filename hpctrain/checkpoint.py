@@ -15,6 +15,8 @@ What the trainer exposes to a checkpointer (read and restore):
   shards) answers ``optimizer.state_spec(param, key) -> ShardSpec``
   (``ShardedStateOptimizer``);
 - ``trainer.step`` (the LR schedule is a pure function of it);
+- ``trainer.extra_state()`` / ``load_extra_state(dict)``: small JSON-able
+  state of the loop, the same on every rank (fp16's loss scale);
 - ``trainer.cursor.state_dict()`` / ``load_state_dict`` (global data cursor);
 - ``trainer.cfg`` (resolved config) and ``trainer.mesh`` (the layout);
 - torch RNG state per rank (``torch.get_rng_state()``).

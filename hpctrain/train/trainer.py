@@ -111,6 +111,15 @@ class Trainer:
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step,
                           self.cursor.consumed_samples)
 
+    def extra_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the loop besides tensors, step and cursor (the same on every rank)."""
+        return {"loss_scale": self.loss_scale.state_dict()} if self.loss_scale is not None else {}
+
+    def load_extra_state(self, state: Dict[str, Any]) -> None:
+        """Restore ``extra_state`` (a checkpoint without it, or an fp32 one: the scale starts fresh)."""
+        if self.loss_scale is not None and "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
+
     def validate(self) -> Dict[str, float]:
         """The validation losses now (``hpctrain.train.evaluate``; collective), logged by rank 0."""
         from hpctrain.train.evaluate import validate

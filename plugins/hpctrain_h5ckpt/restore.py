@@ -183,6 +183,9 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             if restored:
                 state[p] = restored
     trainer.step = int(meta["step"])
+    load_extra = getattr(trainer, "load_extra_state", None)
+    if callable(load_extra):  # older files have none: the trainer keeps its fresh state
+        load_extra(json.loads(meta["trainer_state"]) if "trainer_state" in meta else {})
     if "/meta/rng/torch_cpu" in data:
         torch.set_rng_state(from_numpy(data["/meta/rng/torch_cpu"][0].reshape(-1), "uint8").clone())
     if "/meta/rng/torch_cuda" in data:

@@ -13,7 +13,9 @@ The tree (``h5ls -r`` shows it)::
     /meta/rng/torch_cuda                the same for the rank's GPU generator (GPU runs)
     /meta  attributes                   format, format_version, step,
                                         consumed_samples, world_size, layout,
-                                        scheduler, versions, created_unix, ...
+                                        scheduler, data_cursor, trainer_state
+                                        (the trainer's ``extra_state()``, JSON),
+                                        versions, created_unix, ...
 
 Each dataset carries ``torch_dtype``, ``checksum`` and, for tensors,
 ``splits`` (the saving layout's ShardSpec splits, JSON); its path names
@@ -223,6 +225,7 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
                                  "lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio),
                                  "warmup_steps": int(o.warmup_steps), "total_steps": total}),
         "data_cursor": json.dumps(cursor),  # the core cursor's whole state (a blend's counts too)
+        "trainer_state": json.dumps(getattr(trainer, "extra_state", dict)()),  # fp16's loss scale
         "versions": versions_json, "created_unix": time.time(),
     }
     return view
