@@ -38,6 +38,10 @@ differ between outer steps); the anchor (``outer.anchor``), the outer
 momentum (``outer.momentum_buffer``) and the inner steps taken
 (``outer.inner_steps``) are shared. A resume restores each replica's own,
 so it continues bit for bit; it needs the same number of dp replicas.
+The ``/model`` tensors of a checkpoint saved between outer steps are each
+some replica's (the format writes a replicated piece from one holder): end
+a run on an outer step (``trainer.steps`` a multiple of ``every``) to
+export the shared weights.
 """
 from __future__ import annotations
 

@@ -92,6 +92,12 @@ class Trainer:
         rel = cfg.reliability
         self.guard = NonFiniteGuard(rel.nonfinite, rel.max_skips)
         self.spikes = LossSpikes(rel.spike_window, rel.spike_zscore)
+        outer = cfg.optim.outer
+        if outer.name == "diloco" and cfg.trainer.steps % outer.every:
+            log_rank0("optim.outer.every=%d does not divide trainer.steps=%d: the run ends between outer steps, "
+                      "with replicas that differ (a checkpoint keeps each replica's; its /model tensors are each "
+                      "some replica's); make trainer.steps a multiple of it to end on the shared weights",
+                      outer.every, cfg.trainer.steps)
         self.loss_scale = DynamicLossScale(cfg.trainer.loss_scale) if cfg.trainer.precision == "fp16" else None
         """fp16's dynamic loss scale (``hpctrain.train.loss_scale``), else None."""
         self.stragglers = Stragglers(rel.straggler_factor, rel.straggler_min_s)
