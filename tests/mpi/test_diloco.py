@@ -1,8 +1,10 @@
 """DiLoCo / local SGD over the dp replicas (``optim.outer=diloco``,
 ``hpctrain.train.outer``).
 
-- ``every=4`` at dp 4 (and at cp 2 x dp 2, ``every=2``: the cp gradient
-  average stays inside a replica) trains what a one-process simulation of
+- ``every=4`` at dp 4 (and, ``every=2``, at cp 2 x dp 2: the cp gradient
+  average stays inside a replica; at tp 2 x dp 2; and tp 2 x pp 2 as one replica: the
+  outer step over a replica's tensor and pipeline pieces, tied to the
+  simulation's single one-process trainer) trains what a one-process simulation of
   the replicas trains: each replica a one-process trainer fed its dp rank's
   samples (inner AdamW, clipped with its own norm), and every ``every``
   steps the replicas' deltas averaged and ``torch.optim.SGD`` with Nesterov
@@ -19,7 +21,11 @@
 
 Tolerances (fp32): the runs differ only in where fp32 sums run (cp's ring
 attention and all-reduce, the all-reduce of deltas against a sum in one
-process): losses 1e-6 relative; weights 1e-5 relative plus 2e-2 of the
+process, tp's split sums): losses 1e-5 relative against the simulation
+(AdamW at lr 1e-2 from step 1, then the outer step's 0.7 x (1 + 0.9) on
+the delta, magnify fp32 reassociation to ~6e-6 with tp; a wrong average or
+clipping norm is off by 5e-4 or more), 1e-6 against plain dp with an SGD
+inner step (no AdamW to magnify anything); weights 1e-5 relative plus 2e-2 of the
 inner learning rate (AdamW turns a rounding difference in a gradient near
 its epsilon into an update difference of up to ~1e-2 of lr, as
 ``parity.ADAM_DRIFT`` explains for gradients; a missing, doubled or
@@ -106,8 +112,10 @@ def _close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: st
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("layout,every", [(("parallel.dp=4",), 4), (("parallel.cp=2", "parallel.dp=2"), 2)],
-                         ids=["dp4-every4", "cp2-dp2-every2"])
+@pytest.mark.parametrize("layout,every", [(("parallel.dp=4",), 4), (("parallel.cp=2", "parallel.dp=2"), 2),
+                                          (("parallel.tp=2", "parallel.dp=2"), 2),
+                                          (("parallel.tp=2", "parallel.pp=2", "parallel.dp=1"), 2)],
+                         ids=["dp4-every4", "cp2-dp2-every2", "tp2-dp2-every2", "tp2-pp2-one-replica-every2"])
 def test_replicas_train_like_a_one_process_simulation(world, pm, layout, every):
     steps = every + 1  # a whole round, then one step into the next
     trainer = world_trainer(pm, *BASE, *OUTER, f"optim.outer.every={every}", *layout)
@@ -115,14 +123,14 @@ def test_replicas_train_like_a_one_process_simulation(world, pm, layout, every):
     got = [trainer.train_step() for _ in range(steps)]
     want_losses, want_weights = simulate(BASE, replicas, every, steps, 0.7, 0.9)
     for step, (m, w) in enumerate(zip(got, want_losses), start=1):
-        assert abs(m["loss"] - w) <= RTOL * abs(w), (step, m["loss"], w)
+        assert abs(m["loss"] - w) <= 1e-5 * abs(w), (step, m["loss"], w)
         assert m["outer_steps"] == step // every
     weights = replica_weights(trainer)
     assert sorted(weights) == list(range(replicas))
     for r in range(replicas):
         _close(weights[r], want_weights[r], f"replica {r} after {steps} steps")
-    # mid-round the replicas differ (each trained alone since the outer step)
-    assert any(not torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+    if replicas > 1:  # mid-round the replicas differ (each trained alone since the outer step)
+        assert any(not torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
 
 
 def _sgd_inner(trainer) -> None:
