@@ -3,8 +3,9 @@
 An overflow that only one rank sees (``debug.fault=overflow``: one of its
 gradients becomes inf after the step's reduction) is agreed through the
 gradient norm's all-reduce: every rank skips that step (weights unchanged),
-lowers the scale alike, and the next step trains again. At pp 2 x dp 2 with
-ZeRO-3, fp16 trains the losses of one fp16 process.
+lowers the scale alike, and the next step trains again (plain dp, ZeRO-1/2,
+pp 2 x dp 2 with ZeRO-3). At pp 2 x dp 2 with ZeRO-3, and with ZeRO-1/2 over
+the world, fp16 trains the losses and gradients of one fp16 process.
 
 Tolerance: each micro-batch's forward computes the same fp16 products in
 both runs; what differs is where the fp32 gradient sums run (reduce-scatter
@@ -43,9 +44,11 @@ def _skips_step_three_everywhere(world, trainer, backoff: float) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(world, pm):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(world, pm, stage):
     last = world.Get_size() - 1
-    trainer = world_trainer(pm, *BASE, "debug.fault=overflow", f"debug.fault_rank={last}", "debug.fault_step=3")
+    trainer = world_trainer(pm, *BASE, f"parallel.zero.stage={stage}", "debug.fault=overflow",
+                            f"debug.fault_rank={last}", "debug.fault_step=3")
     _skips_step_three_everywhere(world, trainer, 0.5)
 
 
@@ -60,7 +63,18 @@ def test_an_overflow_under_pipeline_and_zero3_skips_the_step_on_every_rank(world
 def test_fp16_at_pp2_dp2_with_zero3_trains_like_one_fp16_process(world, pm):
     if world.Get_size() != 4:
         pytest.skip("pp 2 x dp 2 is a 4-rank layout")
-    got = record(world_trainer(pm, *BASE, *PP2_DP2_ZERO3), STEPS)
+    _like_one_fp16_process(world_trainer(pm, *BASE, *PP2_DP2_ZERO3))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_with_zero_trains_like_one_fp16_process(world, pm, stage):
+    """ZeRO-1/2 keep the gradients in shards: the loss scale comes off there too."""
+    _like_one_fp16_process(world_trainer(pm, *BASE, f"parallel.zero.stage={stage}"))
+
+
+def _like_one_fp16_process(trainer) -> None:
+    got = record(trainer, STEPS)
     want = shared_reference(BASE, STEPS)
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g.loss - w.loss) <= 1e-6 * abs(w.loss), (step, g.loss, w.loss)
