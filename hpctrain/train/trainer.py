@@ -10,9 +10,13 @@ Per step: the data cursor hands this rank its micro-batches; the step
 schedule runs forward/backward, telling the data axes' handle about each
 backward, and returns its loss sum and token count;
 ``hpctrain.parallel.finalize.finalize_grads`` finishes the gradients (data
-axes, tied embeddings); one all-reduce over the world gives the global
-gradient norm and mean loss (``grad_norm.reduce_totals``); gradients are
-clipped; the checkpointer's ``before_update`` waits for an async save still
+axes, tied embeddings; with ``trainer.precision=fp16`` the backward ran on
+the loss times the loss scale, which comes off here,
+``hpctrain.train.loss_scale``); one all-reduce over the world gives the
+global gradient norm and mean loss (``grad_norm.reduce_totals``) and
+whether any rank overflowed (fp16: the step is then skipped on every rank
+and the scale lowered); gradients are clipped (DiLoCo's replicas each by
+their own norm, ``hpctrain.train.outer``); the checkpointer's ``before_update`` waits for an async save still
 copying state to host memory; the optimizer steps;
 ``hpctrain_after_optimizer_step`` lets plugins update what is not a
 gradient (MoE's router biases); plugins add metrics
