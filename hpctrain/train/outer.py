@@ -22,6 +22,10 @@ wrapped by ``DiLoCo``:
   (SGD) that is plain data parallelism; AdamW's update is not linear, so
   there it is the average of the replicas' AdamW updates.
 
+Between outer steps the replicas hold different weights: the logged loss
+(and a validation's) is the mean over all of them, as it is over dp's
+samples in plain data parallelism.
+
 Bytes: one all-reduce of the parameters per ``every`` steps, against plain
 data parallelism's one of the gradients per step (plus its per-parameter
 "used" flags). Memory: the anchor and the outer momentum, two more fp32
