@@ -41,7 +41,9 @@ logical tensor with a leading replica dimension split over dp (replicas
 differ between outer steps); the anchor (``outer.anchor``), the outer
 momentum (``outer.momentum_buffer``) and the inner steps taken
 (``outer.inner_steps``) are shared. A resume restores each replica's own,
-so it continues bit for bit; it needs the same number of dp replicas.
+so it continues bit for bit; it needs the same number of dp replicas. A
+checkpoint of a run without DiLoCo resumes too: every replica starts from
+its weights and optimizer state, which are also the anchor.
 The ``/model`` tensors of a checkpoint saved between outer steps are each
 some replica's (the format writes a replicated piece from one holder): end
 a run on an outer step (``trainer.steps`` a multiple of ``every``) to
@@ -110,7 +112,7 @@ class _State(MutableMapping):
                 if key.startswith(INNER):
                     is_row = isinstance(value, torch.Tensor) and value.dim() > 0
                     inner[key[len(INNER):]] = value.squeeze(0) if is_row else value
-                elif key == PARAMS_KEY:
+                elif key == PARAMS_KEY:  # (restored in place already: the view __getitem__ offers)
                     p.data.copy_(value.reshape(p.shape))
                 elif key == ANCHOR_KEY:
                     o.anchors[i].copy_(value)
@@ -118,6 +120,10 @@ class _State(MutableMapping):
                     o.outer.state[o.anchors[i]]["momentum_buffer"] = value.to(o.anchors[i].dtype).clone()
                 elif key == STEPS_KEY:
                     o.inner_steps = int(value)
+                else:  # a run without DiLoCo saved it: its optimizer's state, the same for every replica
+                    inner[key] = value
+            if ANCHOR_KEY not in state:  # ... and its weights are where every replica starts
+                o.anchors[i].copy_(p.data)
         if inner:
             o.inner.state[p] = inner
 

@@ -7,7 +7,9 @@ replicas hold different weights and AdamW moments; a new trainer resumes it
 and its step 5 and 6 (the next outer step) give exactly the losses, the
 loss scale and every replica's weights of the uninterrupted run. The file
 holds the per-replica state as logical tensors with a leading replica
-dimension, and the shared anchor and outer momentum once.
+dimension, and the shared anchor and outer momentum once. A checkpoint of
+plain data parallelism resumes under DiLoCo: every replica and the anchor
+start from its weights, and the inner AdamW from its moments.
 """
 from __future__ import annotations
 
@@ -57,3 +59,21 @@ def test_diloco_in_fp16_resumes_between_outer_steps_bit_for_bit(shared_tmp):
         assert f[f"/optim/outer.momentum_buffer/{name}"].shape == model
         rows = f[f"/optim/replica.params/{name}"][()]
         assert not (rows[0] == rows[1]).all()  # between outer steps the replicas differ
+
+
+def test_a_plain_checkpoint_resumes_under_diloco(shared_tmp):
+    plain = build_trainer("trainer.steps=6", "parallel.dp=-1", f"checkpoint.dir={shared_tmp}/plain",
+                          "checkpoint.every=100")
+    for _ in range(2):
+        plain.train_step()
+    path = plain.save_checkpoint(f"{shared_tmp}/plain-step2.h5")
+    plain.checkpointer.close()
+    MPI.COMM_WORLD.Barrier()
+    local = build_trainer(*RUN[:-1], f"checkpoint.resume={path}")
+    opt = local.optimizer
+    assert local.step == 2 and opt.inner_steps == 0
+    assert all(torch.equal(p, q) and torch.equal(a, q) for p, q, a in zip(local.params, plain.params, opt.anchors))
+    moments = [(opt.inner.state[p]["exp_avg"], plain.optimizer.state[q]["exp_avg"])
+               for p, q in zip(local.params, plain.params)]
+    assert all(torch.equal(a, b) for a, b in moments)
+    local.train_step()  # and trains on
