@@ -13,7 +13,9 @@ What the trainer exposes to a checkpointer (read and restore):
   state; a state tensor shaped like its parameter shares the parameter's
   ShardSpec, and an optimizer whose state is laid out otherwise (ZeRO's flat
   shards) answers ``optimizer.state_spec(param, key) -> ShardSpec``
-  (``ShardedStateOptimizer``);
+  (``ShardedStateOptimizer``); an optimizer that cannot take a checkpoint
+  answers ``optimizer.checkpoint_problem({dataset path: shape})`` with the
+  reason and the fix (DiLoCo saved with another number of replicas);
 - ``trainer.step`` (the LR schedule is a pure function of it);
 - ``trainer.extra_state()`` / ``load_extra_state(dict)``: small JSON-able
   state of the loop, the same on every rank (fp16's loss scale);

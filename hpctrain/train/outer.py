@@ -52,7 +52,7 @@ export the shared weights.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, MutableMapping, Optional
+from typing import Any, Dict, Iterator, List, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -175,6 +175,15 @@ class DiLoCo:
         """Per-replica tensors (the inner state, the replica's weights) get a leading replica dimension over dp."""
         if key == PARAMS_KEY or key.startswith(INNER):
             return replica_spec(get_spec(param), self.replicas)
+        return None
+
+    def checkpoint_problem(self, shapes: Dict[str, Tuple[int, ...]]) -> Optional[str]:
+        """Why a checkpoint with these datasets cannot resume here (None: it can)."""
+        saved = {shape[0] for path, shape in shapes.items() if path.startswith(f"/optim/{PARAMS_KEY}/")}
+        if saved and saved != {self.replicas}:
+            n = saved.pop()
+            return (f"it was saved by DiLoCo with {n} dp replicas, each with its own weights and optimizer state, "
+                    f"and this run has {self.replicas}; resume with parallel.dp={n} (tp, pp and cp may change)")
         return None
 
     def step(self) -> None:

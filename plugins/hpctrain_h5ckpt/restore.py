@@ -136,6 +136,10 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             want(held)
     wants.update(_rng_wants(trainer, reader))
     saved_cfg = _saved_config(reader)
+    refuse = getattr(trainer.optimizer, "checkpoint_problem", None)  # e.g. DiLoCo saved with other replicas
+    problem = refuse({path: tuple(info.shape) for path, info in reader.index.items()}) if callable(refuse) else None
+    if problem:  # the index is the same on every rank: every rank raises
+        raise ConfigError(f"checkpoint {reader.path}: {problem}")
     _refuse_another_model(trainer, reader, shapes, saved_cfg)
     data = reader.read(wants, shapes)
     _refuse_nonfinite(reader, index, data)

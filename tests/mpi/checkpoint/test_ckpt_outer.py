@@ -7,7 +7,8 @@ replicas hold different weights and AdamW moments; a new trainer resumes it
 and its step 5 and 6 (the next outer step) give exactly the losses, the
 loss scale and every replica's weights of the uninterrupted run. The file
 holds the per-replica state as logical tensors with a leading replica
-dimension, and the shared anchor and outer momentum once. A checkpoint of
+dimension, and the shared anchor and outer momentum once; one process with
+DiLoCo (a single replica) refuses it with one line naming parallel.dp. A checkpoint of
 plain data parallelism resumes under DiLoCo: every replica and the anchor
 start from its weights, and the inner AdamW from its moments.
 """
@@ -18,7 +19,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from ckpt_helpers import build_trainer
+from hpctrain.errors import ConfigError
+from hpctrain.run import reference_trainer
+
+from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, on_rank0
 
 pytestmark = pytest.mark.mpi(min_size=2)
 RUN = ("trainer.steps=6", "parallel.dp=-1", "optim.outer=diloco", "optim.outer.every=3", "trainer.precision=fp16",
@@ -59,6 +63,16 @@ def test_diloco_in_fp16_resumes_between_outer_steps_bit_for_bit(shared_tmp):
         assert f[f"/optim/outer.momentum_buffer/{name}"].shape == model
         rows = f[f"/optim/replica.params/{name}"][()]
         assert not (rows[0] == rows[1]).all()  # between outer steps the replicas differ
+    def refused_alone() -> str:  # one replica cannot take the replicas' state: one clear line
+        try:
+            alone_checkpointer().load(reference_trainer(config(*BASE, *RUN)), path)
+        except ConfigError as e:
+            return str(e)
+        return "loaded"
+
+    message = on_rank0(MPI.COMM_WORLD, refused_alone)  # (a failure on rank 0 reaches every rank: no hang)
+    assert f"saved by DiLoCo with {replicas} dp replicas" in message and \
+        f"this run has 1; resume with parallel.dp={replicas}" in message, message
 
 
 def test_a_plain_checkpoint_resumes_under_diloco(shared_tmp):
