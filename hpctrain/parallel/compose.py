@@ -39,7 +39,7 @@ from torch import nn
 from hpctrain.errors import PluginError
 from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
-from hpctrain.model.build import build_model, logical_param_count, materialize
+from hpctrain.model.build import BoxSource, build_model, logical_param_count, materialize
 from hpctrain.model.recompute import set_recompute
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
@@ -86,6 +86,30 @@ def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
     return handle.model
 
 
+def given_weights(cfg: Any, pm: Any) -> Optional[BoxSource]:
+    """Where ``checkpoint.init_from`` takes the weights from (each rank reads its pieces), or None:
+    ``hf:DIR`` is read here (``hpctrain.hf.weights``), any other path by the checkpoint format's plugin
+    (``hpctrain_weight_source``)."""
+    src = cfg.checkpoint.get("init_from")
+    if not src:
+        return None
+    from hpctrain.hf.weights import hf_weights_for
+    from hpctrain.log import log_rank0
+
+    reader: Any = hf_weights_for(cfg)
+    if reader is None:
+        reader = pm.hook.hpctrain_weight_source(path=str(src), cfg=cfg) if pm is not None else None
+        if reader is None:
+            raise PluginError(f"checkpoint.init_from={src}: no installed plugin reads it (checkpoint.format="
+                              f"{cfg.checkpoint.format}); give hf:DIR or one of our checkpoints")
+    log_rank0("weights from checkpoint.init_from=%s (fresh optimizer, step 0, data from its start)", src)
+
+    def box(spec: Any, piece_box: Any) -> Optional[torch.Tensor]:
+        return reader.box(spec.logical_name, piece_box) if reader.where(spec.logical_name) is not None else None
+
+    return box
+
+
 def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallelized:
     """Build this rank's part of the model for ``mesh`` (the module docstring, in order)."""
     handles: Dict[str, AxisHandle] = {}
@@ -100,7 +124,7 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     if tied_parameters(model, mesh):
         mesh.pp_ends()  # made now: no group is created once the mesh is sealed
     materialize(model, device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers,  # 7. weights
-                mesh.coords, mesh.sizes)
+                mesh.coords, mesh.sizes, given_weights(cfg, pm))
     scale_presummed(model.parameters(), mesh)
     for handle in handles.values():
         handle.after_materialize()
