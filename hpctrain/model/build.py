@@ -67,7 +67,8 @@ def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
             )
             for i in range(shape.n_layers)
         )
-        model = Transformer(shape, m.norm_eps, m.rope_theta, blocks, RopeScaling.from_config(getattr(m, "rope_scaling", None)))
+        scaling = RopeScaling.from_config(getattr(m, "rope_scaling", None))
+        model = Transformer(shape, m.norm_eps, m.rope_theta, blocks, scaling)
     assign_specs(model)
     return model
 

@@ -67,3 +67,12 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Opt
     return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
                           run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None)
+
+
+@hookimpl
+def hpctrain_weight_source(path: str, cfg: Any) -> Optional[Any]:
+    """``checkpoint.init_from`` naming one of our checkpoints (a file or a checkpoint directory)."""
+    from hpctrain_h5ckpt.weights import H5Weights, resolve
+
+    found = resolve(path)
+    return H5Weights(found) if found is not None else None
