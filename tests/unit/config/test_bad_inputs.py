@@ -101,6 +101,11 @@ BAD = [
     ("data.split=0.1 data.source=indexed data.paths=[/x] data.validation.paths=[/z]",
      "data.split=0.1 and data.validation.paths both choose the validation documents; set one"),
     # (bad shard files, a vocabulary past the model's, vocab_size=auto unrecorded: test_bad_shards.py)
+    ("model=hf", "model=hf needs model.hf_dir=<a Hugging Face model directory>"),
+    ("model.hf_dir=/nonexistent/llama", "model.hf_dir=/nonexistent/llama: no such directory"),
+    ("checkpoint.init_from=/nonexistent/ck.h5", "checkpoint.init_from=/nonexistent/ck.h5: no such file or directory"),
+    ("checkpoint.init_from=hf:/nonexistent/llama", "checkpoint.init_from=hf:/nonexistent/llama: no such directory"),
+    # (Hugging Face directories: unsupported architectures and fields, missing shards, wrong shapes: test_bad_hf.py)
     # refused by composition (the same one line hpctrain-train prints, status 2)
     ("optim.lr=abc", "optim.lr='abc': must be a number (float), e.g. optim.lr=0.003"),
     ("trainer.steps=1.5", "trainer.steps=1.5: must be an integer (int), e.g. trainer.steps=40"),
