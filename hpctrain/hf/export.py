@@ -147,17 +147,46 @@ def check_target(out: str) -> None:
         raise ConfigError(f"export target {out} is a file; --to names a directory (Hugging Face model directory)")
 
 
+def data_tokenizer(data: Any) -> Tuple[List[str], Dict[str, Any]]:
+    """The tokenizer the run's data names (hpctrain-prepare records it in a manifest or beside each shard):
+    (its files to copy, {"bos_token_id", "eos_token_id"} from the description). Nothing for other data."""
+    from hpctrain.data.indexed import prefix_of, read_description
+
+    if data is None or data.get("source") != "indexed":
+        return [], {}
+    paths = list(data.get("paths") or []) + [p for b in (data.get("blend") or []) for p in b.paths]
+    for path in paths:
+        try:
+            meta = read_description(prefix_of(str(path)) if not str(path).endswith(".json") else str(path)[:-5])
+        except (OSError, ValueError):
+            continue
+        tok = (meta or {}).get("tokenizer")
+        if not isinstance(tok, dict) or not tok.get("path"):
+            continue
+        assert meta is not None
+        file = str(tok["path"])
+        files = [file] + [os.path.join(os.path.dirname(file), n) for n in TOKENIZER_FILES
+                          if n != os.path.basename(file)] if tok.get("kind") == "huggingface" else [file]
+        ids = {"bos_token_id": meta.get("bos_id"), "eos_token_id": meta.get("eos_id")}
+        return files, ids
+    return [], {}
+
+
 def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "float32",
                  max_shard_bytes: int = 5 * 10**9, tokenizer_from: Optional[List[str]] = None,
-                 metadata: Optional[Dict[str, str]] = None) -> List[str]:
+                 metadata: Optional[Dict[str, str]] = None, token_ids: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write the Hugging Face directory ``out`` for ``model`` (its config section) from ``entries``;
-    returns the files written. ``tokenizer_from``: directories or files whose tokenizer files are copied."""
+    returns the files written. ``tokenizer_from``: directories or files whose tokenizer files are copied;
+    ``token_ids``: bos/eos ids for the ones the model config does not set (the data's tokenizer)."""
     from safetensors.torch import save_file
 
     check_target(out)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPES)}")
     config = hf_config(model, dtype)
+    for key, value in (token_ids or {}).items():
+        if config.get(key) is None and value is not None:
+            config[key] = value
     n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     experts = config.get("num_local_experts", 0)
     torch_dtype = DTYPES[dtype]

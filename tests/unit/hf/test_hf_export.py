@@ -74,3 +74,36 @@ def test_bfloat16_export_loads(tmp_path):
         got = model.float()(ids).logits
     want = hf_logits(src, ids)
     assert (got - want).abs().max() < 0.05 * want.abs().max()  # bf16 weights: 8 bits of mantissa
+
+
+def test_an_export_carries_the_data_tokenizer_and_its_ids(tmp_path, pm):
+    """A run on hpctrain-prepare shards: the tokenizer the shards were made with is copied into the export
+    and its BOS/EOS ids are in config.json (without them transformers assumes 1 and 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hpctrain.config import compose_resolved
+    from hpctrain.data import prepare
+    from hpctrain.run import run
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the quick fox", "the lazy dog"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"the quick fox {i} jumps over the lazy dog" * 4
+                                                     for i in range(40)))
+    assert prepare.main([str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                         "--eos", "</s>", "-o", str(tmp_path / "data" / "corpus")]) == 0
+    cfg = compose_resolved(["data=indexed", f"data.paths=[{tmp_path}/data/corpus.json]", "model.vocab_size=320",
+                            "trainer.steps=1", "checkpoint.every=1", f"checkpoint.dir={tmp_path}/ck",
+                            "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "trainer.seq_len=16",
+                            "trainer.progress=off"], pm)
+    run(cfg, str(tmp_path / "run"), pm=pm)
+    assert cli.main(["export", str(tmp_path / "ck"), "--to", str(tmp_path / "out")]) == 0
+    config = json.load(open(tmp_path / "out" / "config.json"))
+    assert config["eos_token_id"] == tok.token_to_id("</s>") == 2
+    with open(tmp_path / "tok" / "tokenizer.json") as a, open(tmp_path / "out" / "tokenizer.json") as b:
+        assert a.read() == b.read()
+    load_checked(tmp_path / "out")
