@@ -6,7 +6,9 @@ the default HDF5 driver and hands it to the core's writer
 (``hpctrain.hf.export.write_hf_dir``: names, RoPE row order, experts, the
 safetensors shards and their index, config.json, generation_config.json).
 The run's tokenizer files are copied alongside: those of ``model.hf_dir``
-(an imported model) and any ``--tokenizer`` given.
+(an imported model), the one its hpctrain-prepare shards were made with
+(whose BOS/EOS ids also go into config.json when the model config has
+none) and any ``--tokenizer`` given.
 """
 from __future__ import annotations
 
@@ -24,12 +26,17 @@ from hpctrain_h5ckpt.errors import CheckpointError
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
-def model_config(f: h5py.File) -> Any:
-    """The ``model`` section of the checkpoint's resolved config."""
+def run_config(f: h5py.File) -> Any:
+    """The checkpoint's resolved config."""
     from omegaconf import OmegaConf
 
     text = f["meta/config"][()]
-    return OmegaConf.create(text.decode("utf-8") if isinstance(text, bytes) else str(text)).model
+    return OmegaConf.create(text.decode("utf-8") if isinstance(text, bytes) else str(text))
+
+
+def model_config(f: h5py.File) -> Any:
+    """The ``model`` section of the checkpoint's resolved config."""
+    return run_config(f).model
 
 
 def _torch_dtype(d: h5py.Dataset) -> str:
@@ -66,16 +73,18 @@ def _order(logical: str) -> tuple:
 def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
               tokenizer: Optional[str] = None) -> List[str]:
     """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written."""
-    from hpctrain.hf.export import Entry, check_target, write_hf_dir
+    from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 
     check_target(out)
     with h5py.File(path, "r") as f:
-        model = model_config(f)
+        cfg = run_config(f)
+        model = cfg.model
         group = f["model"]
         entries = [Entry(name, tuple(group[name].shape), _reader(path, group[name]))
                    for name in sorted(group, key=_order)]
         sources = [str(model.hf_dir)] if model.get("hf_dir") and os.path.isdir(str(model.hf_dir)) else []
-        sources += [tokenizer] if tokenizer else []
+        data_files, token_ids = data_tokenizer(cfg.get("data"))
+        sources += [p for p in data_files if os.path.isfile(p)] + ([tokenizer] if tokenizer else [])
         step = f["meta"].attrs.get("step")
         return write_hf_dir(out, model, entries, dtype, max_shard_bytes, sources,
-                            {"source": "hpctrain-h5ckpt", "step": str(step)})
+                            {"source": "hpctrain-h5ckpt", "step": str(step)}, token_ids)
