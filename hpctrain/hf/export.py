@@ -87,7 +87,8 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
         "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "num_hidden_layers": s.n_layers,
         "vocab_size": s.vocab_size, "rms_norm_eps": float(model.norm_eps), "rope_theta": float(model.rope_theta),
         "max_position_embeddings": int(model.max_seq_len), "tie_word_embeddings": s.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": dtype,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
         "bos_token_id": _plain(model.get("bos_token_id")), "eos_token_id": _plain(model.get("eos_token_id")),
         "pad_token_id": _plain(model.get("pad_token_id")),
     }

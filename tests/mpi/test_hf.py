@@ -2,7 +2,7 @@
 
 - A Llama (GQA 4:1, Llama 3.1 rope scaling), the same tied, and a Mixtral (4
   experts, top-2) loaded with ``checkpoint.init_from=hf:DIR`` train at tp 2,
-  pp 2, cp 2 and (Mixtral) ep 2 exactly as one process loaded the same way
+  pp 2, cp 2, (Mixtral) ep 2 and ZeRO-3 exactly as one process loaded the same way
   (losses and the gradient of every parameter; tests/unit/hf shows that one
   process computes transformers' own logits).
 - After 3 steps at tp 2 x pp 2 the export loads in transformers and gives the
@@ -69,11 +69,11 @@ def _one_process(pm, overrides):
 
 CASES = [("llama", "parallel.tp=2"), ("llama", "parallel.pp=2"), ("llama", "parallel.cp=2"),
          ("tied", "parallel.tp=2"), ("tied", "parallel.pp=2"), ("mixtral", "parallel.ep=2"),
-         ("mixtral", "parallel.tp=2")]
+         ("mixtral", "parallel.tp=2"), ("llama", "parallel.zero.stage=3")]
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("which,layout", CASES, ids=[f"{w}-{lay.split('.')[1]}" for w, lay in CASES])
+@pytest.mark.parametrize("which,layout", CASES, ids=[f"{w}-{lay.split('.', 1)[1].split('=')[0]}" for w, lay in CASES])
 def test_an_imported_model_trains_like_one_process_at_any_layout(world, pm, hf_dirs, which, layout):
     model = _model(hf_dirs[which])
     trainer = world_trainer(pm, *BASE, *model, layout)
