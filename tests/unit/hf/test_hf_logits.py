@@ -61,3 +61,24 @@ def test_llama3_rope_scaling_matters(tmp_path, pm):
     ids = batch()
     plain = hpctrain_logits(path, ids, pm, plain_rope=True)
     assert (plain - hf_logits(path, ids)).abs().max() > 1e-3
+
+
+def test_the_published_llama31_spelling_is_read(tmp_path, pm):
+    """Published Llama 3.1 checkpoints spell RoPE as top-level rope_theta + rope_scaling (transformers 4) and
+    list several EOS ids: read as such, and the logits still equal transformers' (which reads the same file)."""
+    import json
+
+    path = save(llama_config(), tmp_path / "hf")
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    config["eos_token_id"] = [2, 5, 7]
+    with open(tmp_path / "hf" / "config.json", "w") as f:
+        json.dump(config, f)
+    cfg = compose_resolved(["model=hf", f"model.hf_dir={path}"], pm)
+    assert cfg.model.rope_scaling.type == "llama3" and cfg.model.rope_theta == 500000.0
+    assert list(cfg.model.eos_token_id) == [2, 5, 7]
+    ids = batch()
+    assert_close(hpctrain_logits(path, ids, pm), hf_logits(path, ids))
