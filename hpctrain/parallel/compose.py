@@ -39,7 +39,7 @@ from torch import nn
 from hpctrain.errors import PluginError
 from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
-from hpctrain.model.build import BoxSource, build_model, logical_param_count, materialize
+from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.model.recompute import set_recompute
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
@@ -86,7 +86,7 @@ def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
     return handle.model
 
 
-def given_weights(cfg: Any, pm: Any) -> Optional[BoxSource]:
+def given_weights(cfg: Any, pm: Any) -> Optional["_GivenWeights"]:
     """Where ``checkpoint.init_from`` takes the weights from (each rank reads its pieces), or None:
     ``hf:DIR`` is read here (``hpctrain.hf.weights``), any other path by the checkpoint format's plugin
     (``hpctrain_weight_source``)."""
@@ -103,11 +103,21 @@ def given_weights(cfg: Any, pm: Any) -> Optional[BoxSource]:
             raise PluginError(f"checkpoint.init_from={src}: no installed plugin reads it (checkpoint.format="
                               f"{cfg.checkpoint.format}); give hf:DIR or one of our checkpoints")
     log_rank0("weights from checkpoint.init_from=%s (fresh optimizer, step 0, data from its start)", src)
+    return _GivenWeights(reader)
 
-    def box(spec: Any, piece_box: Any) -> Optional[torch.Tensor]:
+
+class _GivenWeights:
+    """A weight reader as ``materialize``'s source; ``close`` lets go of its files."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    def __call__(self, spec: Any, piece_box: Any) -> Optional[torch.Tensor]:
+        reader = self.reader
         return reader.box(spec.logical_name, piece_box) if reader.where(spec.logical_name) is not None else None
 
-    return box
+    def close(self) -> None:
+        getattr(self.reader, "close", lambda: None)()
 
 
 def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallelized:
@@ -123,8 +133,11 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     model = _apply("dp", model, cfg, mesh, pm, handles)   # 6. data axes
     if tied_parameters(model, mesh):
         mesh.pp_ends()  # made now: no group is created once the mesh is sealed
+    given = given_weights(cfg, pm)
     materialize(model, device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers,  # 7. weights
-                mesh.coords, mesh.sizes, given_weights(cfg, pm))
+                mesh.coords, mesh.sizes, given)
+    if given is not None:
+        given.close()
     scale_presummed(model.parameters(), mesh)
     for handle in handles.values():
         handle.after_materialize()

@@ -35,6 +35,9 @@ class H5Weights:
     def where(self, logical: str) -> Optional[str]:
         return logical if logical in self.group else None
 
+    def close(self) -> None:
+        self.file.close()
+
     def box(self, logical: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
         from hpctrain_h5ckpt.snapshot import from_numpy
 
