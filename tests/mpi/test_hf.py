@@ -3,8 +3,8 @@
 - A Llama (GQA 4:1, Llama 3.1 rope scaling), the same tied, and a Mixtral (4
   experts, top-2) loaded with ``checkpoint.init_from=hf:DIR`` train at tp 2,
   pp 2, cp 2, (Mixtral) ep 2 and ZeRO-3 exactly as one process loaded the same way
-  (losses and the gradient of every parameter; tests/unit/hf shows that one
-  process computes transformers' own logits).
+  (losses and the gradient of every parameter), and the first step's loss is
+  transformers' own on that step's batch.
 - After 3 steps at tp 2 x pp 2 the export loads in transformers and gives the
   logits hpctrain computes from that checkpoint, and the export loaded back
   at another layout (cp 2 x dp 2) trains as the checkpoint does in one process.
@@ -78,7 +78,13 @@ def test_an_imported_model_trains_like_one_process_at_any_layout(world, pm, hf_d
     model = _model(hf_dirs[which])
     trainer = world_trainer(pm, *BASE, *model, layout)
     assert trainer.step == 0 and trainer.cursor.consumed_samples == 0  # weights only
-    assert_parity(record(trainer, STEPS), _one_process(pm, model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    first_batch = trainer.orders.train[0].batch(range(4))  # step 1's global batch (samples 0-3)
+    got = record(trainer, STEPS)
+    assert_parity(got, _one_process(pm, model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    # and the first step's loss (the language-model loss, the router's balance loss apart) is transformers' own
+    logits = hf_logits(hf_dirs[which], first_batch[:, :-1])
+    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), first_batch[:, 1:].flatten()))
+    assert abs(got[0].loss - want) <= 1e-5 * want, (got[0].loss, want)
 
 
 @pytest.mark.mpi(min_size=4)
