@@ -16,7 +16,12 @@ of it the planner applies the rules the parallel plugins need:
   ``MIN_CP_CHUNK`` tokens: shorter chunks cannot hide the ring's traffic
   behind attention compute, and they multiply the candidates for nothing;
 - ep divides the number of experts (1 for a dense model);
-- pp divides the layers (equal stages), vpp divides the layers per stage;
+- pp is any stage count with a block per stage, the blocks split by
+  ``hpctrain.pipeline.split.auto_counts`` (the ``parallel.pipeline.layers=auto``
+  of the pipeline plugin: as even as the end stages' embedding and head allow,
+  e.g. 126 blocks on 16 stages [7, 8 x 14, 7]); interleaving takes any vpp
+  with a block per virtual stage (pp x vpp <= layers), chunks uneven where
+  the blocks do not divide;
 - every ZeRO stage goes with every pipeline; under a pipeline ZeRO-2/3 keep
   a stage's whole gradient through the step (the estimate counts it);
 - sequence parallelism is on whenever tp > 1 (it only removes replicated
@@ -30,6 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hpctrain.config.validate import check_layout
 from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
+from hpctrain.pipeline.split import auto_counts, end_cost, rank_layers
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.memory import ZERO_STAGES
@@ -51,6 +57,9 @@ class Layout:
     recompute: str = "none"
     schedule: str = NO_PIPELINE
     vpp: int = 1
+    layers: Tuple[int, ...] = ()
+    """Blocks per virtual stage (pp x vpp of them), ``parallel.pipeline.layers``; empty: ``auto``
+    (``planned_layers``)."""
 
     @property
     def sp(self) -> bool:
@@ -98,8 +107,8 @@ def mesh_problems(arch: Arch, tp: int, cp: int, ep: int, pp: int, seq_len: int, 
         return f"cp={cp} must be a power of two splitting seq_len into 2*cp chunks of >= {MIN_CP_CHUNK} tokens"
     if arch.num_experts % ep:
         return f"ep={ep} must divide the {arch.num_experts} experts"
-    if arch.n_layers % pp:
-        return f"pp={pp} must divide the {arch.n_layers} layers"
+    if pp > arch.n_layers:
+        return f"pp={pp} leaves pipeline stages without a block: use pp <= the {arch.n_layers} layers"
     return ""
 
 
@@ -125,7 +134,7 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     for tp in choices("tp", _powers_of_two(min(gpus_per_node, gpus))):
         for cp in choices("cp", _powers_of_two(gpus)):
             for ep in choices("ep", _divisors(arch.num_experts)):
-                for pp in choices("pp", _divisors(arch.n_layers, min(arch.n_layers, gpus))):
+                for pp in choices("pp", list(range(1, min(arch.n_layers, gpus) + 1))):
                     rest = tp * cp * ep * pp
                     if gpus % rest:
                         continue  # not a factorisation of the world; not worth a message
@@ -160,7 +169,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
         schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
             [(s, 1) for s in wanted if s != "interleaved"]
             + [("interleaved", v) for v in _powers_of_two(MAX_VPP)[1:]
-               if "interleaved" in wanted and (arch.n_layers // pp) % v == 0])
+               if "interleaved" in wanted and pp * v <= arch.n_layers])
         for schedule, vpp in schedules:
             if vpp not in choices("vpp", [vpp]):
                 continue
@@ -168,6 +177,25 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             if why:
                 reject(why)
                 continue
+            layers = tuple(auto_counts(arch.n_layers, pp * vpp, arch_end_cost(arch))) if pp > 1 else ()
             for zero in choices("zero", list(ZERO_STAGES)):
                 for recompute in choices("recompute", list(RECOMPUTE)):
-                    yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp)
+                    yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
+
+
+def planned_layers(arch: Arch, lay: Layout) -> Tuple[int, ...]:
+    """Blocks per virtual stage: ``lay.layers``, or the ``auto`` split the pipeline plugin makes."""
+    if lay.layers:
+        return lay.layers
+    return tuple(auto_counts(arch.n_layers, lay.pp * lay.vpp, arch_end_cost(arch)))
+
+
+def per_rank_layers(arch: Arch, lay: Layout) -> List[int]:
+    """Blocks on each pipeline rank (its virtual stages summed)."""
+    return rank_layers(planned_layers(arch, lay), lay.pp)
+
+
+def arch_end_cost(arch: Arch) -> float:
+    """``split.end_cost`` of the model: the plugin computes it from the same dense-block count
+    (``ModelShape.block_params``, which ``Arch.dense_layer_params`` is for our models)."""
+    return end_cost(arch.vocab_size, arch.d_model, arch.dense_layer_params)
