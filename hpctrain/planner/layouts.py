@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hpctrain.config.validate import check_layout
 from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
-from hpctrain.pipeline.split import auto_counts, end_cost, rank_layers
+from hpctrain.pipeline.split import auto_counts, end_cost, layer_counts, rank_layers
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.memory import ZERO_STAGES
@@ -119,7 +119,8 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     GPipe is only considered when pinned: 1F1B has its bubble with less memory.
 
     ``pins`` fixes values: mesh axes (``tp`` ... ``dp``), ``micro_batch``,
-    ``zero``, ``recompute``, ``schedule``, ``vpp``.
+    ``zero``, ``recompute``, ``schedule``, ``vpp``, ``layers`` (blocks per
+    virtual stage; pipelines of another stage count are rejected).
     """
     pins = dict(pins or {})
     rejected: Dict[str, int] = {}
@@ -146,14 +147,14 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
                         reject(problem)
                         continue
                     for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp,
-                                         choices, reject):
+                                         choices, reject, pins):
                         out.append(layout)
     return out, rejected
 
 
 def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, tp: int, cp: int, ep: int,
            dp: int, pp: int, choices: Callable[[str, List[Any]], List[Any]],
-           reject: Callable[[str], None]) -> Iterator[Layout]:
+           reject: Callable[[str], None], pins: Mapping[str, Any]) -> Iterator[Layout]:
     """Micro-batch, schedule, ZeRO and recompute choices for one mesh."""
     sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
     per_replica = max(1, global_batch // dp)
@@ -177,10 +178,27 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             if why:
                 reject(why)
                 continue
-            layers = tuple(auto_counts(arch.n_layers, pp * vpp, arch_end_cost(arch))) if pp > 1 else ()
+            layers: Tuple[int, ...] = ()
+            pinned = pins.get("layers", ())
+            if pp > 1 or pinned:
+                layers, why = _split(arch, pp * vpp, pinned)
+                if why or pp == 1:
+                    reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
+                    continue
             for zero in choices("zero", list(ZERO_STAGES)):
                 for recompute in choices("recompute", list(RECOMPUTE)):
                     yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
+
+
+def _split(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[Tuple[int, ...], str]:
+    """(blocks per virtual stage, '') : the pinned ones when they fit ``stages``, else ``auto``'s;
+    ((), why) when the pinned ones do not fit (the pipeline plugin's message)."""
+    if not pinned:
+        return tuple(auto_counts(arch.n_layers, stages, arch_end_cost(arch))), ""
+    try:
+        return tuple(layer_counts(list(pinned), arch.n_layers, stages)), ""
+    except ValueError as e:
+        return (), str(e)
 
 
 def planned_layers(arch: Arch, lay: Layout) -> Tuple[int, ...]:

@@ -27,7 +27,8 @@ log = get_logger(__name__)
 MAX_GPU_GROWTH = 64
 PIN_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
             "dp": "parallel.dp", "micro_batch": "trainer.micro_batch_size", "zero": "--pin zero",
-            "recompute": "--pin recompute", "schedule": "--pin schedule", "vpp": "--pin vpp"}
+            "recompute": "--pin recompute", "schedule": "--pin schedule", "vpp": "--pin vpp",
+            "layers": "parallel.pipeline.layers"}
 
 
 @dataclass

@@ -82,7 +82,7 @@ def test_calibration_replaces_datasheet_numbers(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["model=llama3-70b", "cluster=h100-80gb"], ["unknown model preset 'llama3-70b'", "llama3-8b", "model.d_model"]),
+    (["model=llama3-1t", "cluster=h100-80gb"], ["unknown model preset 'llama3-1t'", "llama3-405b", "model.d_model"]),
     (["cluster=dgx-b300"], ["unknown cluster preset 'dgx-b300'", "h100-80gb"]),
     (["cluster=local"], ["does not say cluster.gpus, cluster.gpus_per_node, cluster.gpu_mem_gb, cluster.peak_tflops",
                          "cluster=h100-80gb"]),
