@@ -19,9 +19,10 @@ of it the planner applies the rules the parallel plugins need:
 - pp is any stage count with a block per stage, the blocks split by
   ``hpctrain.pipeline.split.auto_counts`` (the ``parallel.pipeline.layers=auto``
   of the pipeline plugin: as even as the end stages' embedding and head allow,
-  e.g. 126 blocks on 16 stages [7, 8 x 14, 7]); interleaving takes any vpp
-  with a block per virtual stage (pp x vpp <= layers), chunks uneven where
-  the blocks do not divide;
+  e.g. 126 blocks on 16 stages [7, 8 x 14, 7]) and, where that differs, by
+  the plain even split (the estimate keeps the faster; the printed command
+  names the split); interleaving takes any vpp with a block per virtual
+  stage (pp x vpp <= layers), chunks uneven where the blocks do not divide;
 - every ZeRO stage goes with every pipeline; under a pipeline ZeRO-2/3 keep
   a stage's whole gradient through the step (the estimate counts it);
 - sequence parallelism is on whenever tp > 1 (it only removes replicated
@@ -81,7 +82,20 @@ class Layout:
         parts = [f"{a}{n}" for a, n in self.sizes().items() if n > 1 or a == "dp"]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else ""))
+            if self.layers:
+                parts.append(split_text(self.layers))
         return " ".join(parts)
+
+
+def split_text(layers: Tuple[int, ...]) -> str:
+    """Blocks per stage, runs shortened: (7, 8, 8, 8, 7) -> '[7,8x3,7]'."""
+    runs: List[List[int]] = []
+    for n in layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "[" + ",".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs) + "]"
 
 
 def _powers_of_two(limit: int) -> List[int]:
@@ -178,27 +192,32 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             if why:
                 reject(why)
                 continue
-            layers: Tuple[int, ...] = ()
+            splits: List[Tuple[int, ...]] = [()]
             pinned = pins.get("layers", ())
             if pp > 1 or pinned:
-                layers, why = _split(arch, pp * vpp, pinned)
+                splits, why = _splits(arch, pp * vpp, pinned)
                 if why or pp == 1:
                     reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
                     continue
-            for zero in choices("zero", list(ZERO_STAGES)):
-                for recompute in choices("recompute", list(RECOMPUTE)):
-                    yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
+            for layers in splits:
+                for zero in choices("zero", list(ZERO_STAGES)):
+                    for recompute in choices("recompute", list(RECOMPUTE)):
+                        yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
 
 
-def _split(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[Tuple[int, ...], str]:
-    """(blocks per virtual stage, '') : the pinned ones when they fit ``stages``, else ``auto``'s;
-    ((), why) when the pinned ones do not fit (the pipeline plugin's message)."""
+def _splits(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[List[Tuple[int, ...]], str]:
+    """(the splits to estimate, ''): the pinned one when it fits ``stages``, else ``auto``'s and,
+    where it differs, the plain even split (the remainder on the middle stages): a block also costs
+    its tensor-parallel collectives, which the end stages' parameter count does not see, so the
+    estimate decides; ([], why) when the pinned one does not fit (the pipeline plugin's message)."""
     if not pinned:
-        return tuple(auto_counts(arch.n_layers, stages, arch_end_cost(arch))), ""
+        auto = tuple(auto_counts(arch.n_layers, stages, arch_end_cost(arch)))
+        even = tuple(auto_counts(arch.n_layers, stages))
+        return [auto] if even == auto else [auto, even], ""
     try:
-        return tuple(layer_counts(list(pinned), arch.n_layers, stages)), ""
+        return [tuple(layer_counts(list(pinned), arch.n_layers, stages))], ""
     except ValueError as e:
-        return (), str(e)
+        return [], str(e)
 
 
 def planned_layers(arch: Arch, lay: Layout) -> Tuple[int, ...]:
