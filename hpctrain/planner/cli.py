@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a knob (the same as its config key): zero=0..3, recompute=none|selective|full, "
-                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N (repeatable)")
+                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N, layers=[7,8,8,7] (repeatable)")
     return p
 
 

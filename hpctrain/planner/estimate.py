@@ -176,7 +176,7 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     buffers = 0.0
     if lay.recompute == "full":  # one block rematerialised during its backward
         buffers += act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute="none", **kw)
-    layer_params = arch.layer_params_per_rank(lay.tp, lay.ep)  # (the gathered blocks: the largest kind)
+    layer_params = arch.layer_params_per_rank(lay.tp, lay.ep)
     # under a pipeline the micro-batches' backwards interleave, so ZeRO-2/3 accumulate the stage's whole
     # gradient through the step (reduce-scattered once, after the last backward)
     whole_grads = lay.zero >= 2 and lay.pp > 1
