@@ -50,6 +50,8 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
     assert {e.layout.recompute for e in metas} == {"full"}
     plain = [e for e in metas if e.layout.schedule == "1f1b"]
     assert plain and {e.layout.layers for e in plain} == {tuple(META)}
+    # interleaving with uneven chunks: 126 blocks on 64 virtual stages (the ranks again [7, 8 x 14, 7])
+    assert any(e.layout.vpp == 4 and e.layout.layers == (1,) + (2,) * 62 + (1,) for e in metas)
     assert max(e.mfu for e in metas) >= 0.30
     assert plan.best.mfu >= 0.30 and plan.best.fits
     assert plan.best.layout.pp > 1 and sum(plan.best.layout.layers) == 126
