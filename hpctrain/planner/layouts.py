@@ -31,6 +31,7 @@ of it the planner applies the rules the parallel plugins need:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
@@ -195,7 +196,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             splits: List[Tuple[int, ...]] = [()]
             pinned = pins.get("layers", ())
             if pp > 1 or pinned:
-                splits, why = _splits(arch, pp * vpp, pinned)
+                splits, why = _splits(arch, pp * vpp, tuple(pinned))
                 if why or pp == 1:
                     reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
                     continue
@@ -205,6 +206,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
                         yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
 
 
+@lru_cache(maxsize=1024)
 def _splits(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[List[Tuple[int, ...]], str]:
     """(the splits to estimate, ''): the pinned one when it fits ``stages``, else ``auto``'s and,
     where it differs, the plain even split (the remainder on the middle stages): a block also costs
