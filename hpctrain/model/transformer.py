@@ -213,7 +213,10 @@ class Block(nn.Module):
         return self._forward(x, cos, sin, segments)
 
     def _forward(self, x, cos, sin, segments=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, segments)
+        h = self.attn_norm(x)
+        # without segments the attention is called with its three inputs, as module hooks that list them expect
+        # (torch's PrepareModuleInput in the tensor-parallel peer of hpctrain-bench tp)
+        x = x + (self.attn(h, cos, sin) if segments is None else self.attn(h, cos, sin, segments))
         return x + self.ffn(self.ffn_norm(x))
 
 

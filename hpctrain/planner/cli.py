@@ -7,8 +7,8 @@
 Arguments are the same Hydra overrides ``hpctrain-train`` takes (the config
 is composed the same way, plugins' sections included). Explicit
 ``parallel.<axis>=N``, ``trainer.micro_batch_size=N``, ``parallel.zero.stage=N``,
-``model.recompute=...``, ``parallel.pipeline.schedule=...`` or
-``parallel.pipeline.vpp=N`` pin that value (``--pin zero=1`` and friends are
+``model.recompute=...``, ``parallel.pipeline.schedule=...``,
+``parallel.pipeline.vpp=N`` or ``parallel.pipeline.layers=[...]`` pin that value (``--pin zero=1`` and friends are
 the same); the planner searches the rest.
 Without ``trainer.precision`` it plans bf16 (what GPU runs use; the presets'
 peaks are bf16 peaks).
@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a knob (the same as its config key): zero=0..3, recompute=none|selective|full, "
-                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N (repeatable)")
+                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N, layers=[7,8,8,7] (repeatable)")
     return p
 
 
@@ -51,18 +51,41 @@ def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> D
     from hpctrain.pipeline.bubble import SCHEDULES
     from hpctrain.planner.activations import RECOMPUTE
 
-    allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
+    allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None,
+               "layers": None}
     out: Dict[str, Any] = {}
     for i, pair in enumerate(pairs):
         key, _, value = pair.partition("=")
+        if key == "layers":
+            counts = _layer_counts(value, shown[i] if shown else f"--pin {pair}")
+            if counts:
+                out[key] = counts
+            continue
         options = allowed.get(key, ())
         bad_vpp = key == "vpp" and not (value.isdigit() and int(value) > 0)
         if key not in allowed or (options and value not in options) or bad_vpp:
             given = shown[i] if shown else f"--pin {pair}"
             raise ConfigError(f"{given}: use zero=0..3, recompute={'|'.join(RECOMPUTE)}, "
-                              f"schedule={'|'.join(SCHEDULES)} or vpp=<positive integer>")
+                              f"schedule={'|'.join(SCHEDULES)}, vpp=<positive integer> or layers=[blocks per stage]")
         out[key] = int(value) if key in ("zero", "vpp") else value
     return out
+
+
+def _layer_counts(value: str, given: str) -> Tuple[int, ...]:
+    """``[7,8,8,7]`` or ``7,8,8,7`` -> (7, 8, 8, 7); ``auto`` -> () (the planner's own split)."""
+    from hpctrain.errors import ConfigError
+
+    text = value.strip().strip("'\"")
+    if text == "auto":
+        return ()
+    try:
+        counts = tuple(int(x) for x in text.strip("[]").split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"{given}: give auto or the blocks of each pipeline stage, e.g. "
+                          "parallel.pipeline.layers=[7,8,8,7]")
+    return counts
 
 
 def _pins(overrides: Sequence[str]) -> Dict[str, Any]:
