@@ -40,11 +40,14 @@ def checkpoint_dir(cfg: Any) -> Optional[str]:
 
 @hookimpl
 def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    from hpctrain_h5ckpt.weights import init_from_problems
+
     ck = cfg.checkpoint
+    given = init_from_problems(cfg)  # weights from one of our checkpoints, whatever this run saves
     # a run that may only save when stopped (save_on_stop) is checked too: found now, not at the stop
     if ck.format != FORMAT or not (ck.every or ck.resume or ck.get("save_on_stop", False)):
-        return None
-    out = options.problems(ck.hdf5)
+        return given or None
+    out = given + options.problems(ck.hdf5)
     if ck.keep < 0:
         out.append(f"checkpoint.keep={ck.keep} must be >= 0 (0 keeps every checkpoint)")
     if ck.every < 0:

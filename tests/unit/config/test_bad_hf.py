@@ -129,6 +129,25 @@ def test_a_sliding_window_no_shorter_than_the_sequence_passes(make_config, pm, m
     assert _problems(make_config, pm, path) == []
 
 
+def test_our_checkpoint_of_another_model_is_one_line(make_config, pm, models, tmp_path):
+    """checkpoint.init_from=<one of our checkpoints> saved by another model: the shapes, before any collective."""
+    from hpctrain_h5ckpt import cli
+
+    assert cli.main(["import-hf", models["llama"], str(tmp_path / "ck.h5")]) == 0
+    problems = validate(make_config(f"checkpoint.init_from={tmp_path / 'ck.h5'}"), 1, pm)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"checkpoint.init_from={tmp_path / 'ck.h5'}: a tensor of the wrong shape: "
+                                  "tok_embeddings.weight is [300, 64], the model needs [256, 64]; ")
+    assert problems[0].endswith(" more; set the model it was trained with")
+    (tmp_path / "not-hdf5").write_text("hello")
+    problems = validate(make_config(f"checkpoint.init_from={tmp_path / 'not-hdf5'}"), 1, pm)
+    assert problems == [f"checkpoint.init_from={tmp_path / 'not-hdf5'} is neither hf:<Hugging Face directory> nor "
+                        "an hpctrain checkpoint (an HDF5 step_*.h5, or a directory holding committed ones)"]
+    good = make_config("model=hf", f"model.hf_dir={models['llama']}", f"checkpoint.init_from={tmp_path / 'ck.h5'}",
+                       "trainer.seq_len=32")
+    assert validate(good, 1, pm) == []
+
+
 def test_an_export_target_without_its_parent_is_one_line_exit_2(models, tmp_path, capsys):
     from hpctrain_h5ckpt import cli
 
