@@ -229,6 +229,8 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
+    from hpctrain.optimizers.checks import optimizer_problems
+    problems += optimizer_problems(cfg, pm, caps.get("optim", []))
     return problems
 
 
