@@ -33,7 +33,7 @@ def _muon_has_matrices(cfg: Any, pm: Any) -> List[str]:
 
     try:
         model = build_model(cfg, pm)
-    except Exception:  # a model config the other checks reject: they say why
+    except Exception:  # noqa: BLE001 (a model config the other checks reject: they say why)
         return []
     specs = [get_spec(p) for p in model.parameters()]
     if any(muon_matrix(s, list(cfg.optim.adamw_params)) for s in specs):

@@ -178,7 +178,8 @@ class Muon(ShardedOptimizer):
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         cfg = self.cfg
-        adam([p for p in tensors], [p.grad for p in tensors], [self.state[p]["exp_avg"] for p in tensors],
+        grads = [p.grad for p in tensors if p.grad is not None]
+        adam(list(tensors), grads, [self.state[p]["exp_avg"] for p in tensors],
              [self.state[p]["exp_avg_sq"] for p in tensors], [], [self.state[p]["step"] for p in tensors],
              foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=float(cfg.beta1),
              beta2=float(cfg.beta2), lr=group["lr"], weight_decay=group["weight_decay"], eps=float(cfg.eps),

@@ -42,9 +42,9 @@ from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.model.recompute import set_recompute
+from hpctrain.optimizers.build import build_optimizer
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
-from hpctrain.optimizers.build import build_optimizer
 from hpctrain.train.schedule import GradAccumulation, StepSchedule
 
 
