@@ -51,10 +51,9 @@ def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> D
     """--pin zero=1 --pin recompute=selective -> {"zero": 1, "recompute": "selective"}.
     ``shown``: how each pair was given, for the error (default ``--pin <pair>``)."""
     from hpctrain.errors import ConfigError
+    from hpctrain.optimizers.kinds import OPTIMIZERS
     from hpctrain.pipeline.bubble import SCHEDULES
     from hpctrain.planner.activations import RECOMPUTE
-
-    from hpctrain.optimizers.kinds import OPTIMIZERS
 
     allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None,
                "optim": OPTIMIZERS}
