@@ -79,6 +79,13 @@ def _share(trainer: Any) -> str:
     return f"{len(opt.owned())}/{len(opt.plan.owner)}"
 
 
+def _runner(trainer: Any, timer: TimedStep, times: List[float]) -> Callable[[], None]:
+    def step() -> None:
+        trainer.train_step()
+        times.append(timer.last)
+    return step
+
+
 def step_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
     world = rt.mpi_comm
     for layout in LAYOUTS:
@@ -86,14 +93,9 @@ def step_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
         timers = {name: TimedStep(tr.optimizer) for name, tr in trainers.items()}
         opt_times: Dict[str, List[float]] = {name: [] for name in trainers}
 
-        def runner(name: str) -> Callable[[], Any]:
-            def step() -> None:
-                trainers[name].train_step()
-                opt_times[name].append(timers[name].last)
-            return step
-
         names = list(trainers)
-        timings = time_interleaved([runner(n) for n in names], world, args.warmup, args.steps)
+        steps = [_runner(trainers[n], timers[n], opt_times[n]) for n in names]
+        timings = time_interleaved(steps, world, args.warmup, args.steps)
         med = {n: statistics.median(t.samples) for n, t in zip(names, timings)}
         base = med.get("adamw", med[names[0]])
         group = "dp" if layout == "dp" else "tp"
