@@ -89,6 +89,8 @@ class Zero(DataHandle):
         """Where the model computes."""
         self.host = False
         """Masters and optimizer state in host memory (offload=cpu on a GPU)."""
+        self.optim: Any = None
+        """The run's ``optim`` config (what the memory log counts of the optimizer's state)."""
 
     @property
     def stage(self) -> int:
@@ -310,8 +312,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     shapes = {fg.name: [p.shape for p in fg.params] for fg in flats}
     if z.stage == 3:
         _shard_parameters(model, flats, units)
-    return Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
+    zero = Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
                 unsharded)
+    zero.optim = cfg.optim
+    return zero
 
 
 def _tied_across_stages(p: nn.Parameter) -> bool:

@@ -83,6 +83,10 @@ def test_optimizer_trains_like_one_process(world, pm, name, layout):
     want, want_params = reference(name)
     assert_parity(record(trainer, STEPS), want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     assert_same_params(logical_params(trainer), want_params)
+    if "zero" in layout:  # the ZeRO memory log counts this optimizer's state to the byte
+        from hpctrain_zero.memory import measured
+
+        assert measured(trainer.data, trainer.model, trainer.optimizer).optimizer == trainer.data.memory.optimizer
 
 
 @pytest.mark.mpi(min_size=4)
