@@ -89,8 +89,12 @@ def test_optimizer_trains_like_one_process(world, pm, name, layout):
         assert measured(trainer.data, trainer.model, trainer.optimizer).optimizer == trainer.data.memory.optimizer
 
 
+NORM_LAYOUTS = {**LAYOUTS, "tp4-kv-replicated": ("parallel.tp=4",)}
+"""With tp 4 and 2 key/value heads, each head's rows are held by 2 tp ranks (a replica on the splitting axis)."""
+
+
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(NORM_LAYOUTS))
 @pytest.mark.parametrize("name", ("lamb", "lars"))
 def test_trust_ratio_norms_are_the_logical_tensors_norms(world, pm, name, layout):
     """Each tensor's norm, from the pieces a rank holds and the per-axis
@@ -101,8 +105,10 @@ def test_trust_ratio_norms_are_the_logical_tensors_norms(world, pm, name, layout
     from hpctrain.config import compose_resolved
     from hpctrain.run import reference_trainer
 
-    trainer = world_trainer(pm, *BASE, f"optim={name}", *LAYOUTS[layout])
+    trainer = world_trainer(pm, *BASE, f"optim={name}", *NORM_LAYOUTS[layout])
     opt = inner(trainer.optimizer)
+    if layout.startswith("tp4"):
+        assert max(max(r) for r in opt.norms.replicas) == 2  # the key/value rows
     values = [None] * len(opt.specs)
     for p in opt.held():
         values[opt.slot[id(p)]] = [p, torch.ones_like(p)]
