@@ -45,7 +45,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                   {"params": [t for t in tensors if not decays(get_spec(t))], "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]] or [{"params": [], "weight_decay": 0.0}]
         super().__init__(groups, dict(defaults or {}, lr=float(optim.lr)))
-        self.device = tensors[0].device if tensors else torch.device("cpu")
+        self.device = tensors[0].device if tensors else _default_device()
+        """Where the norms' and Muon's collectives run: the tensors' device."""
 
     def held(self) -> List[torch.Tensor]:
         """Every tensor this rank updates, group by group."""
@@ -54,3 +55,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def group_of(self) -> Dict[int, Dict[str, Any]]:
         """Each held tensor's parameter group, by id."""
         return {id(t): g for g in self.param_groups for t in g["params"]}
+
+
+def _default_device() -> torch.device:
+    """A rank updating nothing still enters the collectives, on the device its backend expects."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
