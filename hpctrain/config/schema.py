@@ -198,10 +198,10 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """The optimizer (AdamW, LAMB, LARS or Muon; ``hpctrain.optimizers``) with linear warmup and cosine decay."""
 
     name: str = "adamw"
-    """Optimizer name (plugins may wrap it, e.g. ZeRO)."""
+    """Optimizer: adamw, lamb, lars or muon (the presets optim=...), or a plugin's; ZeRO shards any of them."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -218,6 +218,21 @@ class OptimConfig:
     """Linear warmup steps from 0 to lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    momentum: float = 0.9
+    """LARS's heavy-ball momentum and Muon's (its preset: 0.95)."""
+    nesterov: bool = True
+    """Muon: Nesterov momentum (the orthogonalised update looks ahead along the momentum)."""
+    trust_coefficient: float = 0.001
+    """LARS: eta in the local learning rate eta * ||w|| / (||g|| + weight_decay * ||w||)."""
+    exclude_from_adaptation: List[str] = field(default_factory=lambda: ["norm", "bias", "embedding"])
+    """LAMB, LARS: kinds of tensor whose step is not scaled by a trust ratio (any of norm, bias, embedding)."""
+    adamw_params: List[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
+    """Muon: glob patterns of logical parameter names kept on AdamW besides every tensor of rank < 2
+    (default: the embedding and the head)."""
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per step."""
+    ns_dtype: str = "fp32"
+    """Muon: dtype of the Newton-Schulz iteration, fp32 or bf16 (what GPU runs of Muon usually take)."""
 
 
 @dataclass

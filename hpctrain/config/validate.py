@@ -237,6 +237,8 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         from hpctrain.hf.weights import init_from_problems
 
         problems += init_from_problems(cfg, pm)
+    from hpctrain.optimizers.checks import optimizer_problems
+    problems += optimizer_problems(cfg, pm, caps.get("optim", []))
     return problems
 
 

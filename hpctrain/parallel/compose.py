@@ -18,7 +18,8 @@ weights real, then the optimizer and the step schedule:
    already sums over a data axis are scaled to an average
    (``grad_sync.presummed``); the handles attach what needs real weights;
 8. **optimizer** (the data handle's, e.g. ZeRO's sharded one; else an
-   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's AdamW)
+   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's
+   ``optim.name``: AdamW, LAMB, LARS or Muon, ``hpctrain.optimizers``)
    and **schedule** (the pipeline's, or gradient accumulation).
 
 Each axis of size > 1 is implemented by the plugin ``hpctrain.plugins.
@@ -41,9 +42,9 @@ from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.model.recompute import set_recompute
+from hpctrain.optimizers.build import build_optimizer
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
-from hpctrain.train.optim import build_adamw
 from hpctrain.train.schedule import GradAccumulation, StepSchedule
 
 
@@ -151,7 +152,7 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (data.make_optimizer(params, cfg)                                         # 8. optimizer
                  or pm.hook.hpctrain_make_optimizer(params=params, model=model, mesh=mesh, cfg=cfg)
-                 or build_adamw(params, cfg.optim))
+                 or build_optimizer(params, cfg.optim, mesh))
     pipeline: Optional[AxisHandle] = handles.get("pp")
     if pipeline is not None and not isinstance(pipeline, PipelineHandle):
         raise PluginError(f"the pipeline plugin returned a {type(pipeline).__name__}, not a PipelineHandle")
