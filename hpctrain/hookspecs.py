@@ -143,6 +143,14 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConf
     run's layout (None outside a run, e.g. the checkpoint benchmark)."""
 
 
+@hookspec(firstresult=True)
+def hpctrain_weight_source(path: str, cfg: "DictConfig") -> Optional[Any]:
+    """``checkpoint.init_from=path`` (weights only) when ``path`` is a checkpoint of your format: return a
+    reader with ``where(logical_name)`` (None when it has no such tensor) and ``box(logical_name, box)``
+    (the values of that box of the logical tensor, any float dtype), read lazily: each rank asks only
+    for the boxes it holds. None declines."""
+
+
 @hookspec
 def hpctrain_after_finalize_grads(trainer: Any) -> None:
     """Observer: the step's gradients are final (``hpctrain.parallel.

@@ -167,6 +167,10 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"optim.outer={outer.name!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
     if outer.dtype not in ("fp32", "bf16"):
         problems.append(f"optim.outer.dtype={outer.dtype!r} is not one of fp32, bf16")
+    if outer.name == "diloco" and cfg.optim.name == "muon":
+        # Muon spreads each whole matrix's Newton-Schulz over the data ranks, whose replicas differ under DiLoCo
+        problems.append("optim=muon with optim.outer=diloco: Muon orthogonalises whole matrices gathered over the "
+                        "dp ranks, which are separate replicas under DiLoCo; use optim=adamw, lamb or lars")
     if outer.name == "diloco" and outer.every > int(t.steps):
         problems.append(f"optim.outer.every={outer.every} is more than trainer.steps={t.steps}: the replicas would "
                         f"never average; use optim.outer.every <= {t.steps}")
@@ -238,6 +242,16 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
+    from hpctrain.hf.config import hf_model_problems
+
+    hf_problems = hf_model_problems(cfg)
+    problems += hf_problems
+    if not problems:  # the model's tensors are built (on the meta device) to check the weights against
+        from hpctrain.hf.weights import init_from_problems
+
+        problems += init_from_problems(cfg, pm)
+    from hpctrain.optimizers.checks import optimizer_problems
+    problems += optimizer_problems(cfg, pm, caps.get("optim", []))
     return problems
 
 

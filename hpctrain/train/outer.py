@@ -32,7 +32,10 @@ data parallelism's one of the gradients per step (plus its per-parameter
 copies of this rank's parameters.
 
 ZeRO is refused with DiLoCo (its validation): a replica trains alone, so
-there is no data group to shard its optimizer state over.
+there is no data group to shard its optimizer state over. So is Muon: it
+assembles each whole matrix over the data ranks and spreads the
+Newton-Schulz work over them, which are separate replicas here (LAMB and
+LARS reduce their norms over the splitting axes only and work).
 
 Checkpoints (``state`` and ``state_spec``, as the checkpoint format reads an
 optimizer): per parameter, the inner optimizer's state and the replica's
