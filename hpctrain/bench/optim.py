@@ -1,10 +1,9 @@
-"""Optimizers over sharded state: step time of Muon, LAMB and LARS against AdamW at dp N and tp N.
+"""Optimizers over sharded state: Muon, LAMB and LARS against AdamW at dp N and tp N; DiLoCo against plain dp.
 
 Run under the launcher, e.g. ``mpiexec -n 2 hpctrain-bench optim``; extra
 ``key=value`` arguments are Hydra overrides of the run config. Sections run
 in order (``SECTIONS``; ``--part NAME`` picks one), each printing its own
-table, so another section (DiLoCo's step time and bytes against plain data
-parallelism) joins as one more entry:
+table:
 
 - ``step``: for each layout (``dp``: every rank a data-parallel rank with
   ZeRO-1; ``tp``: every rank a tensor-parallel rank), ``Trainer.train_step``
@@ -15,6 +14,8 @@ parallelism) joins as one more entry:
   Newton-Schulz share of this rank), Muon's share (matrices this rank
   orthogonalises / matrices of the stage), the bus bytes of the layout's
   group per step and the last loss.
+- ``diloco``: ``optim.outer=diloco`` against plain data parallelism, step
+  time and ``comm_bytes.dp`` per step (``hpctrain.bench._optim_outer``).
 """
 from __future__ import annotations
 
@@ -111,8 +112,19 @@ def step_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
     return 0
 
 
+def diloco_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
+    """DiLoCo's step time and dp bytes against plain data parallelism (``hpctrain.bench._optim_outer``)."""
+    from hpctrain.bench._optim_outer import diloco_section as table
+
+    del cfg  # its own model (the dp benchmark's), composed per contender
+    print_rank0(rt.mpi_comm, "", "## " + table(rt.mpi_comm, args.overrides, iters=args.steps, warmup=args.warmup,
+                                                 markdown=args.markdown))
+    return 0
+
+
 SECTIONS: Dict[str, Callable[[argparse.Namespace, Any, Any, Any], int]] = {
     "step": step_section,
+    "diloco": diloco_section,
 }
 """Sections in the order ``--part all`` runs them: name -> fn(args, cfg, runtime, plugins) -> exit status."""
 

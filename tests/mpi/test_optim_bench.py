@@ -16,7 +16,7 @@ def test_optim_bench_runs_and_layouts_agree(world, capsys):
 
     if world.Get_size() != 2:
         pytest.skip("smoke-tested at 2 ranks (tiny model: 2 heads)")
-    assert optim.main(["--steps", "2", "--warmup", "0", *TINY]) == 0
+    assert optim.main(["--part", "step", "--steps", "2", "--warmup", "0", *TINY]) == 0  # diloco: its own smoke test
     out = capsys.readouterr().out
     if world.Get_rank() == 0:
         rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in optim.OPTIMIZERS]
