@@ -107,6 +107,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
 
     register_configs(get_manager())
     codes: List[int] = []
+    swept = _swept_keys(argv)
     user_full_error = os.environ.get(_FULL_ERROR)
 
     def task(cfg) -> int:
@@ -130,7 +131,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
             # created only when something is saved (a stop saves by default)
             cfg.checkpoint.dir = default_checkpoint_dir(cfg, HydraConfig.get().runtime.cwd)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            _sweep_logging(cfg, HydraConfig.get())
+            _sweep_logging(cfg, HydraConfig.get(), swept)
         try:
             cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve: one line, status 2
@@ -172,15 +173,28 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     return code
 
 
-def _sweep_logging(cfg, hc) -> None:
-    """A sweep point is a run of its own in every logger backend, grouped by the sweep
-    (``logging.{dir,group,name}`` left unset; ``hpctrain.train.loggers``)."""
+def _swept_keys(argv: List[str]) -> List[str]:
+    """The keys a ``--multirun`` command line sweeps (``optim.lr=1e-3,3e-3``: optim.lr)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 - Hydra reports a bad override itself, in one line (explain)
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
+def _sweep_logging(cfg, hc, swept: List[str]) -> None:
+    """A sweep point is a run of its own in every logger backend, named by its
+    number and swept values, grouped by the sweep (``logging.{dir,group,name}``
+    left unset; ``hpctrain.train.loggers``)."""
     if cfg.logging.dir is None:
         cfg.logging.dir = hc.sweep.dir
     if cfg.logging.group is None:
         cfg.logging.group = hc.sweep.dir
     if cfg.logging.name is None:
-        cfg.logging.name = " ".join([str(hc.job.num)] + list(hc.overrides.task))
+        values = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+        cfg.logging.name = " ".join([str(hc.job.num)] + values)
 
 
 def _composition_failed(e: Exception, full_error: bool) -> int:

@@ -7,6 +7,7 @@ side by side. Every metric is a scalar at its step.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Dict, List, Optional
 
 from hpctrain import hookimpl
@@ -19,7 +20,8 @@ NAME = "tensorboard"
 
 
 def event_dir(cfg: Any, run_dir: str) -> str:
-    return os.path.join(logging_dir(cfg, run_dir), "tensorboard", run_name(cfg, run_dir))
+    """``<logging.dir>/tensorboard/<run name>``, the name kept to characters every file system takes."""
+    return os.path.join(logging_dir(cfg, run_dir), "tensorboard", re.sub(r"[^\w.=,+-]+", "_", run_name(cfg, run_dir)))
 
 
 class TensorBoardLogger:
