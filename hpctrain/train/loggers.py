@@ -102,7 +102,7 @@ class Loggers:
 def known_backends(pm) -> List[str]:
     from hpctrain.plugins import capabilities
 
-    return list(BUILTIN) + [n for n in capabilities(pm).get("logging.backend", []) if n not in BUILTIN]
+    return list(BUILTIN) + sorted(n for n in capabilities(pm).get("logging.backend", []) if n not in BUILTIN)
 
 
 def backend_problems(cfg: Any, pm) -> List[str]:
