@@ -279,6 +279,8 @@ class Trainer:
         log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s",
                   cfg.model.name, f"{self.logical_params:,}", self.mesh.describe(),
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
+        if is_main and self.run_dir:
+            write_layout(self.run_dir, self.mesh, self.logical_params, str(self.device))
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
         unsaved = why_no_stop_save(cfg, self.pm, self.checkpointer is not None)  # None: a stop saves
@@ -345,3 +347,16 @@ PEAKS_FILE = "memory_per_rank.json"
 def write_peaks(run_dir: str, peaks: Dict[str, List[float]]) -> None:
     with open(os.path.join(run_dir, PEAKS_FILE), "w") as f:
         json.dump(peaks, f, indent=1)
+
+
+LAYOUT_FILE = "layout.json"
+"""The run's mesh: world size, axis sizes and order, every axis's groups (rank 0 writes it; ``hpctrain-report``)."""
+
+
+def write_layout(run_dir: str, mesh: Mesh, params: int, device: str) -> None:
+    from hpctrain.mesh import AXES
+
+    groups = {a: [list(g) for g in mesh.partition(a)] for a in AXES if mesh.size(a) > 1}
+    with open(os.path.join(run_dir, LAYOUT_FILE), "w") as f:
+        json.dump({"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order),
+                   "groups": groups, "parameters": params, "device": device}, f, indent=1)
