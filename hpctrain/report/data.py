@@ -53,9 +53,9 @@ def _overrides(run_dir: str) -> List[str]:
     path = os.path.join(run_dir, ".hydra", "overrides.yaml")
     if not os.path.exists(path):
         return []
-    import yaml
+    from omegaconf import OmegaConf
 
-    return [str(o) for o in (yaml.safe_load(open(path)) or [])]
+    return [str(o) for o in OmegaConf.load(path)]
 
 
 def is_run(path: str) -> bool:
