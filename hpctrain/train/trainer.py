@@ -70,6 +70,8 @@ class Trainer:
         self.peaks_per_rank: Dict[str, List[float]] = {}
         """Every rank's peak memory, by metric, as last gathered (``hpctrain.train.memory``)."""
         self.profiler = StepProfiler(cfg.trainer.profile, mesh.world_rank, device, run_dir)
+        self.logging_s = 0.0
+        """Seconds this rank spent in the loggers and the log line (``hpctrain-bench loggers``)."""
         self.step = 0
         self.parallel = parallelize(cfg, mesh, pm, device)
         """The layout, built: model, handles, optimizer and schedule (``hpctrain.parallel.compose``)."""
@@ -297,11 +299,13 @@ class Trainer:
                 if self.orders.valid and (self.step == total or (every and self.step % every == 0)):
                     m.update(self.validate())  # collective: the same steps on every rank
                 self.history.append(m)
+                t_log = time.perf_counter()
                 loggers.log(m)
                 progress.update(self.step, m)
                 if self.step % cfg.trainer.log_every == 0 or self.step == total:
                     log_step(self.step, total, m)
                     loggers.flush()
+                self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(trainer=self, step=self.step, metrics=m)
                 saved = None
                 if self.checkpointer is not None and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:

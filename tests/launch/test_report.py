@@ -8,7 +8,6 @@ The 3D page's figures are checked against the run's own files: the layout's
 groups are the mesh's, every rank has a memory bar, the predicted bytes per
 axis are the planner's for the same config."""
 import json
-import os
 import shutil
 import subprocess
 import sys
