@@ -179,19 +179,17 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
         if watchdog is not None:
             watchdog_holder.append(watchdog)
             board = watchdog.board
-    loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
-    try:
-        mesh = build_mesh(cfg, rt, pm, board)
-        return Trainer(cfg, mesh, pm, rt.device, run_dir, loggers=loggers)
-    except BaseException:
-        loggers.close()
-        raise
+    mesh = build_mesh(cfg, rt, pm, board)
+    trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
+    # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
+    trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
+    return trainer
 
 
 def open_loggers_agreed(cfg: Any, rt: Runtime, pm, run_dir: Optional[str]):
-    """Rank 0's logger backends, opened before the mesh; a backend that cannot
+    """Rank 0's logger backends, opened before step 1; a backend that cannot
     start (a package missing, a directory it cannot write) stops every rank
-    with rank 0's one line (its verdict broadcast like validation's)."""
+    with rank 0's one line (its verdict broadcast over MPI, like validation's)."""
     from hpctrain.train.loggers import Loggers, open_loggers
 
     loggers, problem = Loggers(), None
