@@ -71,7 +71,10 @@ EXPERIMENT_KEYS = ("model", "data", "optim", "trainer.global_batch_size", "train
 """What makes two launches the same experiment for the default checkpoint
 directory. Left out on purpose: the layout (``parallel.*``: checkpoints
 resume at any layout), ``trainer.steps`` (a relaunch may train longer), the
-micro-batch size, logging, communication and cluster settings."""
+micro-batch size, logging, communication and cluster settings. The weights a
+run starts from (``checkpoint.init_from``) count too, when set: two fine-tunings
+of one model from different weights are different experiments (left out when
+unset, so the directories of runs without it keep their names)."""
 
 
 def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
@@ -89,5 +92,7 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
     chosen = {key: OmegaConf.to_container(OmegaConf.select(cfg, key), resolve=True)
               if OmegaConf.is_config(OmegaConf.select(cfg, key)) else OmegaConf.select(cfg, key)
               for key in EXPERIMENT_KEYS}
+    if OmegaConf.select(cfg, "checkpoint.init_from", default=None):
+        chosen["checkpoint.init_from"] = str(cfg.checkpoint.init_from)
     digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return os.path.join(os.path.abspath(launch_dir), "checkpoints", f"{cfg.model.name}-{digest}")

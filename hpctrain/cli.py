@@ -117,6 +117,14 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
         from hpctrain.checkpoint import default_checkpoint_dir
 
         run_dir = HydraConfig.get().runtime.output_dir
+        if cfg.model.hf_dir:  # the shape from the directory's config.json (validation reports its problems)
+            from hpctrain.hf.config import apply_hf_config
+
+            if not apply_hf_config(cfg):
+                from hpctrain.log import log_rank0
+
+                log_rank0("model.hf_dir=%s: %s, %d layers, d_model %d", cfg.model.hf_dir, cfg.model.name,
+                          cfg.model.n_layers, cfg.model.d_model)
         if str(cfg.model.vocab_size) == "auto":  # the data tokenizer's vocabulary (validation says when unknown)
             from hpctrain.data.sources import data_vocab_size
             from hpctrain.log import log_rank0

@@ -144,6 +144,14 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConf
 
 
 @hookspec(firstresult=True)
+def hpctrain_weight_source(path: str, cfg: "DictConfig") -> Optional[Any]:
+    """``checkpoint.init_from=path`` (weights only) when ``path`` is a checkpoint of your format: return a
+    reader with ``where(logical_name)`` (None when it has no such tensor) and ``box(logical_name, box)``
+    (the values of that box of the logical tensor, any float dtype), read lazily: each rank asks only
+    for the boxes it holds. None declines."""
+
+
+@hookspec(firstresult=True)
 def hpctrain_make_logger(name: str, cfg: "DictConfig", run_dir: str) -> Optional[Any]:
     """Return a metrics logger for backend ``name`` (an entry of ``logging.backends``) or None.
 

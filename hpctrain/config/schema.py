@@ -15,6 +15,23 @@ from typing import Any, Dict, List, Optional
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling (``model.rope_scaling``), as Hugging Face's ``rope_scaling`` / ``rope_parameters``."""
+
+    type: Optional[str] = None
+    """null: plain RoPE; llama3: Llama 3.1's scaling (long wavelengths divided by factor, short ones kept, the
+    band between interpolated), computed as transformers' modeling_rope_utils computes it."""
+    factor: float = 8.0
+    """llama3: the factor long wavelengths are divided by."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max_seq_len / low_freq_factor are scaled by 1/factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept."""
+    original_max_seq_len: int = 8192
+    """llama3: the context length of pretraining (Hugging Face's original_max_position_embeddings)."""
+
+
+@dataclass
 class ModelConfig:
     """Decoder-only transformer shape (Llama-style: RMSNorm, RoPE, SwiGLU, GQA)."""
 
@@ -38,6 +55,8 @@ class ModelConfig:
     """Longest sequence the model is built for (RoPE table size)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling (Llama 3.1's llama3 type); type null: none."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -55,6 +74,16 @@ class ModelConfig:
     recompute: str = "none"
     """Activation recomputation: none; selective (the attention core is recomputed in backward); full (each
     block keeps only its input and runs its forward again in backward)."""
+    hf_dir: Optional[str] = None
+    """A Hugging Face model directory (model=hf): its config.json sets the shape (dimensions, GQA, RoPE and
+    its scaling, norm epsilon, tied embeddings, Mixtral's experts) and the token ids below; fields the model
+    does not implement are refused (hpctrain/hf/config.py). The weights come in with checkpoint.init_from."""
+    bos_token_id: Any = None
+    """The tokenizer's beginning-of-sequence id (from model.hf_dir's config.json), written into an export."""
+    eos_token_id: Any = None
+    """The tokenizer's end-of-sequence id, or a list of them (Llama 3.1), written into an export."""
+    pad_token_id: Any = None
+    """The tokenizer's padding id, written into an export (null: none)."""
 
 
 @dataclass
@@ -169,10 +198,10 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """The optimizer (AdamW, LAMB, LARS or Muon; ``hpctrain.optimizers``) with linear warmup and cosine decay."""
 
     name: str = "adamw"
-    """Optimizer name (plugins may wrap it, e.g. ZeRO)."""
+    """Optimizer: adamw, lamb, lars or muon (the presets optim=...), or a plugin's; ZeRO shards any of them."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -189,6 +218,21 @@ class OptimConfig:
     """Linear warmup steps from 0 to lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    momentum: float = 0.9
+    """LARS's heavy-ball momentum and Muon's (its preset: 0.95)."""
+    nesterov: bool = True
+    """Muon: Nesterov momentum (the orthogonalised update looks ahead along the momentum)."""
+    trust_coefficient: float = 0.001
+    """LARS: eta in the local learning rate eta * ||w|| / (||g|| + weight_decay * ||w||)."""
+    exclude_from_adaptation: List[str] = field(default_factory=lambda: ["norm", "bias", "embedding"])
+    """LAMB, LARS: kinds of tensor whose step is not scaled by a trust ratio (any of norm, bias, embedding)."""
+    adamw_params: List[str] = field(default_factory=lambda: ["tok_embeddings.*", "output.*"])
+    """Muon: glob patterns of logical parameter names kept on AdamW besides every tensor of rank < 2
+    (default: the embedding and the head)."""
+    ns_steps: int = 5
+    """Muon: Newton-Schulz iterations per step."""
+    ns_dtype: str = "fp32"
+    """Muon: dtype of the Newton-Schulz iteration, fp32 or bf16 (what GPU runs of Muon usually take)."""
 
 
 @dataclass
@@ -261,6 +305,11 @@ class CheckpointConfig:
     never set ``every`` still resumes. false: a stop saves nothing (its message says so)."""
     resume: Optional[str] = None
     """None (fresh start), auto (newest good checkpoint in dir), or a path."""
+    init_from: Optional[str] = None
+    """Weights only, for fine-tuning or continued pretraining (fresh optimizer, step 0, data cursor at 0):
+    hf:DIR, a Hugging Face directory of safetensors (each rank reads only its slices), or one of our
+    checkpoints (a file or a checkpoint directory's newest). Ignored when checkpoint.resume finds a checkpoint
+    (a restarted fine-tuning run continues from its own checkpoint)."""
     keep: int = 3
     """How many checkpoints to keep (0 keeps all)."""
     async_save: bool = False

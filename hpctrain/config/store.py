@@ -108,8 +108,12 @@ def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
     job receives from rank 0 (tests, benchmarks, tools). A composition error
     (a value of the wrong type, an unknown key or preset) is a ConfigError
     with the one line ``hpctrain-train`` prints for it."""
+    from hpctrain.hf.config import apply_hf_config
+
     try:
-        return to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+        cfg = to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
+        apply_hf_config(cfg)  # model.hf_dir's shape, as hpctrain-train fills it (validation reports problems)
+        return cfg
     except ConfigError:
         raise
     except Exception as e:

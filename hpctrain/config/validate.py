@@ -229,6 +229,16 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
+    from hpctrain.hf.config import hf_model_problems
+
+    hf_problems = hf_model_problems(cfg)
+    problems += hf_problems
+    if not problems:  # the model's tensors are built (on the meta device) to check the weights against
+        from hpctrain.hf.weights import init_from_problems
+
+        problems += init_from_problems(cfg, pm)
+    from hpctrain.optimizers.checks import optimizer_problems
+    problems += optimizer_problems(cfg, pm, caps.get("optim", []))
     problems += _observability_checks(cfg, world_size, pm)
     return problems
 

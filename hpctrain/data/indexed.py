@@ -223,13 +223,19 @@ def read_description(prefix: str) -> Optional[dict]:
     """The ``<prefix>.json`` hpctrain-prepare writes beside a shard (dtype,
     vocab_size, num_tokens, num_documents, bos_id, eos_id, tokenizer), or
     None without one. ValueError if it is not a JSON object."""
-    path = description_path(prefix)
+    return read_json_object(description_path(prefix))
+
+
+def read_json_object(path: str) -> Optional[dict]:
+    """The JSON object in ``path`` (a shard's description, a token file's
+    sidecar), or None when there is no such file; ValueError (the caller
+    names the file) if it holds something else."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
         meta = json.load(f)
     if not isinstance(meta, dict):
-        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not an object")
+        raise ValueError(f"a JSON {type(meta).__name__}, not an object")
     return meta
 
 

@@ -15,7 +15,6 @@ into the training and validation sample orders the cursor draws from.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy as np
 
 from hpctrain.data.embedded import generate_corpus
 from hpctrain.data.index import index_on_rank0
+from hpctrain.data.indexed import read_json_object
 from hpctrain.data.streams import unknown_documents
 from hpctrain.data.tokenfile import TokenFile, refill_advice, size_problem
 from hpctrain.errors import ConfigError
@@ -53,14 +53,7 @@ def sidecar_path(bin_path: str) -> str:
 
 def read_sidecar(bin_path: str) -> Optional[dict]:
     """The sidecar's fields, or None without one; ValueError if it is not a JSON object."""
-    path = sidecar_path(bin_path)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        meta = json.load(f)
-    if not isinstance(meta, dict):
-        raise ValueError(f"a JSON {type(meta).__name__}, not an object")
-    return meta
+    return read_json_object(sidecar_path(bin_path))
 
 
 def token_file_source(path: str, dtype: Optional[str] = None) -> TokenSource:

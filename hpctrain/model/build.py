@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,10 +24,13 @@ from hpctrain.boxes import Box, box_shape, full_box, intersect
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.shapes import ModelShape
-from hpctrain.model.transformer import Block, SwiGLU, Transformer
+from hpctrain.model.transformer import Block, RopeScaling, SwiGLU, Transformer
 from hpctrain.shard import SPEC_ATTR, ShardSpec, get_spec, replicated_spec, set_spec
 
 BUILTIN_ATTENTION = {"sdpa": SdpaAttention}
+
+BoxSource = Callable[[ShardSpec, Box], Optional[torch.Tensor]]
+"""Given weights (``checkpoint.init_from``): the values of a box of a logical tensor, or None for the init."""
 BUILTIN_FFN = {"swiglu": SwiGLU}
 
 
@@ -64,7 +67,8 @@ def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
             )
             for i in range(shape.n_layers)
         )
-        model = Transformer(shape, m.norm_eps, m.rope_theta, blocks)
+        scaling = RopeScaling.from_config(getattr(m, "rope_scaling", None))
+        model = Transformer(shape, m.norm_eps, m.rope_theta, blocks, scaling)
     assign_specs(model)
     return model
 
@@ -154,9 +158,11 @@ def materialize(
     n_layers: int,
     coords: Optional[Mapping[str, int]] = None,
     sizes: Optional[Mapping[str, int]] = None,
+    source: Optional[BoxSource] = None,
 ) -> nn.Module:
     """Allocate this rank's shards on ``device`` and fill each piece it holds
-    from the logical init (``init_box``); padding stays zero.
+    from the logical init (``init_box``), or from ``source`` when it has the
+    tensor (``checkpoint.init_from``: each rank reads its pieces only); padding stays zero.
 
     Parameters keep their identity (``torch.utils.swap_tensors``): a plugin
     may hold references to them from ``hpctrain_parallelize`` (gradient hooks,
@@ -181,7 +187,8 @@ def materialize(
             )
         local = torch.zeros(shape)
         for piece in spec.pieces(coords, sizes):
-            piece.take(local).copy_(init_box(spec, piece.box, seed, init_std, n_layers))
+            given = source(spec, piece.box) if source is not None else None
+            piece.take(local).copy_(given if given is not None else init_box(spec, piece.box, seed, init_std, n_layers))
         real = nn.Parameter(local.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, real)  # swaps __dict__ too: re-attach the spec
         set_spec(p, spec)

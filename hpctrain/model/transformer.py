@@ -32,6 +32,8 @@ Each module lists the initialisation of its parameters in ``param_init``
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
@@ -86,11 +88,49 @@ class RMSNorm(nn.Module):
         return (y * self.scale().float()).type_as(x)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float):
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (``model.rope_scaling`` with type llama3)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+
+    @classmethod
+    def from_config(cls, rs: Any) -> Optional["RopeScaling"]:
+        if rs is None or rs.type is None:
+            return None
+        if rs.type != "llama3":
+            raise ValueError(f"model.rope_scaling.type={rs.type!r}: only llama3 (or null) is implemented")
+        return cls(float(rs.factor), float(rs.low_freq_factor), float(rs.high_freq_factor),
+                   int(rs.original_max_seq_len))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """(head_dim/2,) fp32 inverse frequencies; with ``scaling``, Llama 3.1's rule: wavelengths longer than
+    original / low_freq_factor are stretched by ``factor``, those shorter than original / high_freq_factor
+    kept, and the band between interpolated linearly in original / wavelength (the same arithmetic, in the
+    same order, as transformers' llama3 RoPE, so the frequencies agree to the bit)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    old = scaling.original_max_seq_len
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, stretched)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling: Optional[RopeScaling] = None):
     """cos, sin for the given positions: (seq, head_dim/2) for positions (seq,)
     shared by the batch, (batch, seq, head_dim/2) for per-sample positions
     (batch, seq) (document masking: positions within each document)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.float()[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -173,7 +213,10 @@ class Block(nn.Module):
         return self._forward(x, cos, sin, segments)
 
     def _forward(self, x, cos, sin, segments=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, segments)
+        h = self.attn_norm(x)
+        # without segments the attention is called with its three inputs, as module hooks that list them expect
+        # (torch's PrepareModuleInput in the tensor-parallel peer of hpctrain-bench tp)
+        x = x + (self.attn(h, cos, sin) if segments is None else self.attn(h, cos, sin, segments))
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -209,10 +252,12 @@ class Transformer(nn.Module):
     output projection and the loss; modules a stage does not hold are None
     or absent from ``layers``."""
 
-    def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks):
+    def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks,
+                 rope_scaling: Optional[RopeScaling] = None):
         super().__init__()
         self.shape = shape
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         # (the embedding, head and loss are seams: tensor parallelism puts its own modules there)
         self.tok_embeddings: Optional[nn.Module] = nn.Embedding(shape.vocab_size, shape.d_model)
         self.layers = Layers({str(i): b for i, b in enumerate(blocks)})
@@ -230,7 +275,7 @@ class Transformer(nn.Module):
         a rank with several interleaved stages takes several parts of one model."""
         out = Transformer.__new__(Transformer)
         nn.Module.__init__(out)
-        out.shape, out.rope_theta = self.shape, self.rope_theta
+        out.shape, out.rope_theta, out.rope_scaling = self.shape, self.rope_theta, self.rope_scaling
         out.tok_embeddings = self.tok_embeddings if first else None
         out.layers = Layers({str(i): self.layers[i] for i in layer_ids})
         out.norm, out.output, out.loss_fn = (self.norm, self.output, self.loss_fn) if last else (None, None, None)
@@ -261,7 +306,7 @@ class Transformer(nn.Module):
         """
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        cos, sin = rope_tables(positions, self.shape.head_dim, self.rope_theta)
+        cos, sin = rope_tables(positions, self.shape.head_dim, self.rope_theta, self.rope_scaling)
         x = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for block in self.layers.values():
             x = block(x, cos, sin, segments)

@@ -18,7 +18,8 @@ weights real, then the optimizer and the step schedule:
    already sums over a data axis are scaled to an average
    (``grad_sync.presummed``); the handles attach what needs real weights;
 8. **optimizer** (the data handle's, e.g. ZeRO's sharded one; else an
-   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's AdamW)
+   optimizer plugin's, ``hpctrain_make_optimizer``; else the core's
+   ``optim.name``: AdamW, LAMB, LARS or Muon, ``hpctrain.optimizers``)
    and **schedule** (the pipeline's, or gradient accumulation).
 
 Each axis of size > 1 is implemented by the plugin ``hpctrain.plugins.
@@ -41,9 +42,9 @@ from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
 from hpctrain.model.recompute import set_recompute
+from hpctrain.optimizers.build import build_optimizer
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
-from hpctrain.train.optim import build_adamw
 from hpctrain.train.schedule import GradAccumulation, StepSchedule
 
 
@@ -86,6 +87,40 @@ def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
     return handle.model
 
 
+def given_weights(cfg: Any, pm: Any) -> Optional["_GivenWeights"]:
+    """Where ``checkpoint.init_from`` takes the weights from (each rank reads its pieces), or None:
+    ``hf:DIR`` is read here (``hpctrain.hf.weights``), any other path by the checkpoint format's plugin
+    (``hpctrain_weight_source``)."""
+    src = cfg.checkpoint.get("init_from")
+    if not src:
+        return None
+    from hpctrain.hf.weights import hf_weights_for
+    from hpctrain.log import log_rank0
+
+    reader: Any = hf_weights_for(cfg)
+    if reader is None:
+        reader = pm.hook.hpctrain_weight_source(path=str(src), cfg=cfg) if pm is not None else None
+        if reader is None:
+            raise PluginError(f"checkpoint.init_from={src}: no installed plugin reads it (checkpoint.format="
+                              f"{cfg.checkpoint.format}); give hf:DIR or one of our checkpoints")
+    log_rank0("weights from checkpoint.init_from=%s (fresh optimizer, step 0, data from its start)", src)
+    return _GivenWeights(reader)
+
+
+class _GivenWeights:
+    """A weight reader as ``materialize``'s source; ``close`` lets go of its files."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    def __call__(self, spec: Any, piece_box: Any) -> Optional[torch.Tensor]:
+        reader = self.reader
+        return reader.box(spec.logical_name, piece_box) if reader.where(spec.logical_name) is not None else None
+
+    def close(self) -> None:
+        getattr(self.reader, "close", lambda: None)()
+
+
 def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallelized:
     """Build this rank's part of the model for ``mesh`` (the module docstring, in order)."""
     handles: Dict[str, AxisHandle] = {}
@@ -99,8 +134,11 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     model = _apply("dp", model, cfg, mesh, pm, handles)   # 6. data axes
     if tied_parameters(model, mesh):
         mesh.pp_ends()  # made now: no group is created once the mesh is sealed
+    given = given_weights(cfg, pm)
     materialize(model, device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers,  # 7. weights
-                mesh.coords, mesh.sizes)
+                mesh.coords, mesh.sizes, given)
+    if given is not None:
+        given.close()
     scale_presummed(model.parameters(), mesh)
     for handle in handles.values():
         handle.after_materialize()
@@ -114,7 +152,7 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (data.make_optimizer(params, cfg)                                         # 8. optimizer
                  or pm.hook.hpctrain_make_optimizer(params=params, model=model, mesh=mesh, cfg=cfg)
-                 or build_adamw(params, cfg.optim))
+                 or build_optimizer(params, cfg.optim, mesh))
     pipeline: Optional[AxisHandle] = handles.get("pp")
     if pipeline is not None and not isinstance(pipeline, PipelineHandle):
         raise PluginError(f"the pipeline plugin returned a {type(pipeline).__name__}, not a PipelineHandle")

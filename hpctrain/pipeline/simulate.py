@@ -63,13 +63,17 @@ def check_programs(programs: Dict[int, List[Action]], p: int, v: int, m: int, fo
 
 
 def simulate(programs: Dict[int, List[Action]], p: int, v: int, t_f: float = 1.0, t_b: float = 1.0,
-             t_w: float = 1.0, per_rank: Optional[Dict[int, Dict[str, float]]] = None) -> Timeline:
+             t_w: float = 1.0, per_rank: Optional[Dict[int, Dict[str, float]]] = None,
+             per_stage: Optional[Dict[int, Dict[str, float]]] = None) -> Timeline:
     """``per_rank[r]`` (optional) overrides the duration of one F, B or W
     action on rank r (already a chunk's share), e.g. measured ones: stages
-    of unequal cost."""
+    of unequal cost. ``per_stage[s]`` (optional) does the same for virtual
+    stage s (``stage_of(rank, chunk, p)``), over ``per_rank``: uneven
+    chunks, e.g. ``parallel.pipeline.layers=[7,8,...,8,7]``."""
     split = any(a.kind == "W" for prog in programs.values() for a in prog)
     uniform = {"F": t_f / v, "B": (t_b if split else t_b + t_w) / v, "W": t_w / v}
-    costs = {r: {**uniform, **(per_rank or {}).get(r, {})} for r in programs}
+    costs = {(r, c): {**uniform, **(per_rank or {}).get(r, {}), **(per_stage or {}).get(stage_of(r, c, p), {})}
+             for r in programs for c in range(v)}
     last = p * v - 1
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, micro-batch, stage) -> finish time
     compute = {r: [a for a in prog if a.kind in uniform] for r, prog in programs.items()}
@@ -97,7 +101,7 @@ def simulate(programs: Dict[int, List[Action]], p: int, v: int, t_f: float = 1.0
                 if any(n not in done for n in needs):
                     break
                 start = max([free[r]] + [done[n] for n in needs])
-                end = start + costs[r][a.kind]
+                end = start + costs[(r, a.chunk)][a.kind]
                 done[(a.kind, a.microbatch, s)] = end
                 spans[r].append((a, start, end))
                 free[r] = end

@@ -180,6 +180,13 @@ class Arch:
         blocks = self.n_moe_layers * self.layer_params + (self.n_layers - self.n_moe_layers) * self.dense_layer_params
         return self.embedding_params + blocks + self.final_norm_params + self.output_params
 
+    @property
+    def muon_share(self) -> float:
+        """Fraction of the parameters in hidden matrices (Muon's; the rest, the
+        embedding, head and norms, take AdamW's step)."""
+        norms = self.n_layers * self.norm_params + self.final_norm_params
+        return (self.total_params - self.embedding_params - self.output_params - norms) / self.total_params
+
     @cached_property
     def active_params(self) -> int:
         """Parameters a token passes through (MoE: top_k experts of E)."""

@@ -7,9 +7,11 @@
 Arguments are the same Hydra overrides ``hpctrain-train`` takes (the config
 is composed the same way, plugins' sections included). Explicit
 ``parallel.<axis>=N``, ``trainer.micro_batch_size=N``, ``parallel.zero.stage=N``,
-``model.recompute=...``, ``parallel.pipeline.schedule=...`` or
-``parallel.pipeline.vpp=N`` pin that value (``--pin zero=1`` and friends are
+``model.recompute=...``, ``parallel.pipeline.schedule=...``,
+``parallel.pipeline.vpp=N`` or ``parallel.pipeline.layers=[...]`` pin that value (``--pin zero=1`` and friends are
 the same); the planner searches the rest.
+The optimizer is the run's (``optim=lamb``, or ``--pin optim=lamb``): its state bytes per
+parameter enter the memory (``memory.optimizer_profile``).
 Without ``trainer.precision`` it plans bf16 (what GPU runs use; the presets'
 peaks are bf16 peaks).
 
@@ -40,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a knob (the same as its config key): zero=0..3, recompute=none|selective|full, "
-                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N (repeatable)")
+                        "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N, layers=[7,8,8,7], "
+                        "optim=adamw|lamb|lars|muon (the optimizer's state bytes; the same as the optim=NAME "
+                        "override) (repeatable)")
     return p
 
 
@@ -48,21 +52,46 @@ def _knob_pins(pairs: Sequence[str], shown: Optional[Sequence[str]] = None) -> D
     """--pin zero=1 --pin recompute=selective -> {"zero": 1, "recompute": "selective"}.
     ``shown``: how each pair was given, for the error (default ``--pin <pair>``)."""
     from hpctrain.errors import ConfigError
+    from hpctrain.optimizers.kinds import OPTIMIZERS
     from hpctrain.pipeline.bubble import SCHEDULES
     from hpctrain.planner.activations import RECOMPUTE
 
-    allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None}
+    allowed = {"zero": ("0", "1", "2", "3"), "recompute": RECOMPUTE, "schedule": SCHEDULES, "vpp": None,
+               "layers": None, "optim": OPTIMIZERS}
     out: Dict[str, Any] = {}
     for i, pair in enumerate(pairs):
         key, _, value = pair.partition("=")
+        if key == "layers":
+            counts = _layer_counts(value, shown[i] if shown else f"--pin {pair}")
+            if counts:
+                out[key] = counts
+            continue
         options = allowed.get(key, ())
         bad_vpp = key == "vpp" and not (value.isdigit() and int(value) > 0)
         if key not in allowed or (options and value not in options) or bad_vpp:
             given = shown[i] if shown else f"--pin {pair}"
             raise ConfigError(f"{given}: use zero=0..3, recompute={'|'.join(RECOMPUTE)}, "
-                              f"schedule={'|'.join(SCHEDULES)} or vpp=<positive integer>")
+                              f"schedule={'|'.join(SCHEDULES)}, vpp=<positive integer>, "
+                              f"optim={'|'.join(OPTIMIZERS)} or layers=[blocks per stage]")
         out[key] = int(value) if key in ("zero", "vpp") else value
     return out
+
+
+def _layer_counts(value: str, given: str) -> Tuple[int, ...]:
+    """``[7,8,8,7]`` or ``7,8,8,7`` -> (7, 8, 8, 7); ``auto`` -> () (the planner's own split)."""
+    from hpctrain.errors import ConfigError
+
+    text = value.strip().strip("'\"")
+    if text == "auto":
+        return ()
+    try:
+        counts = tuple(int(x) for x in text.strip("[]").split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"{given}: give auto or the blocks of each pipeline stage, e.g. "
+                          "parallel.pipeline.layers=[7,8,8,7]")
+    return counts
 
 
 def _pins(overrides: Sequence[str]) -> Dict[str, Any]:
@@ -117,12 +146,15 @@ def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=No
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.cluster import cluster_spec, load_calibration
     from hpctrain.planner.estimate import Workload
-    from hpctrain.planner.memory import HPCTRAIN
+    from hpctrain.planner.memory import optimizer_profile
     from hpctrain.planner.search import search
     from hpctrain.plugins import create_manager
 
     pm = pm or create_manager()
     user = list(overrides)
+    knob_pins = dict(knob_pins or {})
+    if "optim" in knob_pins:  # --pin optim=NAME is the optimizer's preset, as hpctrain-train takes it
+        user.append(f"optim={knob_pins.pop('optim')}")
     if not any(o.split("=", 1)[0] == "trainer.precision" for o in user):
         user.append(f"trainer.precision={DEFAULT_PRECISION}")
     cfg = _compose(user, pm)
@@ -130,8 +162,11 @@ def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=No
         raise ConfigError(f"trainer.precision={cfg.trainer.precision!r} is not one of {', '.join(PRECISIONS)}")
     cluster = cluster_spec(cfg.cluster, load_calibration(calibration))
     arch = Arch.from_model_config(cfg.model)
-    work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision, HPCTRAIN,
-                    cfg.comm.bucket_mb * 2 ** 20)
+    from hpctrain.optimizers.kinds import OPTIMIZERS
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.optim.name!r}: the planner knows the state of {', '.join(OPTIMIZERS)}")
+    work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision,
+                    optimizer_profile(cfg.optim.name, arch.muon_share), cfg.comm.bucket_mb * 2 ** 20)
     plan = search(arch, cfg.model, work, cluster, {**_pins(overrides), **(knob_pins or {})})
     return plan, arch, work, cluster, cfg, user
 

@@ -1,11 +1,14 @@
 """One layout's prediction: memory per GPU and step time, with their breakdowns.
 
-Memory is evaluated on the first and the last pipeline stage (the first holds
-the most in-flight micro-batches and the embedding, the last the output
-layer and loss; middle stages hold less than the first) and the larger is
-reported. Time per step:
+Pipeline stages hold the blocks of ``Layout.layers`` (uneven where the
+blocks do not divide; ``hpctrain.pipeline.split``). Memory is evaluated on
+the first and the last stage (the first holds the most in-flight
+micro-batches and the embedding, the last the output layer and loss) and on
+the earliest middle stage of each block count (a later stage with as many
+blocks holds fewer micro-batches), and the largest is reported. Time per step:
 
-    pipeline = m * (t_f + t_b) + bubble(schedule)     (slowest stage's t_f, t_b)
+    pipeline = m * (t_f + t_b) + bubble(schedule)     (slowest stage's t_f, t_b;
+                                                       bubble from every stage's, stage_bubble_time)
     step     = pipeline + exposed data-parallel comm + pipeline p2p
 
 t_f and t_b hold the stage's compute plus its tensor- and expert-parallel
@@ -29,13 +32,13 @@ from functools import lru_cache
 from typing import Any, Dict, List, Tuple
 
 from hpctrain.mesh import DEFAULT_ORDER, parse_order
-from hpctrain.pipeline.bubble import bubble_time, in_flight
+from hpctrain.pipeline.bubble import in_flight, stage_bubble_time
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
-from hpctrain.planner.layouts import Layout
+from hpctrain.planner.layouts import Layout, per_rank_layers, planned_layers
 from hpctrain.planner.memory import ModelStates, StateBytes, model_states
 
 
@@ -118,17 +121,26 @@ def group_span(sizes: Tuple[Tuple[str, int], ...], axes: Tuple[str, ...], gpus_p
     return len(members) // len(nodes), len(nodes)
 
 
-def _stage_params(arch: Arch, lay: Layout, first: bool, last: bool) -> Tuple[float, float, int]:
-    """(dense, expert, tensors) parameters on one GPU of a stage."""
-    return _stage_params_cached(arch, lay.tp, lay.ep, lay.pp, first, last)
+def rank_blocks(arch: Arch, lay: Layout, rank: int) -> List[range]:
+    """The block indices pipeline rank ``rank`` holds, one range per virtual stage."""
+    starts = [0]
+    for c in planned_layers(arch, lay):
+        starts.append(starts[-1] + c)
+    return [range(starts[s], starts[s + 1]) for s in range(rank, len(starts) - 1, lay.pp)]
+
+
+def _stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float, int]:
+    """(dense, expert, tensors) parameters on one GPU of pipeline rank ``rank``."""
+    blocks = tuple((b.start, b.stop) for b in rank_blocks(arch, lay, rank))
+    return _stage_params_cached(arch, lay.tp, lay.ep, lay.pp, blocks, rank == 0, rank == lay.pp - 1)
 
 
 @lru_cache(maxsize=4096)
-def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, first: bool, last: bool) -> Tuple[float, float, int]:
-    layers, h = arch.n_layers // pp, arch.d_model
-    # the first and the last stage hold the first and the last blocks
-    lo = 0 if first else arch.n_layers - layers
-    moe = arch.moe_layers_in(lo, lo + layers)
+def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, blocks: Tuple[Tuple[int, int], ...], first: bool,
+                         last: bool) -> Tuple[float, float, int]:
+    h = arch.d_model
+    layers = sum(stop - start for start, stop in blocks)
+    moe = sum(arch.moe_layers_in(start, stop) for start, stop in blocks)
     expert = moe * arch.expert_params_per_rank(ep)
     dense = (moe * arch.layer_params_per_rank(tp, ep) + (layers - moe) * arch.layer_params_per_rank(tp, ep, moe=False)
              - expert)
@@ -150,12 +162,12 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     """Bytes per GPU on pipeline stage ``stage`` (0 .. pp - 1)."""
     m = lay.microbatches(work.global_batch)
     first, last = stage == 0, stage == lay.pp - 1
-    dense, expert, tensors = _stage_params(arch, lay, first, last)
+    dense, expert, tensors = _stage_params(arch, lay, stage)
     sb = work.state_bytes
     states: ModelStates = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
     if expert:
         states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
-    layers = arch.n_layers // lay.pp
+    layers = per_rank_layers(arch, lay)[stage]
     kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep)
     per_layer = act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute=lay.recompute, **kw)
     extra = act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
@@ -181,9 +193,20 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     return Memory(states.weights, states.grads, states.optimizer, activations, buffers, stage)
 
 
+def memory_stages(arch: Arch, lay: Layout) -> List[int]:
+    """The pipeline ranks whose memory can be the largest: the first, the last and, in
+    between, the earliest of each block count (in-flight micro-batches fall with the rank)."""
+    counts = per_rank_layers(arch, lay)
+    earliest: Dict[int, int] = {}
+    for r in range(1, lay.pp - 1):
+        earliest.setdefault(counts[r], r)
+    return sorted({0, lay.pp - 1, *earliest.values()})
+
+
 def memory_per_gpu(arch: Arch, lay: Layout, work: Workload) -> Memory:
-    """Bytes per GPU on the fuller of the first and last pipeline stage."""
-    return max((stage_memory(arch, lay, work, s) for s in sorted({0, lay.pp - 1})), key=lambda mem: mem.total)
+    """Bytes per GPU on the fullest pipeline stage (``memory_stages``)."""
+    return max((stage_memory(arch, lay, work, s) for s in memory_stages(arch, lay)),
+               key=lambda mem: mem.total)
 
 
 def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
@@ -195,7 +218,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     sizes = tuple(lay.sizes().items())
     e = act.dtypes_for(arch, work.precision).act
     tokens = lay.micro_batch * s / (lay.cp * lay.ep)  # per GPU per micro-batch
-    layers = arch.n_layers // lay.pp
+    per_rank = per_rank_layers(arch, lay)
+    # tp/cp/ep bytes per block first, times the slowest stage's blocks below
     comm: Dict[str, float] = {a: 0.0 for a in ("tp", "cp", "ep", "pp", "dp")}
 
     # -- per micro-batch, per stage: compute + blocking collectives -------------
@@ -207,25 +231,30 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     n_tp = 4 + (1 if lay.sp else 0) + (2 if lay.recompute == "full" else 0)
     tp_bytes = tokens * arch.d_model * e
     t_tp = flat_time("all_reduce", tp_bytes, lay.tp, cluster.intra)
-    comm["tp"] = m * layers * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)
+    comm["tp"] = m * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)
     ep_bytes = tokens * arch.top_k * arch.d_model * e / lay.tp
     n_in, n_out = group_span(sizes, ("ep",), G)
     t_a2a = group_time("all_to_all", ep_bytes, n_in, n_out, cluster.intra, cluster.inter) if arch.is_moe else 0.0
-    comm["ep"] = m * layers * 4 * ep_bytes * bus_factor("all_to_all", lay.ep) if arch.is_moe else 0.0
+    comm["ep"] = m * 4 * ep_bytes * bus_factor("all_to_all", lay.ep) if arch.is_moe else 0.0
     kv_bytes = 2 * tokens * arch.kv_dim_per_rank(lay.tp) * e
     n_in, n_out = group_span(sizes, ("cp",), G)
     t_kv = flat_time("p2p", kv_bytes, 2, cluster.intra if n_out == 1 else cluster.inter) * (lay.cp - 1)
-    comm["cp"] = m * layers * 3 * kv_bytes * (lay.cp - 1)
+    comm["cp"] = m * 3 * kv_bytes * (lay.cp - 1)
     cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - 2 * attn_f)
 
-    def stage_times(last: bool) -> Tuple[float, float, float]:
+    def stage_times(layers: int, last: bool) -> Tuple[float, float, float]:
         f = layers * (layer_f + 2 * t_tp + 2 * t_a2a + cp_f) + (head_f if last else 0.0)
         w = layers * layer_f + (head_f if last else 0.0)  # weight-gradient half of the backward
         b = 2 * w + layers * (layer_re + (n_tp - 2) * t_tp + 2 * t_a2a + cp_b)
         return f, b, w
 
-    t_f, t_b, t_w = stage_times(last=True)  # the last stage (output layer) is the slowest
-    bubble = bubble_time(lay.schedule, lay.pp, lay.vpp, t_f, t_b, t_w)
+    times = [stage_times(n, r == lay.pp - 1) for r, n in enumerate(per_rank)]
+    slowest = max(range(lay.pp), key=lambda r: times[r][0] + times[r][1])  # it paces the pipeline
+    t_f, t_b, t_w = times[slowest]
+    layers = per_rank[slowest]
+    for axis in ("tp", "cp", "ep"):
+        comm[axis] *= layers
+    bubble = stage_bubble_time(lay.schedule, lay.vpp, *(list(t) for t in zip(*times))) if lay.pp > 1 else 0.0
     compute = m * (t_f + t_b)
 
     # -- pipeline p2p ----------------------------------------------------------
@@ -238,7 +267,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
     # dp collectives hide behind compute only, not behind the tp/cp/ep
     # collectives inside t_f and t_b (they compete for the same links)
-    pure_f = layers * layer_f + head_f
+    # (on the slowest stage; the last one's head is counted there if it is the slowest, always without pp)
+    pure_f = layers * layer_f + (head_f if slowest == lay.pp - 1 else 0.0)
     pure_b = 2 * pure_f + layers * layer_re
     t_dp, comm["dp"], wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
 
@@ -268,7 +298,7 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
     after it). Stage 1/2's parameter all-gather runs after the optimizer step
     with nothing to hide behind."""
     G = cluster.gpus_per_node
-    dense, expert, _ = max(_stage_params(arch, lay, True, lay.pp == 1), _stage_params(arch, lay, lay.pp == 1, True))
+    dense, expert, _ = max(_stage_params(arch, lay, r) for r in memory_stages(arch, lay))
     sb = work.state_bytes
     groups: List[Tuple[float, Tuple[str, ...], int]] = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:

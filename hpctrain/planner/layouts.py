@@ -16,7 +16,13 @@ of it the planner applies the rules the parallel plugins need:
   ``MIN_CP_CHUNK`` tokens: shorter chunks cannot hide the ring's traffic
   behind attention compute, and they multiply the candidates for nothing;
 - ep divides the number of experts (1 for a dense model);
-- pp divides the layers (equal stages), vpp divides the layers per stage;
+- pp is any stage count with a block per stage, the blocks split by
+  ``hpctrain.pipeline.split.auto_counts`` (the ``parallel.pipeline.layers=auto``
+  of the pipeline plugin: as even as the end stages' embedding and head allow,
+  e.g. 126 blocks on 16 stages [7, 8 x 14, 7]) and, where that differs, by
+  the plain even split (the estimate keeps the faster; the printed command
+  names the split); interleaving takes any vpp with a block per virtual
+  stage (pp x vpp <= layers), chunks uneven where the blocks do not divide;
 - every ZeRO stage goes with every pipeline; under a pipeline ZeRO-2/3 keep
   a stage's whole gradient through the step (the estimate counts it);
 - sequence parallelism is on whenever tp > 1 (it only removes replicated
@@ -25,11 +31,13 @@ of it the planner applies the rules the parallel plugins need:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hpctrain.config.validate import check_layout
 from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
+from hpctrain.pipeline.split import auto_counts, end_cost, layer_counts, rank_layers
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.memory import ZERO_STAGES
@@ -51,6 +59,9 @@ class Layout:
     recompute: str = "none"
     schedule: str = NO_PIPELINE
     vpp: int = 1
+    layers: Tuple[int, ...] = ()
+    """Blocks per virtual stage (pp x vpp of them), ``parallel.pipeline.layers``; empty: ``auto``
+    (``planned_layers``)."""
 
     @property
     def sp(self) -> bool:
@@ -72,7 +83,20 @@ class Layout:
         parts = [f"{a}{n}" for a, n in self.sizes().items() if n > 1 or a == "dp"]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v{self.vpp})" if self.vpp > 1 else ""))
+            if self.layers:
+                parts.append(split_text(self.layers))
         return " ".join(parts)
+
+
+def split_text(layers: Tuple[int, ...]) -> str:
+    """Blocks per stage, runs shortened: (7, 8, 8, 8, 7) -> '[7,8x3,7]'."""
+    runs: List[List[int]] = []
+    for n in layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "[" + ",".join(f"{n}x{k}" if k > 1 else str(n) for n, k in runs) + "]"
 
 
 def _powers_of_two(limit: int) -> List[int]:
@@ -98,8 +122,8 @@ def mesh_problems(arch: Arch, tp: int, cp: int, ep: int, pp: int, seq_len: int, 
         return f"cp={cp} must be a power of two splitting seq_len into 2*cp chunks of >= {MIN_CP_CHUNK} tokens"
     if arch.num_experts % ep:
         return f"ep={ep} must divide the {arch.num_experts} experts"
-    if arch.n_layers % pp:
-        return f"pp={pp} must divide the {arch.n_layers} layers"
+    if pp > arch.n_layers:
+        return f"pp={pp} leaves pipeline stages without a block: use pp <= the {arch.n_layers} layers"
     return ""
 
 
@@ -110,7 +134,8 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     GPipe is only considered when pinned: 1F1B has its bubble with less memory.
 
     ``pins`` fixes values: mesh axes (``tp`` ... ``dp``), ``micro_batch``,
-    ``zero``, ``recompute``, ``schedule``, ``vpp``.
+    ``zero``, ``recompute``, ``schedule``, ``vpp``, ``layers`` (blocks per
+    virtual stage; pipelines of another stage count are rejected).
     """
     pins = dict(pins or {})
     rejected: Dict[str, int] = {}
@@ -125,7 +150,7 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     for tp in choices("tp", _powers_of_two(min(gpus_per_node, gpus))):
         for cp in choices("cp", _powers_of_two(gpus)):
             for ep in choices("ep", _divisors(arch.num_experts)):
-                for pp in choices("pp", _divisors(arch.n_layers, min(arch.n_layers, gpus))):
+                for pp in choices("pp", list(range(1, min(arch.n_layers, gpus) + 1))):
                     rest = tp * cp * ep * pp
                     if gpus % rest:
                         continue  # not a factorisation of the world; not worth a message
@@ -137,14 +162,14 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
                         reject(problem)
                         continue
                     for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp,
-                                         choices, reject):
+                                         choices, reject, pins):
                         out.append(layout)
     return out, rejected
 
 
 def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, tp: int, cp: int, ep: int,
            dp: int, pp: int, choices: Callable[[str, List[Any]], List[Any]],
-           reject: Callable[[str], None]) -> Iterator[Layout]:
+           reject: Callable[[str], None], pins: Mapping[str, Any]) -> Iterator[Layout]:
     """Micro-batch, schedule, ZeRO and recompute choices for one mesh."""
     sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
     per_replica = max(1, global_batch // dp)
@@ -160,7 +185,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
         schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
             [(s, 1) for s in wanted if s != "interleaved"]
             + [("interleaved", v) for v in _powers_of_two(MAX_VPP)[1:]
-               if "interleaved" in wanted and (arch.n_layers // pp) % v == 0])
+               if "interleaved" in wanted and pp * v <= arch.n_layers])
         for schedule, vpp in schedules:
             if vpp not in choices("vpp", [vpp]):
                 continue
@@ -168,6 +193,48 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             if why:
                 reject(why)
                 continue
-            for zero in choices("zero", list(ZERO_STAGES)):
-                for recompute in choices("recompute", list(RECOMPUTE)):
-                    yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp)
+            splits: List[Tuple[int, ...]] = [()]
+            pinned = pins.get("layers", ())
+            if pp > 1 or pinned:
+                splits, why = _splits(arch, pp * vpp, tuple(pinned))
+                if why or pp == 1:
+                    reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
+                    continue
+            for layers in splits:
+                for zero in choices("zero", list(ZERO_STAGES)):
+                    for recompute in choices("recompute", list(RECOMPUTE)):
+                        yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
+
+
+@lru_cache(maxsize=1024)
+def _splits(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[List[Tuple[int, ...]], str]:
+    """(the splits to estimate, ''): the pinned one when it fits ``stages``, else ``auto``'s and,
+    where it differs, the plain even split (the remainder on the middle stages): a block also costs
+    its tensor-parallel collectives, which the end stages' parameter count does not see, so the
+    estimate decides; ([], why) when the pinned one does not fit (the pipeline plugin's message)."""
+    if not pinned:
+        auto = tuple(auto_counts(arch.n_layers, stages, arch_end_cost(arch)))
+        even = tuple(auto_counts(arch.n_layers, stages))
+        return [auto] if even == auto else [auto, even], ""
+    try:
+        return [tuple(layer_counts(list(pinned), arch.n_layers, stages))], ""
+    except ValueError as e:
+        return [], str(e)
+
+
+def planned_layers(arch: Arch, lay: Layout) -> Tuple[int, ...]:
+    """Blocks per virtual stage: ``lay.layers``, or the ``auto`` split the pipeline plugin makes."""
+    if lay.layers:
+        return lay.layers
+    return tuple(auto_counts(arch.n_layers, lay.pp * lay.vpp, arch_end_cost(arch)))
+
+
+def per_rank_layers(arch: Arch, lay: Layout) -> List[int]:
+    """Blocks on each pipeline rank (its virtual stages summed)."""
+    return rank_layers(planned_layers(arch, lay), lay.pp)
+
+
+def arch_end_cost(arch: Arch) -> float:
+    """``split.end_cost`` of the model: the plugin computes it from the same dense-block count
+    (``ModelShape.block_params``, which ``Arch.dense_layer_params`` is for our models)."""
+    return end_cost(arch.vocab_size, arch.d_model, arch.dense_layer_params)

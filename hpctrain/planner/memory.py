@@ -59,6 +59,24 @@ ZERO_PAPER = StateBytes(2, 2, 12, 0.0, "mixed-precision Adam, K=12 (ZeRO paper)"
 HPCTRAIN = StateBytes(4, 4, 8, 4.0, "hpctrain AdamW: fp32 weights, fp32 grads, 2 fp32 moments", True)
 
 
+def optimizer_profile(name: str, muon_share: float = 1.0) -> StateBytes:
+    """``HPCTRAIN``'s fp32 weights and gradients with ``optim.name``'s state
+    (``hpctrain.optimizers.kinds.state_bytes_per_element``): AdamW and LAMB
+    8 bytes per parameter plus a ``step`` tensor per tensor, LARS 4 (one
+    momentum), Muon 4 on its hidden matrices (``muon_share`` of the
+    parameters, ``Arch.muon_share``) and AdamW's 8 on the rest. The share is
+    the model's average: the stage holding the embedding keeps a little more."""
+    from hpctrain.optimizers.kinds import state_bytes_per_element
+
+    if name == "adamw":
+        return HPCTRAIN
+    per_tensor = 0.0 if name == "lars" else 4.0
+    what = {"lamb": "2 fp32 moments", "lars": "1 fp32 momentum",
+            "muon": f"1 fp32 momentum on {muon_share:.0%} (matrices), 2 moments on the rest"}[name]
+    return StateBytes(4, 4, state_bytes_per_element(name, muon_share), per_tensor,
+                      f"hpctrain {name.upper() if name != 'muon' else 'Muon'}: fp32 weights, fp32 grads, {what}", True)
+
+
 @dataclass(frozen=True)
 class ModelStates:
     """Bytes per GPU."""

@@ -3,14 +3,19 @@
 Builds strings and dicts only; ``cli`` prints them.
 
 Overrides: the mesh sizes and micro-batch size use core keys, the recompute
-mode ``model.recompute``; the ZeRO stage and pipeline schedule belong to
-their plugins (``PLUGIN_KEYS``). An override of a knob is emitted only when
-it differs from the default, and ``unknown_keys`` lists those the installed
-config schema does not have (a plugin not installed), so the user sees
-exactly what ``hpctrain-train`` would refuse.
+mode ``model.recompute``; the ZeRO stage, pipeline schedule and the blocks
+per pipeline stage belong to their plugins (``PLUGIN_KEYS``). An override of
+a knob is emitted only when it differs from the default, except the blocks
+per stage, always given with a pipeline (the split the estimate assumed,
+which ``parallel.pipeline.layers=auto`` also makes), and ``unknown_keys``
+lists those the installed config schema does not have (a plugin not
+installed), so the user sees exactly what ``hpctrain-train`` would refuse.
+The printed command line is shell-quoted (a list's brackets are glob
+characters).
 """
 from __future__ import annotations
 
+import shlex
 from typing import Any, Dict, List, Sequence
 
 from hpctrain.planner.arch import Arch
@@ -24,6 +29,7 @@ PLUGIN_KEYS = {
     "recompute": "model.recompute",
     "schedule": "parallel.pipeline.schedule",
     "vpp": "parallel.pipeline.vpp",
+    "layers": "parallel.pipeline.layers",
 }
 PLANNED_CORE_KEYS = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.dp",
                      "trainer.micro_batch_size", "trainer.precision")
@@ -43,6 +49,8 @@ def layout_overrides(lay: Layout, precision: str) -> List[str]:
         out.append(f"{PLUGIN_KEYS['schedule']}={lay.schedule}")
     if lay.vpp > 1:
         out.append(f"{PLUGIN_KEYS['vpp']}={lay.vpp}")
+    if lay.pp > 1 and lay.layers:
+        out.append(f"{PLUGIN_KEYS['layers']}=[{','.join(map(str, lay.layers))}]")
     return out
 
 
@@ -70,7 +78,7 @@ def unknown_keys(overrides: Sequence[str], cfg: Any) -> List[str]:
 def launch_line(cluster: ClusterSpec, overrides: Sequence[str]) -> str:
     """An srun line for the whole allocation (pmix is what works with Open MPI)."""
     return (f"srun --nodes={cluster.nodes} --ntasks-per-node={cluster.gpus_per_node} --mpi=pmix "
-            f"hpctrain-train {' '.join(overrides)}")
+            f"hpctrain-train {' '.join(shlex.quote(o) for o in overrides)}")
 
 
 def _row(rank: int, e: Estimate) -> List[str]:

@@ -27,7 +27,8 @@ log = get_logger(__name__)
 MAX_GPU_GROWTH = 64
 PIN_KEYS = {"tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp", "ep": "parallel.ep",
             "dp": "parallel.dp", "micro_batch": "trainer.micro_batch_size", "zero": "--pin zero",
-            "recompute": "--pin recompute", "schedule": "--pin schedule", "vpp": "--pin vpp"}
+            "recompute": "--pin recompute", "schedule": "--pin schedule", "vpp": "--pin vpp",
+            "layers": "parallel.pipeline.layers"}
 
 
 @dataclass
@@ -100,8 +101,13 @@ def _rank_key(e: Estimate) -> tuple:
             RECOMPUTE.index(lay.recompute), e.memory.total)
 
 
+def _value_text(value: Any) -> str:
+    """A pinned value as the user types it (blocks per stage: [7,8,8,7])."""
+    return f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else str(value)
+
+
 def _pin_text(pins: Mapping[str, Any]) -> str:
-    return ", ".join(f"{PIN_KEYS.get(k, k)}={v}" for k, v in pins.items())
+    return ", ".join(f"{PIN_KEYS.get(k, k)}={_value_text(v)}" for k, v in pins.items())
 
 
 def _unpinned_options(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSpec, pins: Mapping[str, Any],
@@ -111,9 +117,10 @@ def _unpinned_options(arch: Arch, model_cfg: Any, work: Workload, cluster: Clust
     for key, value in pins.items():
         free = {k: v for k, v in pins.items() if k != key}
         found = _estimates(arch, model_cfg, work, cluster, free)[0]
-        values = sorted({getattr(e.layout, key) for e in found if e.fits or not need_fit})
+        values = sorted({getattr(e.layout, key) for e in found if e.fits or not need_fit} - {()})
         if values:
-            out.append(f"{PIN_KEYS.get(key, key)} in {{{', '.join(map(str, values))}}} instead of the pinned {value}")
+            out.append(f"{PIN_KEYS.get(key, key)} in {{{', '.join(map(_value_text, values))}}} instead of the "
+                       f"pinned {_value_text(value)}")
     return out
 
 

@@ -3,13 +3,17 @@
     hpctrain-ckpt inspect PATH [--config]     tree, shapes, step, layout, size
     hpctrain-ckpt verify PATH                 every checksum and finite values; a directory: every
                                               checkpoint in it; exit 1 if any is bad
-    hpctrain-ckpt export PATH --to OUT.safetensors [--dtype bfloat16] [--config-json config.json]
+    hpctrain-ckpt export PATH --to DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer FILE|DIR]
+                                              a Hugging Face model directory (Llama or Mixtral) that
+                                              transformers' from_pretrained loads
+    hpctrain-ckpt import-hf DIR OUT.h5        a Hugging Face directory as one of our checkpoints (step 0)
 
 PATH is a checkpoint file or a checkpoint directory (inspect and export:
 its newest committed checkpoint; verify: every one, and the orphaned
 temporary files and a stale ``latest`` are named). One
 process, the default HDF5 driver, read-only; nothing is ever unpickled.
-Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage.
+Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage (one ``hpctrain: error:`` line: an export
+target whose parent does not exist, a Hugging Face directory that cannot be imported).
 """
 from __future__ import annotations
 
@@ -136,20 +140,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import h5py
+    from hpctrain.hf.export import check_target, parse_size
 
-    from hpctrain_h5ckpt.export import export_safetensors, hf_config, model_config
+    from hpctrain_h5ckpt.export import export_hf
 
+    check_target(args.to)  # before the checkpoint is even looked for
     path = _resolve(args.path)
-    names = export_safetensors(path, args.to, args.dtype)
-    print(f"wrote {args.to}: {len(names)} tensors in Hugging Face Llama naming "
-          "(q/k rows permuted for rotate_half RoPE)")
-    if args.config_json:
-        with h5py.File(path, "r") as f:
-            cfg = hf_config(model_config(f), args.dtype or "float32")
-        with open(args.config_json, "w") as out:
-            json.dump(cfg, out, indent=2)
-        print(f"wrote {args.config_json}")
+    files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
+    print(f"wrote {args.to}: {', '.join(files)} (Hugging Face {args.dtype}; q/k rows in rotate_half order)")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from hpctrain_h5ckpt.import_hf import import_hf
+
+    saved = import_hf(args.hf_dir, args.out)
+    print(f"wrote {saved}: the weights of {args.hf_dir} as an hpctrain checkpoint (step 0); train from it with "
+          f"checkpoint.init_from={saved} model=hf model.hf_dir={args.hf_dir}")
     return 0
 
 
@@ -164,13 +171,19 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every dataset's checksum; exit 1 if anything is wrong")
     p.add_argument("path")
     p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("export", help="model weights as safetensors in Hugging Face Llama naming")
+    p = sub.add_parser("export", help="a Hugging Face model directory (Llama or Mixtral) of the model weights")
     p.add_argument("path")
-    p.add_argument("--to", required=True, help="output .safetensors file")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="convert floating tensors (default: as stored)")
-    p.add_argument("--config-json", default=None, help="also write a Hugging Face config.json here")
+    p.add_argument("--to", required=True, help="output directory (made; its parent must exist)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype of the exported weights (default float32)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB, as transformers)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer file or directory to copy alongside (an imported model's come by themselves)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import-hf", help="a Hugging Face directory (Llama, Mistral, Mixtral) as our checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("out", help="the checkpoint file to write (.h5)")
+    p.set_defaults(func=cmd_import_hf)
     return ap
 
 
@@ -178,8 +191,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv is None and hasattr(signal, "SIGPIPE"):  # as a command: `hpctrain-ckpt inspect X | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
+    from hpctrain.errors import ConfigError
+
     try:
         return int(args.func(args))
+    except ConfigError as e:  # bad usage: the one line every hpctrain command prints, status 2
+        for line in str(e).splitlines():
+            print(f"hpctrain: error: {line}", file=sys.stderr)
+        return 2
     except CheckpointError as e:
         for line in str(e).splitlines():
             print(f"hpctrain-ckpt: error: {line}", file=sys.stderr)

@@ -40,11 +40,14 @@ def checkpoint_dir(cfg: Any) -> Optional[str]:
 
 @hookimpl
 def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+    from hpctrain_h5ckpt.weights import init_from_problems
+
     ck = cfg.checkpoint
+    given = init_from_problems(cfg)  # weights from one of our checkpoints, whatever this run saves
     # a run that may only save when stopped (save_on_stop) is checked too: found now, not at the stop
     if ck.format != FORMAT or not (ck.every or ck.resume or ck.get("save_on_stop", False)):
-        return None
-    out = options.problems(ck.hdf5)
+        return given or None
+    out = given + options.problems(ck.hdf5)
     if ck.keep < 0:
         out.append(f"checkpoint.keep={ck.keep} must be >= 0 (0 keeps every checkpoint)")
     if ck.every < 0:
@@ -67,3 +70,12 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Opt
     return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
                           run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None)
+
+
+@hookimpl
+def hpctrain_weight_source(path: str, cfg: Any) -> Optional[Any]:
+    """``checkpoint.init_from`` naming one of our checkpoints (a file or a checkpoint directory)."""
+    from hpctrain_h5ckpt.weights import H5Weights, resolve
+
+    found = resolve(path)
+    return H5Weights(found) if found is not None else None

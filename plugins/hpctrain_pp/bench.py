@@ -83,7 +83,8 @@ class TorchPipelineLoop:
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model
-        from hpctrain.pipeline.split import stage_layers
+        from hpctrain.model.shapes import ModelShape
+        from hpctrain.pipeline.split import model_end_cost, stage_layers
         from hpctrain.shard import get_spec
         from hpctrain.train.optim import build_adamw
 
@@ -93,7 +94,8 @@ class TorchPipelineLoop:
         model = build_model(cfg, pm)  # meta device
         specs = {name: get_spec(prm) for name, prm in model.named_parameters()}
         fill_from_init(model, specs, cfg)
-        layers = stage_layers(cfg.parallel.pipeline.layers, cfg.model.n_layers, p * v)
+        layers = stage_layers(cfg.parallel.pipeline.layers, cfg.model.n_layers, p * v,
+                              model_end_cost(ModelShape.from_config(cfg.model)))
         self.stages, self.first, self.last = [], False, False
         for c in range(v):
             s = c * p + r

@@ -32,7 +32,7 @@ from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.handles import PipelineHandle
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import check
-from hpctrain.pipeline.split import stage_layers
+from hpctrain.pipeline.split import model_end_cost, stage_layers
 from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp import timeline
@@ -126,7 +126,8 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     pc = pipeline_config(cfg)
     p, v, r = mesh.size("pp"), pc.vpp, mesh.coords["pp"]
     stages = p * v
-    layers = stage_layers(pc.layers, model.shape.n_layers, stages)
+    # auto: the split the planner assumes (end stages' embedding and head counted, hpctrain.pipeline.split)
+    layers = stage_layers(pc.layers, model.shape.n_layers, stages, model_end_cost(model.shape))
     tied = model.shape.tie_embeddings
     chunks: List[nn.Module] = []
     for c in range(v):

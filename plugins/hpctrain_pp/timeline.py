@@ -35,7 +35,7 @@ import torch
 
 from hpctrain.mesh import Group
 from hpctrain.pipeline.bubble import formula_bubble
-from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass
+from hpctrain.pipeline.schedules import COMPUTE, Action, actions, splits_weight_pass, stage_of
 from hpctrain.pipeline.simulate import Timeline, simulate
 
 JSON_NAME = "pipeline_timeline.json"
@@ -103,16 +103,16 @@ class PipelineTimeline:
         return simulate(self.programs, self.p, self.v, self.mean_time("F"), t_b, t_w)
 
     def simulated_per_rank(self) -> Timeline:
-        """The simulator's play with each rank's own mean action times: what
-        the schedule gives these (possibly unequal) stages with free messages;
-        measured minus this is the executor's and the wire's share."""
-        per_rank = {}
+        """The simulator's play with each virtual stage's own mean action
+        times: what the schedule gives these (possibly unequal) stages and
+        chunks with free messages; measured minus this is the executor's and
+        the wire's share."""
+        times: Dict[int, Dict[str, List[float]]] = {}
         for r in self.programs:
-            d: Dict[str, List[float]] = {}
             for a, s, e in self.compute_spans(r):
-                d.setdefault(a.kind, []).append(e - s)
-            per_rank[r] = {k: sum(x) / len(x) for k, x in d.items()}
-        return simulate(self.programs, self.p, self.v, per_rank=per_rank)
+                times.setdefault(stage_of(r, a.chunk, self.p), {}).setdefault(a.kind, []).append(e - s)
+        per_stage = {st: {k: sum(x) / len(x) for k, x in d.items()} for st, d in times.items()}
+        return simulate(self.programs, self.p, self.v, per_stage=per_stage)
 
 
 def gather(recorder: Recorder, schedule: str, group: Group, v: int, m: int) -> PipelineTimeline:

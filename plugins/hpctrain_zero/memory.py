@@ -13,7 +13,9 @@ nothing to shard, p and r the bytes of an element in ``param_dtype`` and
 | 2 | P p | C r | 8 C (+ 4 C) |
 | 3 | 4 C (fp32 master = the parameters) | C r | 8 C |
 
-plus 4 U, 4 U and 8 U for the unsharded parameters. With ``offload=nvme``
+plus 4 U, 4 U and 8 U for the unsharded parameters (the optimizer state of
+LAMB is AdamW's; of LARS 4 bytes per held element; of Muon 4 on its
+matrices' held elements and 8 on the rest). With ``offload=nvme``
 the 8 C of moments are in files and only one flat group's (8 x its chunk)
 is resident at a time, during the optimizer step (counted in flight). Stage 1 keeps the whole
 gradient between steps (accumulated over micro-batches, reduce-scattered
@@ -93,7 +95,26 @@ def expected(setup: Any) -> ZeroMemory:
                                whole_gradient=P)
     if nvme:
         in_flight += 8 * max((fg.chunk for fg in flats), default=0)
-    return ZeroMemory(int(states.weights), int(states.grads), int(states.optimizer), int(in_flight))
+    optimizer = states.optimizer
+    optim = getattr(setup, "optim", None)
+    if optim is not None and optim.name != "adamw":  # LAMB, LARS, Muon: their state per element held
+        optimizer += _state_bytes(setup, optim) - 8.0 * (C + U)
+    return ZeroMemory(int(states.weights), int(states.grads), int(optimizer), int(in_flight))
+
+
+def _state_bytes(setup: Any, optim: Any) -> float:
+    """Bytes of LAMB's, LARS's or Muon's state on this rank: per element it
+    holds (``hpctrain.optimizers.kinds.state_bytes_per_element``; Muon: 4 on
+    its matrices, AdamW's 8 on the rest), shards and unsharded parameters."""
+    from hpctrain.optimizers.kinds import muon_matrix, state_bytes_per_element
+    from hpctrain.shard import get_spec
+
+    def per_element(spec: Any) -> float:
+        return state_bytes_per_element(optim.name, float(muon_matrix(spec, list(optim.adamw_params))))
+
+    held = [(b - a, fg.specs[i]) for fg in setup.flats for i in range(len(fg.params)) for a, b in [fg.held(i)]]
+    held += [(p.numel(), get_spec(p)) for p in setup.unsharded]
+    return sum(n * per_element(spec) for n, spec in held)
 
 
 def measured(setup: Any, model: torch.nn.Module, optimizer: Any) -> ZeroMemory:

@@ -1,4 +1,5 @@
-"""The ZeRO optimizer: torch's AdamW over this rank's shards only.
+"""The ZeRO optimizer: torch's AdamW (or the core's LAMB, LARS or Muon,
+``optim.name``) over this rank's shards only.
 
 Each model parameter is represented by a *shard parameter*: the elements of
 its flat group this rank holds (``FlatGroup.held``), as a 1-D tensor whose
@@ -20,7 +21,9 @@ parameters:
   clipping, with the same flat specs;
 - ``param_groups`` (learning rate) and ``zero_grad`` reach every inner
   AdamW; ``step`` runs the step pre-hooks, then each segment's AdamW (with
-  nvme offload one flat group at a time, its pages dropped after), the
+  nvme offload one flat group at a time, its pages dropped after; LAMB,
+  LARS and Muon: one optimizer of every shard, given every parameter's flat
+  spec, held or not, for their collectives over logical tensors), the
   post-hooks, and ``after_step`` (stages 1 and 2: all-gather the updated
   parameters).
 """
@@ -32,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from hpctrain.mesh import Mesh
+from hpctrain.optimizers.build import build_optimizer
 from hpctrain.shard import ShardSpec
 from hpctrain.train.optim import param_groups
 
@@ -109,15 +114,24 @@ class ZeroOptimizer:
 
     def __init__(self, model_params: List[torch.nn.Parameter], shards: Dict[int, Tuple[torch.nn.Parameter, ShardSpec]],
                  optim_cfg: Any, after_step: Callable[[], None], masters_apart: bool = False,
-                 segments: Optional[List[Segment]] = None):
+                 segments: Optional[List[Segment]] = None, mesh: Optional[Mesh] = None,
+                 specs: Optional[List[ShardSpec]] = None):
         self.model_params = model_params
         self.shard_of = {k: s for k, (s, _) in shards.items()}
         self.spec_of = {k: spec for k, (_, spec) in shards.items()}
         self.shards = [self.shard_of[id(p)] for p in model_params if id(p) in self.shard_of]
         self.segments = segments or [Segment(list(model_params))]
-        self.optimizers: List[torch.optim.AdamW] = []
-        self._owner: Dict[int, torch.optim.AdamW] = {}
-        for seg in self.segments:
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self._owner: Dict[int, torch.optim.Optimizer] = {}
+        self._runs: List[Tuple[Segment, torch.optim.Optimizer]] = []
+        """(segment, its optimizer) in step order."""
+        if optim_cfg.name != "adamw":  # LAMB, LARS, Muon: one optimizer of every shard, made on every rank
+            assert mesh is not None and specs is not None and segments is None
+            opt = build_optimizer(self.shards, optim_cfg, mesh, specs)  # collective: even with no shard
+            self._owner = {id(s): opt for s in self.shards}
+            self.optimizers = [opt]
+            self._runs = [(self.segments[0], opt)]
+        for seg in self.segments if not self.optimizers else ():
             mine = [self.shard_of[id(p)] for p in seg.params if id(p) in self.shard_of]
             if not mine:
                 continue
@@ -133,6 +147,7 @@ class ZeroOptimizer:
                     opt.state[shard] = {"step": torch.tensor(0.0), "exp_avg": seg.mapped.exp_avg[sl],
                                         "exp_avg_sq": seg.mapped.exp_avg_sq[sl]}
             self.optimizers.append(opt)
+            self._runs.append((seg, opt))
         self.state = _StateView(self)
         self._after_step = after_step
         self.masters_apart = masters_apart
@@ -171,8 +186,7 @@ class ZeroOptimizer:
             raise ValueError("the ZeRO optimizer takes no closure")
         for hook in list(self._pre):
             hook(self, (), {})
-        for seg, opt in zip((s for s in self.segments if any(id(p) in self.shard_of for p in s.params)),
-                            self.optimizers):
+        for seg, opt in self._runs:
             opt.step()
             if seg.mapped is not None:
                 seg.mapped.release()

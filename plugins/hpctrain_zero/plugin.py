@@ -89,6 +89,8 @@ class Zero(DataHandle):
         """Where the model computes."""
         self.host = False
         """Masters and optimizer state in host memory (offload=cpu on a GPU)."""
+        self.optim: Any = None
+        """The run's ``optim`` config (what the memory log counts of the optimizer's state)."""
 
     @property
     def stage(self) -> int:
@@ -220,8 +222,10 @@ class Zero(DataHandle):
         elif self.cfg.offload == "cpu":
             log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the "
                       "host" if self.host else "the run is on the CPU already; nothing moves")
+        specs = [fg.flat_spec(i) for fg in self.flats for i in range(len(fg.params))]
+        specs += [get_spec(p) for p in self.unsharded]  # every tensor of the stage, held here or not
         zero = optimizer.ZeroOptimizer(list(params), self.shards, cfg.optim, self._after_step,
-                                       masters_apart=apart, segments=segments)
+                                       masters_apart=apart, segments=segments, mesh=self.mesh, specs=specs)
         # (cast: it has what the core calls of a torch optimizer, step, zero_grad, param_groups, state and
         # state_dict, without deriving from torch.optim.Optimizer)
         return cast(torch.optim.Optimizer, zero)
@@ -276,6 +280,9 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         problems.append(f"parallel.zero.shard_group={z.shard_group!r} is not one of {', '.join(SHARD_GROUPS)}")
     if z.offload not in OFFLOADS:
         problems.append(f"parallel.zero.offload={z.offload!r} is not one of {', '.join(OFFLOADS)}")
+    if z.offload != "none" and z.stage > 0 and cfg.optim.name != "adamw":
+        problems.append(f"parallel.zero.offload={z.offload} offloads AdamW's moments only; with "
+                        f"optim={cfg.optim.name} set parallel.zero.offload=none or use optim=adamw")
     return problems or None
 
 
@@ -305,8 +312,10 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     shapes = {fg.name: [p.shape for p in fg.params] for fg in flats}
     if z.stage == 3:
         _shard_parameters(model, flats, units)
-    return Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
+    zero = Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
                 unsharded)
+    zero.optim = cfg.optim
+    return zero
 
 
 def _tied_across_stages(p: nn.Parameter) -> bool:

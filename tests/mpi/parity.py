@@ -112,3 +112,23 @@ def assert_parity(got: List[StepRecord], want: List[StepRecord], loss_rtol: floa
             torch.testing.assert_close(g.grads[name], ref, rtol=grad_rtol,
                                        atol=scale * float(ref.abs().max()),
                                        msg=lambda m, name=name, step=step: f"step {step}, gradient of {name}: {m}")
+
+
+def logical_params(trainer, comm=None) -> Dict[str, torch.Tensor]:
+    """Every parameter of ``trainer`` as its logical tensor, gathered to every
+    rank of ``comm`` (default the MPI world; a one-process trainer passes
+    ``MPI.COMM_SELF``) from the pieces each rank holds (a ZeRO-3 shard's
+    included); replicas of a piece must agree exactly."""
+    from hpctrain.parity import assemble_gathered
+    from hpctrain.shard import get_spec
+
+    mesh = trainer.mesh
+    mine = []
+    for p in trainer.model.parameters():
+        spec = get_spec(p)
+        for piece in spec.pieces(mesh.coords, mesh.sizes):
+            mine.append((spec.logical_name, spec.global_shape, piece.box,
+                         piece.take(p.detach()).to("cpu", torch.float32).clone()))
+    out, diffs = assemble_gathered((comm or MPI.COMM_WORLD).allgather(mine))
+    assert not diffs, f"replicas of one parameter piece differ: {diffs}"
+    return out

@@ -69,6 +69,27 @@ def test_uneven_split(world, pm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_auto_split_is_the_planners(world, pm):
+    """``parallel.pipeline.layers=auto`` counts the embedding and the head on
+    the end stages as the planner does (``hpctrain.pipeline.split``): a
+    1024-token vocabulary weighs 1.33 blocks of this model, so 8 blocks on
+    pp 2 x vpp 2 split [1, 3, 3, 1] (the even split would be [2, 2, 2, 2]);
+    the planner's layout for this mesh assumes the same split, and the
+    uneven interleaved pipeline trains like one process."""
+    from hpctrain.planner.arch import Arch
+    from hpctrain.planner.layouts import Layout, planned_layers
+
+    model = EIGHT + ("model.vocab_size=1024",)
+    trainer = _check(pm, model, "parallel.pp=2", "parallel.pipeline.schedule=interleaved", "parallel.pipeline.vpp=2")
+    names = [n.split(".") for n, _ in trainer.model.named_parameters()]  # chunks.<c>.layers.<block>...
+    held = sorted({int(n[n.index("layers") + 1]) for n in names if "layers" in n})
+    # rank 0 runs virtual stages 0 and 2, rank 1 stages 1 and 3
+    assert held == ([0, 4, 5, 6] if trainer.mesh.coords["pp"] == 0 else [1, 2, 3, 7])
+    lay = Layout(tp=1, cp=1, ep=1, dp=world.Get_size() // 2, pp=2, micro_batch=1, schedule="interleaved", vpp=2)
+    assert planned_layers(Arch.from_model_config(trainer.cfg.model), lay) == (1, 3, 3, 1)
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_tied_embeddings(world, pm, schedule):
     """The first stage's embedding and the last stage's output projection are

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 
 import h5py
@@ -13,27 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from hpctrain.hf.names import rope_row_permutation
+
 from hpctrain_h5ckpt import cli
-from hpctrain_h5ckpt.export import rope_row_permutation
-
-ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8", "I64": "<i8"}
-
-
-def read_safetensors(path: str):
-    """An independent reader of the safetensors layout: u64 header size, JSON, raw bytes."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    assert (8 + n) % 8 == 0, "data must start 8-byte aligned"
-    meta = header.pop("__metadata__", {})
-    spans = sorted(v["data_offsets"] for v in header.values())
-    assert spans[0][0] == 0 and spans[-1][1] == len(data)
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "tensors must be contiguous"
-    out = {k: np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]],
-                            dtype=ST_DTYPES[v["dtype"]]).reshape(v["shape"])
-           for k, v in header.items()}
-    return out, meta
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +51,7 @@ def _data_offset(path: str, dataset: str) -> int:
 
 
 def test_tree_is_self_describing(ckpt_dir):
-    if shutil.which("h5ls") is None:
-        pytest.skip("h5ls (hdf5-tools) not installed")
+    assert shutil.which("h5ls"), "h5ls missing: scripts/setup.sh installs hdf5-tools"
     out = subprocess.run(["h5ls", "-r", os.path.join(ckpt_dir, "step_00000004.h5")], capture_output=True,
                          text=True).stdout
     out = " ".join(out.split())  # h5ls pads its columns
@@ -115,42 +95,41 @@ def test_verify_rejects_a_truncated_file(copy_of, capsys):
 
 
 def test_export_hf_llama_names_and_rope_permutation(ckpt_dir, tmp_path, capsys):
+    """Names, q/k row order and config.json of the export, read back with the safetensors library
+    (that transformers loads it and computes our logits: tests/unit/hf/test_hf_export.py)."""
+    from safetensors.numpy import load_file
+
     src = os.path.join(ckpt_dir, "step_00000004.h5")
-    out = str(tmp_path / "model.safetensors")
-    assert cli.main(["export", src, "--to", out, "--config-json", str(tmp_path / "config.json")]) == 0
-    tensors, meta = read_safetensors(out)
+    out = tmp_path / "hf"
+    assert cli.main(["export", src, "--to", str(out)]) == 0
+    tensors = load_file(str(out / "model.safetensors"))
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
         f"model.layers.{i}.{m}" for i in range(2) for m in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
             "input_layernorm.weight", "post_attention_layernorm.weight")}
-    assert set(tensors) == names and meta["step"] == "4"
+    assert set(tensors) == names
     with h5py.File(src, "r") as f:
         wq, wk, wv = (f[f"model/layers.1.attn.{w}.weight"][()] for w in ("wq", "wk", "wv"))
     np.testing.assert_array_equal(tensors["model.layers.1.self_attn.q_proj.weight"], wq[rope_row_permutation(4, 16)])
     np.testing.assert_array_equal(tensors["model.layers.1.self_attn.k_proj.weight"], wk[rope_row_permutation(2, 16)])
     np.testing.assert_array_equal(tensors["model.layers.1.self_attn.v_proj.weight"], wv)
-    cfg = json.load(open(tmp_path / "config.json"))
+    cfg = json.load(open(out / "config.json"))
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]) == (4, 2, 64)
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_export_bfloat16(ckpt_dir, tmp_path):
-    out = str(tmp_path / "bf16.safetensors")
-    assert cli.main(["export", os.path.join(ckpt_dir, "step_00000004.h5"), "--to", out, "--dtype", "bfloat16"]) == 0
-    tensors, _ = read_safetensors(out)
+    from safetensors.torch import load_file
+
+    out = tmp_path / "bf16"
+    src = os.path.join(ckpt_dir, "step_00000004.h5")
+    assert cli.main(["export", src, "--to", str(out), "--dtype", "bfloat16"]) == 0
+    got = load_file(str(out / "model.safetensors"))["model.norm.weight"]
     with h5py.File(os.path.join(ckpt_dir, "step_00000004.h5"), "r") as f:
         norm = torch.from_numpy(f["model/norm.weight"][()])
-    got = torch.from_numpy(tensors["model.norm.weight"].view(np.int16).copy()).view(torch.bfloat16)
-    assert torch.equal(got, norm.to(torch.bfloat16))
-
-
-def test_safetensors_package_reads_the_export(ckpt_dir, tmp_path):
-    st = pytest.importorskip("safetensors.numpy")
-    out = str(tmp_path / "m.safetensors")
-    cli.main(["export", os.path.join(ckpt_dir, "step_00000004.h5"), "--to", out])
-    mine, _ = read_safetensors(out)
-    theirs = st.load_file(out)
-    assert set(theirs) == set(mine) and all(np.array_equal(theirs[k], mine[k]) for k in mine)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, norm.to(torch.bfloat16))
+    assert json.load(open(out / "config.json"))["torch_dtype"] == "bfloat16"
 
 
 def test_nonfinite_checkpoints_are_flagged_skipped_and_orphans_cleaned(tmp_path, capsys):

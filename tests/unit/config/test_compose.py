@@ -7,7 +7,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from hpctrain.config.store import build_schema, compose
 
 
-@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama3-8b", "llama3-70b", "llama3-405b"])
 def test_every_model_preset_composes(preset, make_config):
     cfg = make_config(f"model={preset}")
     assert cfg.model.name == preset

@@ -9,12 +9,10 @@ import json
 
 import numpy as np
 import pytest
+import sentencepiece as spm  # the test extra installs both: a missing one is a failure, not a skip
 
 from hpctrain.data.embedded import generate_corpus
 from hpctrain.data.tokenize import Encoder, TokenizerError, resolve_tokenizer
-
-tokenizers = pytest.importorskip("tokenizers")
-spm = pytest.importorskip("sentencepiece")
 
 LINES = generate_corpus(60000, seed=11).decode().splitlines()
 DOCS = ["\n".join(LINES[i:i + 3]) for i in range(0, 60, 3)] + ["ünïcode – text"]

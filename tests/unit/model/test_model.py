@@ -38,6 +38,18 @@ def test_llama3_8b_count_matches_published(make_config):
     assert logical_param_count(model) == 8_030_261_248
 
 
+@pytest.mark.parametrize("preset, params", [("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800)])
+def test_llama3_large_presets_have_the_published_shapes(make_config, preset, params):
+    """Meta's Llama 3 70B and 405B: the config.json shapes (and the paper's Table 3),
+    counted on the meta device (nothing is allocated)."""
+    shapes = {"llama3-70b": (8192, 80, 64, 28672), "llama3-405b": (16384, 126, 128, 53248)}[preset]
+    cfg = make_config(f"model={preset}")
+    m = cfg.model
+    assert (m.d_model, m.n_layers, m.n_heads, m.ffn_hidden) == shapes
+    assert (m.vocab_size, m.n_kv_heads, m.rope_theta, m.tie_embeddings) == (128256, 8, 500000.0, False)
+    assert logical_param_count(build_model(cfg)) == params
+
+
 def test_every_parameter_has_a_spec_named_by_its_path(make_config):
     model = build_model(make_config())
     names = {get_spec(p).logical_name for p in model.parameters()}

@@ -82,7 +82,7 @@ def test_calibration_replaces_datasheet_numbers(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["model=llama3-70b", "cluster=h100-80gb"], ["unknown model preset 'llama3-70b'", "llama3-8b", "model.d_model"]),
+    (["model=llama3-1t", "cluster=h100-80gb"], ["unknown model preset 'llama3-1t'", "llama3-405b", "model.d_model"]),
     (["cluster=dgx-b300"], ["unknown cluster preset 'dgx-b300'", "h100-80gb"]),
     (["cluster=local"], ["does not say cluster.gpus, cluster.gpus_per_node, cluster.gpu_mem_gb, cluster.peak_tflops",
                          "cluster=h100-80gb"]),
@@ -90,6 +90,11 @@ def test_calibration_replaces_datasheet_numbers(tmp_path, capsys):
      ["cluster.inter_bw_gbs=500 is larger than cluster.intra_bw_gbs=450", "swap"]),
     (["cluster=h100-80gb", "cluster.gpus=16", "cluster.inter_bw_gbs=0"], ["does not say cluster.inter_bw_gbs"]),
     (["cluster=h100-80gb", "cluster.gpus=12"], ["cluster.gpus=12 is not a whole number of 8-GPU nodes"]),
+    (["cluster=h100-80gb", "cluster.gpus=16", "parallel.pipeline.layers=[a,b]"],
+     ["parallel.pipeline.layers=[a,b]: give auto or the blocks of each pipeline stage"]),
+    (["model=tiny", "cluster=h100-80gb", "cluster.gpus=16", "parallel.pp=2", "parallel.pipeline.layers=[1,2]"],
+     ["parallel.pipeline.layers=1,2: needs 2 counts", "adding up to model.n_layers=2",
+      "parallel.pipeline.layers in {[1,1]} instead of the pinned [1,2]"]),
 ])
 def test_bad_input_says_what_is_missing(capsys, argv, expected):
     code, out, err = _run(capsys, *argv)

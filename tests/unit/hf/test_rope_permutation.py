@@ -1,12 +1,11 @@
-"""The q/k row permutation of the export makes HF's rotate_half RoPE compute
+"""The q/k row permutation of import and export makes HF's rotate_half RoPE compute
 what our interleaved-pair RoPE computes."""
 from __future__ import annotations
 
 import torch
 
+from hpctrain.hf.names import hf_name, rope_row_permutation
 from hpctrain.model.transformer import apply_rope, rope_tables
-
-from hpctrain_h5ckpt.export import hf_name, rope_row_permutation
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""A Hugging Face ``config.json`` (Llama 2/3/3.1/3.2, Mistral, Mixtral) as our model config.
+
+``read_hf_config(dir)`` returns the ``model`` overrides the directory
+implies, or the problems: one line per field the model does not implement
+(another architecture, attention or MLP bias, a sliding window shorter than
+the sequence, qk-norm, another RoPE type, another activation, dropout,
+router jitter), each naming the field and what to do. Nothing else of
+the file matters to the forward (e.g. ``pretraining_tp`` only changes how
+Meta's code sliced its matmuls).
+
+RoPE parameters come in two spellings: transformers 4's top-level
+``rope_theta`` + ``rope_scaling`` (what published checkpoints carry) and
+transformers 5's ``rope_parameters`` (what ``save_pretrained`` writes now);
+both are read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
+"""The Hugging Face architectures our decoder computes exactly, with their model_type."""
+
+_REFUSED_TRUE = {
+    "attention_bias": "biases on the attention projections",
+    "mlp_bias": "biases on the MLP projections",
+    "qk_norm": "qk-norm",
+    "use_qk_norm": "qk-norm",
+}
+
+
+def config_path(hf_dir: str) -> str:
+    return os.path.join(hf_dir, "config.json")
+
+
+def load_json(hf_dir: str) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+    """The parsed config.json of ``hf_dir``, or why not."""
+    path = config_path(hf_dir)
+    if not os.path.isdir(hf_dir):
+        return None, [f"model.hf_dir={hf_dir}: no such directory; give a Hugging Face model directory "
+                      "(config.json and *.safetensors)"]
+    if not os.path.isfile(path):
+        return None, [f"model.hf_dir={hf_dir} has no config.json; give a Hugging Face model directory "
+                      "(as save_pretrained or huggingface-cli download writes it)"]
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        return None, [f"{path} is not readable JSON ({e}); download or copy it again"]
+    if not isinstance(data, dict):
+        return None, [f"{path} is not a JSON object; download or copy it again"]
+    return data, []
+
+
+def _rope(data: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[str]]:
+    """(rope_theta, model.rope_scaling overrides, problems)."""
+    params = data.get("rope_parameters")
+    scaling = data.get("rope_scaling")
+    if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
+        theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = data.get("rope_theta", 10000.0)
+    if not scaling:
+        return float(theta), {"type": None}, []
+    if not isinstance(scaling, dict):
+        return float(theta), {}, [f"{path}: rope_scaling={scaling!r} is not a mapping"]
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), {"type": None}, []
+    if kind != "llama3":
+        return float(theta), {}, [f"{path}: rope_scaling type {kind!r} is not implemented (only llama3 and the "
+                                  "default); this model cannot be trained here"]
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in scaling]
+    if missing:
+        return float(theta), {}, [f"{path}: rope_scaling (llama3) lacks {', '.join(missing)}"]
+    return float(theta), {"type": "llama3", "factor": float(scaling["factor"]),
+                          "low_freq_factor": float(scaling["low_freq_factor"]),
+                          "high_freq_factor": float(scaling["high_freq_factor"]),
+                          "original_max_seq_len": int(scaling["original_max_position_embeddings"])}, []
+
+
+def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
+    """(``model`` overrides, problems) for ``hf_dir``; ``seq_len`` (trainer.seq_len) decides whether a
+    sliding window changes anything."""
+    data, problems = load_json(hf_dir)
+    if data is None:
+        return {}, problems
+    path = config_path(hf_dir)
+    archs = data.get("architectures") or []
+    arch = archs[0] if archs else None
+    model_type = data.get("model_type")
+    if arch not in ARCHITECTURES or (model_type is not None and model_type != ARCHITECTURES[arch]):
+        return {}, [f"{path}: architecture {arch or model_type!r} is not supported; hpctrain trains "
+                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral)"]
+    for key, what in _REFUSED_TRUE.items():
+        if data.get(key):
+            problems.append(f"{path}: {key}={data[key]} ({what}) is not implemented; this model cannot be "
+                            "trained here")
+    window = data.get("sliding_window")
+    if window is not None and data.get("use_sliding_window", True) and (seq_len is None or int(window) < seq_len):
+        problems.append(f"{path}: sliding_window={window} is not implemented (attention here is fully causal); "
+                        f"use trainer.seq_len <= {window}, where the window changes nothing")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"{path}: hidden_act={act!r} is not implemented (SwiGLU with silu only)")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if data.get(key):
+            problems.append(f"{path}: {key}={data[key]} is not implemented (no dropout here); set it to 0.0")
+    try:
+        hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
+        kv = int(data.get("num_key_value_heads") or heads)
+        out: Dict[str, Any] = {
+            "name": f"hf-{os.path.basename(os.path.normpath(hf_dir))}", "vocab_size": int(data["vocab_size"]),
+            "d_model": hidden, "n_layers": int(data["num_hidden_layers"]), "n_heads": heads, "n_kv_heads": kv,
+            "ffn_hidden": int(data["intermediate_size"]), "norm_eps": float(data.get("rms_norm_eps", 1e-6)),
+            "max_seq_len": int(data.get("max_position_embeddings", 2048)),
+            "tie_embeddings": bool(data.get("tie_word_embeddings", False)),
+            "bos_token_id": data.get("bos_token_id"), "eos_token_id": data.get("eos_token_id"),
+            "pad_token_id": data.get("pad_token_id"),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        return {}, problems + [f"{path}: field {e} is missing or not a number; download or copy it again"]
+    head_dim = data.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        problems.append(f"{path}: head_dim={head_dim} is not hidden_size/num_attention_heads={hidden // heads} "
+                        "(a decoupled head size is not implemented)")
+    theta, scaling, rope_problems = _rope(data, path)
+    problems += rope_problems
+    out["rope_theta"] = theta
+    out["rope_scaling"] = scaling
+    if arch == "MixtralForCausalLM":
+        if data.get("router_jitter_noise"):
+            problems.append(f"{path}: router_jitter_noise={data['router_jitter_noise']} is not implemented; "
+                            "set it to 0.0")
+        out["ffn"] = "moe"
+        out["moe"] = {"num_experts": int(data.get("num_local_experts", 8)),
+                      "top_k": int(data.get("num_experts_per_tok", 2)), "router": "softmax",
+                      "capacity_factor": None, "shared_experts": 0, "every": 1,
+                      "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.02)), "z_loss_coef": 0.0}
+    else:
+        out["ffn"] = "swiglu"
+    return out, problems
+
+
+def apply_hf_config(cfg: Any) -> List[str]:
+    """Fill ``cfg.model`` from ``model.hf_dir``'s config.json (in place); the problems instead when there
+    are any (``cfg`` is then left as it is, and validation reports them)."""
+    hf_dir = cfg.model.get("hf_dir")
+    if not hf_dir:
+        return []
+    overrides, problems = read_hf_config(str(hf_dir), int(cfg.trainer.seq_len))
+    if problems:
+        return problems
+    if overrides.get("ffn") == "moe" and "moe" not in cfg.model:
+        return [f"model.hf_dir={hf_dir} is a Mixtral, but no plugin provides model.ffn=moe (install hpctrain's "
+                "moe plugin or unblock it)"]
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                cfg.model[key][k] = v
+        else:
+            cfg.model[key] = value
+    return []
+
+
+def hf_model_problems(cfg: Any) -> List[str]:
+    """Validation's check of ``model.hf_dir``: the reader's problems (none when the config was filled from it)."""
+    hf_dir = cfg.model.get("hf_dir")
+    if not hf_dir:
+        return ["model=hf needs model.hf_dir=<a Hugging Face model directory>"] if cfg.model.name == "hf" else []
+    return read_hf_config(str(hf_dir), int(cfg.trainer.seq_len))[1]

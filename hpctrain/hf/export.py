@@ -1,0 +1,238 @@
+"""Write a Hugging Face model directory: ``config.json``, ``generation_config.json``
+and the weights as safetensors shards of at most a chosen size with their
+index (``model.safetensors.index.json``; one ``model.safetensors`` when it
+fits), through the ``safetensors`` library, as ``save_pretrained`` lays it
+out; ``transformers.AutoModelForCausalLM.from_pretrained`` loads it with no
+missing or unexpected keys (tests/unit/hf/test_hf_export.py).
+
+The checkpoint format gives the tensors by logical name and shape, and a
+function that reads one (``Entry``): the plan (which tensor goes to which
+shard) is made from the shapes alone, then each shard is read and written
+in turn, so at most one shard is held in memory. Our stacked experts become
+one tensor per expert and q/k rows go to rotate_half order
+(``hpctrain.hf.names``). The vocabulary is the logical one: tensor
+parallelism's padding is never in a checkpoint.
+
+The architecture follows the model: MoE blocks -> MixtralForCausalLM (a
+softmax router with top-k >= 2 in every block, no shared experts: what
+Mixtral computes), otherwise LlamaForCausalLM (a Mistral without a sliding
+window is a Llama). RoPE is written in the spelling published checkpoints
+use (``rope_theta``, ``rope_scaling``), which every transformers reads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from hpctrain.errors import ConfigError
+from hpctrain.hf.names import hf_tensor, rope_row_permutation
+from hpctrain.hf.weights import INDEX, SINGLE
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size as transformers spells it (``5GB`` = 5e9, ``500MiB``, a plain number of bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*", str(text).upper())
+    if m is None:
+        raise ConfigError(f"--max-shard-size={text!r} is not a size; give e.g. 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+@dataclass
+class Entry:
+    """One logical tensor to export."""
+
+    logical: str
+    shape: Tuple[int, ...]
+    read: Callable[[], torch.Tensor]
+    """The whole logical tensor (called once, when its shard is written)."""
+
+
+def _architecture(model: Any) -> str:
+    if model.ffn != "moe":
+        return "LlamaForCausalLM"
+    moe = model.moe
+    problems = []
+    if moe.router != "softmax" or int(moe.top_k) < 2:
+        problems.append(f"model.moe.router={moe.router} with top_k={moe.top_k} (Mixtral: softmax, top_k >= 2)")
+    if int(moe.shared_experts):
+        problems.append(f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none)")
+    if int(moe.every) != 1:
+        problems.append(f"model.moe.every={moe.every} (Mixtral has experts in every block)")
+    if problems:
+        raise ConfigError(f"this model has no Hugging Face architecture: {'; '.join(problems)}")
+    return "MixtralForCausalLM"
+
+
+def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
+    """``config.json`` for ``model`` (our model config section)."""
+    from hpctrain.model.shapes import ModelShape
+
+    s = ModelShape.from_config(model)
+    arch = _architecture(model)
+    out: Dict[str, Any] = {
+        "architectures": [arch], "model_type": "mixtral" if arch == "MixtralForCausalLM" else "llama",
+        "hidden_size": s.d_model, "intermediate_size": s.ffn_hidden, "num_attention_heads": s.n_heads,
+        "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "num_hidden_layers": s.n_layers,
+        "vocab_size": s.vocab_size, "rms_norm_eps": float(model.norm_eps), "rope_theta": float(model.rope_theta),
+        "max_position_embeddings": int(model.max_seq_len), "tie_word_embeddings": s.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "torch_dtype": dtype, "dtype": dtype,  # transformers 4 reads the first, 5 the second
+        "bos_token_id": _plain(model.get("bos_token_id")), "eos_token_id": _plain(model.get("eos_token_id")),
+        "pad_token_id": _plain(model.get("pad_token_id")),
+    }
+    rs = model.get("rope_scaling")
+    if rs is not None and rs.type is not None:
+        out["rope_scaling"] = {"rope_type": str(rs.type), "factor": float(rs.factor),
+                               "low_freq_factor": float(rs.low_freq_factor),
+                               "high_freq_factor": float(rs.high_freq_factor),
+                               "original_max_position_embeddings": int(rs.original_max_seq_len)}
+    if arch == "MixtralForCausalLM":
+        out.update(num_local_experts=int(model.moe.num_experts), num_experts_per_tok=int(model.moe.top_k),
+                   router_aux_loss_coef=float(model.moe.aux_loss_coef), router_jitter_noise=0.0,
+                   sliding_window=None, output_router_logits=False)
+    else:
+        out["mlp_bias"] = False
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """An id or a list of ids as plain JSON (OmegaConf lists are not)."""
+    if value is None or isinstance(value, int):
+        return value
+    return [int(v) for v in value]
+
+
+def generation_config(config: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+
+
+def _expert(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[e]
+
+
+def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int,
+               num_experts: int) -> List[Tuple[str, Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
+    """(Hugging Face name, shape, how to take it from the logical tensor) for one entry."""
+    found = hf_tensor(entry.logical, n_heads, n_kv_heads, num_experts)
+    if found is None:
+        raise ConfigError(f"{entry.logical} has no Hugging Face name; this model cannot be exported")
+    if len(found.names) > 1:
+        return [(name, tuple(entry.shape[1:]), _expert(e)) for e, name in enumerate(found.names)]
+    if found.rope_heads is not None:
+        perm = torch.from_numpy(rope_row_permutation(found.rope_heads, head_dim))
+        if entry.shape[0] != found.rope_heads * head_dim:
+            raise ConfigError(f"{entry.logical}: {entry.shape[0]} rows is not {found.rope_heads} heads x {head_dim}")
+        return [(found.names[0], tuple(entry.shape), lambda t: t[perm])]
+    return [(found.names[0], tuple(entry.shape), lambda t: t)]
+
+
+def check_target(out: str) -> None:
+    """Refuse, before anything is read, an export directory that cannot be made."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"export target {out}: its parent directory {parent} does not exist; create it or "
+                          "choose another --to")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"export target {out} is a file; --to names a directory (Hugging Face model directory)")
+
+
+def data_tokenizer(data: Any) -> Tuple[List[str], Dict[str, Any]]:
+    """The tokenizer the run's data names (hpctrain-prepare records it in a manifest or beside each shard):
+    (its files to copy, {"bos_token_id", "eos_token_id"} from the description). Nothing for other data."""
+    from hpctrain.data.indexed import prefix_of, read_description
+
+    if data is None or data.get("source") != "indexed":
+        return [], {}
+    paths = list(data.get("paths") or []) + [p for b in (data.get("blend") or []) for p in b.paths]
+    for path in paths:
+        try:
+            meta = read_description(prefix_of(str(path)) if not str(path).endswith(".json") else str(path)[:-5])
+        except (OSError, ValueError):
+            continue
+        tok = (meta or {}).get("tokenizer")
+        if not isinstance(tok, dict) or not tok.get("path"):
+            continue
+        assert meta is not None
+        file = str(tok["path"])
+        files = [file] + [os.path.join(os.path.dirname(file), n) for n in TOKENIZER_FILES
+                          if n != os.path.basename(file)] if tok.get("kind") == "huggingface" else [file]
+        ids = {"bos_token_id": meta.get("bos_id"), "eos_token_id": meta.get("eos_id")}
+        return files, ids
+    return [], {}
+
+
+def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "float32",
+                 max_shard_bytes: int = 5 * 10**9, tokenizer_from: Optional[List[str]] = None,
+                 metadata: Optional[Dict[str, str]] = None, token_ids: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Write the Hugging Face directory ``out`` for ``model`` (its config section) from ``entries``;
+    returns the files written. ``tokenizer_from``: directories or files whose tokenizer files are copied;
+    ``token_ids``: bos/eos ids for the ones the model config does not set (the data's tokenizer)."""
+    from safetensors.torch import save_file
+
+    check_target(out)
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPES)}")
+    config = hf_config(model, dtype)
+    for key, value in (token_ids or {}).items():
+        if config.get(key) is None and value is not None:
+            config[key] = value
+    n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    experts = config.get("num_local_experts", 0)
+    torch_dtype = DTYPES[dtype]
+    # the plan: (entry, [(name, shape, take)]) in shards, from the shapes alone
+    shards: List[List[Tuple[Entry, str, Callable[[torch.Tensor], torch.Tensor]]]] = [[]]
+    used, total = 0, 0
+    for entry in entries:
+        for name, shape, take in hf_tensors(entry, n_heads, n_kv, head_dim, experts):
+            nbytes = int(torch.Size(shape).numel()) * torch_dtype.itemsize
+            if shards[-1] and used + nbytes > max_shard_bytes:
+                shards.append([])
+                used = 0
+            shards[-1].append((entry, name, take))
+            used += nbytes
+            total += nbytes
+    os.makedirs(out, exist_ok=True)
+    files = [SINGLE] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: Dict[str, str] = {}
+    cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+    for file, shard in zip(files, shards):
+        tensors: Dict[str, torch.Tensor] = {}
+        for entry, name, take in shard:
+            if cached[0] != entry.logical:  # an entry's experts are consecutive: read it once
+                cached = (entry.logical, entry.read())
+            whole = cached[1]
+            assert whole is not None
+            if tuple(whole.shape) != tuple(entry.shape):
+                raise ConfigError(f"{entry.logical}: stored as {list(whole.shape)}, expected {list(entry.shape)}")
+            tensors[name] = take(whole).to(torch_dtype, copy=True).contiguous()  # a copy: experts are views
+            weight_map[name] = file
+        save_file(tensors, os.path.join(out, file), metadata={"format": "pt", **(metadata or {})})
+    written = list(files)
+    if len(files) > 1:
+        with open(os.path.join(out, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append(INDEX)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(generation_config(config), f, indent=2)
+    written += ["config.json", "generation_config.json"]
+    for src in tokenizer_from or []:
+        for path in ([os.path.join(src, n) for n in TOKENIZER_FILES] if os.path.isdir(src) else [src]):
+            if os.path.isfile(path):
+                shutil.copy(path, os.path.join(out, os.path.basename(path)))
+                written.append(os.path.basename(path))
+    return written

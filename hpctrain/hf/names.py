@@ -1,0 +1,79 @@
+"""Our logical tensor names and Hugging Face's (Llama/Mistral and Mixtral naming).
+
+``tok_embeddings`` <-> ``model.embed_tokens``; per layer ``attn.w{q,k,v,o}``
+<-> ``self_attn.{q,k,v,o}_proj``, ``ffn.w1/w3/w2`` <-> ``mlp.gate/up/down_proj``,
+``attn_norm`` / ``ffn_norm`` <-> ``input_layernorm`` / ``post_attention_layernorm``;
+Mixtral's ``ffn.router`` <-> ``block_sparse_moe.gate`` and our stacked
+``ffn.experts.w{1,3,2}`` (E, ...) <-> one tensor per expert,
+``block_sparse_moe.experts.<e>.w{1,3,2}.weight`` (the same gate/up/down
+letters); ``norm`` <-> ``model.norm``; ``output`` <-> ``lm_head`` (absent when
+the embeddings are tied). Linear weights are (out, in) in both: no transposes.
+
+RoPE: our ``apply_rope`` rotates interleaved pairs (dims 2i, 2i+1 of a head
+share frequency i); Hugging Face's ``rotate_half`` rotates dims i and
+i + d/2. Ordering the rows of each head of ``q_proj`` and ``k_proj`` as
+``[0, 2, 4, ..., d-2, 1, 3, ..., d-1]`` of ours turns one into the other:
+the rotated q and k come out permuted the same way within each head, and
+the scores q.k are unchanged (transformers' forward checks it:
+tests/unit/hf/test_hf_logits.py).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_PER_LAYER = {
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
+    "ffn.w2.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight", "ffn.router.weight": "block_sparse_moe.gate.weight",
+}
+_EXPERTS = {"ffn.experts.w1": "w1", "ffn.experts.w3": "w3", "ffn.experts.w2": "w2"}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """Where one logical tensor lives in a Hugging Face checkpoint."""
+
+    names: List[str]
+    """The Hugging Face tensor(s): one, or one per expert (stacked on our dim 0)."""
+    rope_heads: Optional[int] = None
+    """q_proj / k_proj: the heads whose rows are in rotate_half order there (``rope_row_permutation``)."""
+
+
+def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0) -> Optional[HfTensor]:
+    """The Hugging Face tensor(s) of a logical tensor, or None if it has none."""
+    if logical in _TOP:
+        return HfTensor([_TOP[logical]])
+    m = _LAYER.match(logical)
+    if m is None:
+        return None
+    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in _EXPERTS:
+        return HfTensor([f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(num_experts)])
+    if rest not in _PER_LAYER:
+        return None
+    heads = n_heads if rest == "attn.wq.weight" else n_kv_heads if rest == "attn.wk.weight" else None
+    return HfTensor([prefix + _PER_LAYER[rest]], heads)
+
+
+def hf_name(logical: str) -> Optional[str]:
+    """The Hugging Face name of a logical tensor stored as one tensor there (not the experts)."""
+    found = hf_tensor(logical, 1, 1)
+    return found.names[0] if found is not None and len(found.names) == 1 else None
+
+
+def rope_row_permutation(n_heads: int, head_dim: int) -> np.ndarray:
+    """Row order taking an interleaved-RoPE projection to HF's rotate_half convention:
+    ``hf = ours[perm]``; its inverse (``np.argsort``) takes HF's rows to ours."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even for RoPE")
+    within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    return (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)

@@ -1,0 +1,197 @@
+"""Read a Hugging Face model's weights lazily, each rank only its slices.
+
+``HfWeights(dir, ...)`` opens the directory's safetensors (one
+``model.safetensors``, or the shards ``model.safetensors.index.json`` maps)
+through the ``safetensors`` library, a file only when a tensor in it is
+wanted, and ``box(logical, box)`` reads exactly that box of a logical
+tensor with ``safe_open(...).get_slice(name)[...]``: a tensor-parallel rank
+reads its rows, an expert-parallel rank its experts, a pipeline stage its
+layers, so no process ever holds the whole model (a 70B import included).
+q_proj / k_proj rows come back in our interleaved RoPE order
+(``hpctrain.hf.names``): the slice read covers the whole heads the box
+touches, which is the box itself under tensor parallelism (whole heads per
+rank).
+
+``check(expected)`` is validation's look at the directory before any
+collective: every shard the index names exists, every tensor the model
+needs is there with its shape (only the files' headers are read).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hpctrain.hf.names import HfTensor, hf_tensor, rope_row_permutation
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PREFIX = "hf:"
+
+Box = Sequence[Tuple[int, int]]
+
+
+def safe_open(path: str, framework: str = "pt"):
+    """``safetensors.safe_open`` (one name to wrap: the import-byte test counts what is read through it)."""
+    from safetensors import safe_open as _open
+
+    return _open(path, framework=framework)
+
+
+class HfWeights:
+    """The weights of Hugging Face directory ``hf_dir`` for a model with these heads and experts."""
+
+    def __init__(self, hf_dir: str, n_heads: int, n_kv_heads: int, head_dim: int, num_experts: int = 0):
+        self.dir = hf_dir
+        self.n_heads, self.n_kv_heads, self.head_dim, self.num_experts = n_heads, n_kv_heads, head_dim, num_experts
+        self._files: Dict[str, Any] = {}
+        self.weight_map, problems = weight_map(hf_dir)
+        if problems:
+            from hpctrain.errors import ConfigError
+
+            raise ConfigError("\n".join(problems))
+
+    def where(self, logical: str) -> Optional[HfTensor]:
+        return hf_tensor(logical, self.n_heads, self.n_kv_heads, self.num_experts)
+
+    def _slice(self, name: str):
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(os.path.join(self.dir, file))
+        return self._files[file].get_slice(name)
+
+    def box(self, logical: str, box: Box) -> torch.Tensor:
+        """The values of ``box`` of logical tensor ``logical``, in fp32."""
+        found = self.where(logical)
+        if found is None:
+            raise KeyError(f"{logical} has no Hugging Face tensor")
+        if len(found.names) > 1:  # experts stacked on dim 0: one tensor per expert
+            (e0, e1), rest = box[0], box[1:]
+            return torch.stack([self._read(found.names[e], rest) for e in range(e0, e1)])
+        if found.rope_heads is None:
+            return self._read(found.names[0], box)
+        (a, b), rest = box[0], box[1:]
+        d = self.head_dim
+        h0, h1 = a // d, -(-b // d)
+        inverse = np.argsort(rope_row_permutation(found.rope_heads, d))
+        rows = self._read(found.names[0], [(h0 * d, h1 * d)] + list(rest))
+        return rows[torch.from_numpy(inverse[a:b] - h0 * d)]
+
+    def _read(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        sl = self._slice(name)
+        index = tuple(slice(lo, hi) for lo, hi in box)
+        return sl[index].to(torch.float32) if index else sl[:].to(torch.float32)
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+def weight_map(hf_dir: str) -> Tuple[Dict[str, str], List[str]]:
+    """Tensor name -> file (relative to ``hf_dir``), or the problems (no weights, a missing shard)."""
+    index = os.path.join(hf_dir, INDEX)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                mapping = dict(json.load(f)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return {}, [f"{index} is not a safetensors index ({e}); download or copy it again"]
+        missing = sorted({f for f in mapping.values() if not os.path.isfile(os.path.join(hf_dir, f))})
+        if missing:
+            return {}, [f"{hf_dir}: shard {missing[0]} named by {INDEX} is missing"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                        + "; download or copy the whole directory again"]
+        return mapping, []
+    single = os.path.join(hf_dir, SINGLE)
+    if os.path.isfile(single):
+        with safe_open(single) as f:
+            return {name: SINGLE for name in f.keys()}, []
+    if not os.path.isdir(hf_dir):
+        return {}, [f"checkpoint.init_from={PREFIX}{hf_dir}: no such directory"]
+    return {}, [f"{hf_dir} has neither {SINGLE} nor {INDEX}; hpctrain reads safetensors weights only "
+                "(convert a .bin/.pth model with transformers' save_pretrained first)"]
+
+
+def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_kv_heads: int,
+          num_experts: int = 0, limit: int = 3) -> List[str]:
+    """Problems of loading ``hf_dir`` into a model whose logical tensors have the ``expected`` shapes."""
+    mapping, problems = weight_map(hf_dir)
+    if problems:
+        return problems
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    by_file: Dict[str, List[str]] = {}
+    for name, file in mapping.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        try:
+            with safe_open(os.path.join(hf_dir, file)) as f:
+                for name in names:
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001 - any unreadable shard is this one line, before any collective
+            return [f"{os.path.join(hf_dir, file)} is not a readable safetensors file ({e}); "
+                    "download or copy it again"]
+    missing, wrong = [], []
+    for logical, shape in expected.items():
+        found = hf_tensor(logical, n_heads, n_kv_heads, num_experts)
+        if found is None:
+            missing.append(f"{logical} (no Hugging Face name)")
+            continue
+        want = tuple(shape[1:]) if len(found.names) > 1 else tuple(shape)
+        for name in found.names:
+            if name not in shapes:
+                missing.append(name)
+            elif shapes[name] != want:
+                wrong.append(f"{name} is {list(shapes[name])}, the model needs {list(want)}")
+    out = []
+    if missing:
+        out.append(f"checkpoint.init_from={PREFIX}{hf_dir} lacks {', '.join(missing[:limit])}"
+                   + (f" and {len(missing) - limit} more" if len(missing) > limit else "")
+                   + "; is it the model of model.hf_dir (tied embeddings, layers, experts)?")
+    if wrong:
+        out.append(f"checkpoint.init_from={PREFIX}{hf_dir}: a tensor of the wrong shape: {'; '.join(wrong[:limit])}"
+                   + (f" and {len(wrong) - limit} more" if len(wrong) > limit else "")
+                   + f"; set model=hf model.hf_dir={hf_dir} so the model takes the directory's shape")
+    return out
+
+
+def num_experts_of(cfg: Any) -> int:
+    moe = cfg.model.get("moe") if hasattr(cfg.model, "get") else None
+    return int(moe.num_experts) if cfg.model.ffn == "moe" and moe is not None else 0
+
+
+def hf_weights_for(cfg: Any) -> Optional[HfWeights]:
+    """The reader ``checkpoint.init_from=hf:DIR`` asks for, or None."""
+    src = cfg.checkpoint.get("init_from")
+    if not src or not str(src).startswith(PREFIX):
+        return None
+    from hpctrain.model.shapes import ModelShape
+
+    s = ModelShape.from_config(cfg.model)
+    return HfWeights(str(src)[len(PREFIX):], s.n_heads, s.n_kv_heads, s.head_dim, num_experts_of(cfg))
+
+
+def init_from_problems(cfg: Any, pm: Any) -> List[str]:
+    """Validation of ``checkpoint.init_from`` before any collective: hf:DIR is checked against the
+    model's logical tensors (built on the meta device: nothing is allocated); another path must exist."""
+    src = cfg.checkpoint.get("init_from")
+    if not src:
+        return []
+    src = str(src)
+    if not src.startswith(PREFIX):
+        if not os.path.exists(src):
+            return [f"checkpoint.init_from={src}: no such file or directory; give hf:<Hugging Face directory>, "
+                    "a checkpoint file or a checkpoint directory"]
+        return []
+    from hpctrain.model.build import build_model
+    from hpctrain.model.shapes import ModelShape
+    from hpctrain.shard import get_spec
+
+    model = build_model(cfg, pm)
+    expected = {}
+    for p in model.parameters():
+        spec = get_spec(p)
+        expected[spec.logical_name] = tuple(spec.global_shape)
+    s = ModelShape.from_config(cfg.model)
+    return check(src[len(PREFIX):], expected, s.n_heads, s.n_kv_heads, num_experts_of(cfg))

@@ -1,0 +1,68 @@
+"""Tiny Hugging Face models made inside the tests (nothing downloaded), saved with
+``save_pretrained`` as transformers writes real checkpoints, and their own forward.
+
+Shapes: GQA 4:1 (8 query heads, 2 key/value heads), head size 8, two or
+four layers; Llama 3.1 rope scaling with an original context of 16 tokens,
+so that sequences of 32 cross all three bands of its frequencies.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+VOCAB = 300  # >= 256: the embedded byte-level corpus trains it
+SEQ = 32
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+
+def _common(vocab: int, layers: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def llama_config(tie: bool = False, vocab: int = VOCAB, layers: int = 2, rope: Optional[dict] = None):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_common(vocab, layers), tie_word_embeddings=tie,
+                       rope_parameters=dict(LLAMA3_ROPE if rope is None else rope))
+
+
+def mixtral_config(vocab: int = VOCAB, layers: int = 2):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common(vocab, layers), num_local_experts=4, num_experts_per_tok=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=None)
+
+
+def save(config, path, seed: int = 0, max_shard_size: Optional[str] = None) -> str:
+    """A randomly initialised model of ``config`` saved to ``path`` (sharded with ``max_shard_size``).
+    Norm weights are drawn too (transformers inits them to 1, which would hide a norm mix-up)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return str(path)
+
+
+def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward of the model saved in ``path`` (fp32, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def batch(vocab: int = VOCAB, n: int = 2, seq: int = SEQ, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, seq), generator=g)

@@ -1,0 +1,161 @@
+"""Hugging Face directories that cannot be trained here are refused by validation,
+before any collective, with one line naming the field or file and the fix:
+the bad-config table (``test_bad_inputs.py``) for rows that need a model
+directory on disk. Each row damages a good tiny model (made and saved in the
+test) and says what the line must hold; the good model passes
+(``test_a_good_model_passes``), so every row fails for its damage alone. The
+export target whose parent does not exist is the row of the export command.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from hpctrain.config.validate import validate
+
+from hf_models import llama_config, mixtral_config, save
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    return {"llama": save(llama_config(), d / "llama"), "mixtral": save(mixtral_config(), d / "mixtral"),
+            "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB")}
+
+
+def _copy(models, tmp_path, which="llama"):
+    path = str(tmp_path / which)
+    shutil.copytree(models[which], path)
+    return path
+
+
+def _edit(path, **fields):
+    with open(os.path.join(path, "config.json")) as f:
+        data = json.load(f)
+    data.update(fields)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(data, f)
+
+
+def _rows():
+    def field(which="llama", **fields):
+        def make(models, tmp_path):
+            path = _copy(models, tmp_path, which)
+            _edit(path, **fields)
+            return path
+        return make
+    return [
+        ("another_architecture", field(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+         ["architecture 'GPT2LMHeadModel' is not supported", "LlamaForCausalLM"]),
+        ("attention_bias", field(attention_bias=True), ["attention_bias=True", "not implemented"]),
+        ("mlp_bias", field(mlp_bias=True), ["mlp_bias=True"]),
+        ("sliding_window", field(sliding_window=16), ["sliding_window=16 is not implemented", "trainer.seq_len <= 16"]),
+        ("qk_norm", field(use_qk_norm=True), ["use_qk_norm=True (qk-norm)"]),
+        ("another_rope_type", field(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+         ["rope_scaling type 'yarn' is not implemented"]),
+        ("legacy_rope_scaling",
+         field(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2}),
+         ["rope_scaling type 'linear' is not implemented"]),
+        ("another_activation", field(hidden_act="gelu"), ["hidden_act='gelu' is not implemented"]),
+        ("decoupled_head_dim", field(head_dim=16), ["head_dim=16 is not hidden_size/num_attention_heads=8"]),
+        ("router_jitter", field("mixtral", router_jitter_noise=0.1), ["router_jitter_noise=0.1 is not implemented"]),
+        ("no_config_json", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "config.json"),
+         ["has no config.json"]),
+        ("missing_shard", lambda models, tmp_path: _unlink(_copy(models, tmp_path, "sharded"),
+                                                           "model-00002-of-00005.safetensors"),
+         ["shard model-00002-of-00005.safetensors named by model.safetensors.index.json is missing"]),
+        ("no_weights", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "model.safetensors"),
+         ["has neither model.safetensors nor model.safetensors.index.json"]),
+        ("tensor_of_the_wrong_shape", _wrong_shape,
+         ["a tensor of the wrong shape: model.layers.1.mlp.up_proj.weight is [95, 64], the model needs [96, 64]"]),
+        ("tensor_missing", _missing_tensor, ["lacks model.layers.0.self_attn.v_proj.weight"]),
+    ]
+
+
+def _unlink(path, name):
+    os.remove(os.path.join(path, name))
+    return path
+
+
+def _rewrite(path, change):
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def _wrong_shape(models, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    return _rewrite(_copy(models, tmp_path), lambda t: t.__setitem__(name, t[name][:95].clone()))
+
+
+def _missing_tensor(models, tmp_path):
+    return _rewrite(_copy(models, tmp_path), lambda t: t.pop("model.layers.0.self_attn.v_proj.weight"))
+
+
+ROWS = _rows()
+
+
+def _problems(make_config, pm, path):
+    return validate(make_config("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}",
+                                "trainer.seq_len=32"), 1, pm)
+
+
+@pytest.mark.parametrize("name,damage,fragments", ROWS, ids=[r[0] for r in ROWS])
+def test_a_bad_model_is_one_line_naming_it(make_config, pm, models, tmp_path, name, damage, fragments):
+    path = damage(models, tmp_path)
+    problems = _problems(make_config, pm, path)
+    assert len(problems) == 1, problems
+    [line] = problems
+    assert "\n" not in line, line
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+
+
+@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded"])
+def test_a_good_model_passes(make_config, pm, models, which):
+    assert _problems(make_config, pm, models[which]) == []
+
+
+def test_a_sliding_window_no_shorter_than_the_sequence_passes(make_config, pm, models, tmp_path):
+    path = _copy(models, tmp_path)
+    _edit(path, sliding_window=32)
+    assert _problems(make_config, pm, path) == []
+
+
+def test_our_checkpoint_of_another_model_is_one_line(make_config, pm, models, tmp_path):
+    """checkpoint.init_from=<one of our checkpoints> saved by another model: the shapes, before any collective."""
+    from hpctrain_h5ckpt import cli
+
+    assert cli.main(["import-hf", models["llama"], str(tmp_path / "ck.h5")]) == 0
+    problems = validate(make_config(f"checkpoint.init_from={tmp_path / 'ck.h5'}"), 1, pm)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"checkpoint.init_from={tmp_path / 'ck.h5'}: a tensor of the wrong shape: "
+                                  "tok_embeddings.weight is [300, 64], the model needs [256, 64]; ")
+    assert problems[0].endswith(" more; set the model it was trained with")
+    (tmp_path / "not-hdf5").write_text("hello")
+    problems = validate(make_config(f"checkpoint.init_from={tmp_path / 'not-hdf5'}"), 1, pm)
+    assert problems == [f"checkpoint.init_from={tmp_path / 'not-hdf5'} is neither hf:<Hugging Face directory> nor "
+                        "an hpctrain checkpoint (an HDF5 step_*.h5, or a directory holding committed ones)"]
+    good = make_config("model=hf", f"model.hf_dir={models['llama']}", f"checkpoint.init_from={tmp_path / 'ck.h5'}",
+                       "trainer.seq_len=32")
+    assert validate(good, 1, pm) == []
+
+
+def test_an_export_target_without_its_parent_is_one_line_exit_2(models, tmp_path, capsys):
+    from hpctrain_h5ckpt import cli
+
+    assert cli.main(["import-hf", models["llama"], str(tmp_path / "ck.h5")]) == 0
+    capsys.readouterr()
+    target = tmp_path / "no" / "such" / "out"
+    assert cli.main(["export", str(tmp_path / "ck.h5"), "--to", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hpctrain: error: export target {target}: its parent directory {target.parent} does not exist; "
+                   "create it or choose another --to"]
+    assert not target.parent.exists()
