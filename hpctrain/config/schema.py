@@ -357,7 +357,7 @@ class ReliabilityConfig:
     (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 
 
-FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt")
+FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "oom")
 
 
 @dataclass
@@ -367,7 +367,8 @@ class DebugConfig:
     fault: str = "none"
     """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process
     stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps
-    slow_s in every step's compute from then on), corrupt (one of its weights changes); none."""
+    slow_s in every step's compute from then on), corrupt (one of its weights changes), oom (its step raises CUDA's
+    out-of-memory error, on any device: the error line and the memory snapshot); none."""
     fault_rank: int = 0
     """The world rank the fault happens on."""
     fault_step: int = 1

@@ -104,7 +104,7 @@ class StepProfiler:
             torch.cuda.memory._dump_snapshot(path)
             saved = f"memory snapshot in {path} (open it at https://pytorch.org/memory_viz"
             saved += ")" if self.memory else "; trainer.profile.memory=true adds where each block was allocated)"
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, AttributeError) as e:  # AttributeError: a torch built without CUDA
             saved = f"no memory snapshot ({e})"
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         message = (f"rank {self.rank}: CUDA out of memory in step {step}: {first}; {saved}; lower "
