@@ -16,7 +16,8 @@ that it raises instead of printing its own seven lines, and
 exception prints its traceback with the rank and aborts the MPI job, so a
 failure on one rank never leaves the others waiting in a collective.
 
-``hpctrain-train --plugins`` lists the loaded plugins and what they provide.
+``hpctrain-train --plugins`` lists the loaded plugins and what they provide;
+``--help`` the presets per group and the other commands (``hpctrain.help``).
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
 
     register_configs(get_manager())
     codes: List[int] = []
+    swept = _swept_keys(argv)
     user_full_error = os.environ.get(_FULL_ERROR)
 
     def task(cfg) -> int:
@@ -136,6 +138,8 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
             # one directory per experiment, found again by a relaunch (README, "Checkpoints");
             # created only when something is saved (a stop saves by default)
             cfg.checkpoint.dir = default_checkpoint_dir(cfg, HydraConfig.get().runtime.cwd)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            _sweep_logging(cfg, HydraConfig.get(), swept)
         try:
             cfg_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve: one line, status 2
@@ -177,6 +181,30 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     return code
 
 
+def _swept_keys(argv: List[str]) -> List[str]:
+    """The keys a ``--multirun`` command line sweeps (``optim.lr=1e-3,3e-3``: optim.lr)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 - Hydra reports a bad override itself, in one line (explain)
+        return []
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
+def _sweep_logging(cfg, hc, swept: List[str]) -> None:
+    """A sweep point is a run of its own in every logger backend, named by its
+    number and swept values, grouped by the sweep (``logging.{dir,group,name}``
+    left unset; ``hpctrain.train.loggers``)."""
+    if cfg.logging.dir is None:
+        cfg.logging.dir = hc.sweep.dir
+    if cfg.logging.group is None:
+        cfg.logging.group = hc.sweep.dir
+    if cfg.logging.name is None:
+        values = [o for o in hc.overrides.task if o.split("=", 1)[0].lstrip("+~") in swept]
+        cfg.logging.name = " ".join([str(hc.job.num)] + values)
+
+
 def _composition_failed(e: Exception, full_error: bool) -> int:
     """Rank 0's verdict on an exception out of Hydra (composing, parsing an
     override, resolving the config): a configuration problem is one
@@ -200,6 +228,12 @@ def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--plugins" in argv:
         return _print_plugins()
+    if "--help" in argv or "-h" in argv:
+        from hpctrain.config.store import CONF_DIR
+        from hpctrain.help import help_text
+
+        print(help_text(CONF_DIR, "hpctrain-eval" if evaluate else "hpctrain-train"))
+        return 0
     from hpctrain.bootstrap import init_runtime, shutdown
 
     try:

@@ -47,7 +47,7 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
     Kinds used by the core: ``comm.backend``, ``parallel`` (axes it
     parallelises), ``model.attention``, ``model.ffn``, ``checkpoint.format``,
-    ``pipeline.schedule``, ``optim``, ``observer``. Example:
+    ``pipeline.schedule``, ``optim``, ``observer``, ``logging.backend``. Example:
     ``{"comm.backend": ["torch", "gloo", "nccl"]}``.
     """
 
@@ -149,6 +149,20 @@ def hpctrain_weight_source(path: str, cfg: "DictConfig") -> Optional[Any]:
     reader with ``where(logical_name)`` (None when it has no such tensor) and ``box(logical_name, box)``
     (the values of that box of the logical tensor, any float dtype), read lazily: each rank asks only
     for the boxes it holds. None declines."""
+
+
+@hookspec(firstresult=True)
+def hpctrain_make_logger(name: str, cfg: "DictConfig", run_dir: str) -> Optional[Any]:
+    """Return a metrics logger for backend ``name`` (an entry of ``logging.backends``) or None.
+
+    Called on rank 0 only, before step 1; raise (a missing package, a
+    directory that cannot be written) and the run stops there with one
+    ``hpctrain: error:`` line. The logger has ``log(step, metrics)``
+    (``metrics``: the step's numbers by name, finite floats), ``flush()``
+    and ``close()`` (``hpctrain.train.loggers.MetricLogger``). Where to write:
+    ``hpctrain.train.loggers.logging_dir(cfg, run_dir)``; the run's group and
+    name: ``run_group`` and ``run_name``. List the name under
+    ``logging.backend`` in ``hpctrain_capabilities``."""
 
 
 @hookspec

@@ -3,11 +3,15 @@ line from a rank other than 0 carries its rank.
 
 Use ``get_logger(__name__)`` in library code and ``log_rank0`` for progress
 messages; never ``print``. ``setup_logging`` is called once by the bootstrap;
-``add_file_log`` adds the run directory's ``train.log`` on rank 0.
+``add_file_log`` adds the run directory's ``train.log`` on rank 0 and
+``remove_file_log`` takes it away when the run ends: a Hydra sweep runs its
+points in one process, and a handler left behind would copy every later
+point's lines into an earlier point's log.
 """
 from __future__ import annotations
 
 import logging as _logging
+import os
 import sys
 from typing import Optional
 
@@ -51,16 +55,26 @@ def setup_logging(rank: int = 0, world_size: int = 1, level: int = _logging.INFO
 
 
 def add_file_log(path: str) -> None:
-    """Also write rank 0's log lines to ``path`` (the run's train.log)."""
+    """Write rank 0's log lines to ``path`` (the run's train.log), and only there:
+    a file log of an earlier run in this process is closed first."""
     if _state["rank"] != 0:
         return
     logger = _logging.getLogger(_ROOT)
     for h in logger.handlers:
-        if isinstance(h, _logging.FileHandler) and h.baseFilename == path:
+        if isinstance(h, _logging.FileHandler) and h.baseFilename == os.path.abspath(path):
             return
+    remove_file_log()
     fh = _logging.FileHandler(path)
     fh.setFormatter(_logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(fh)
+
+
+def remove_file_log() -> None:
+    """Close and remove every file log (the run that opened it has ended)."""
+    logger = _logging.getLogger(_ROOT)
+    for h in [h for h in logger.handlers if isinstance(h, _logging.FileHandler)]:
+        logger.removeHandler(h)
+        h.close()
 
 
 def get_logger(name: Optional[str] = None) -> _logging.Logger:

@@ -14,7 +14,7 @@ from hpctrain.bootstrap import Runtime, get_runtime, with_device
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
-from hpctrain.log import add_file_log, get_logger
+from hpctrain.log import add_file_log, get_logger, remove_file_log
 from hpctrain.mesh import AXES, Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.train.watchdog import JobStopped
@@ -113,6 +113,8 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
     finally:
         if holder:
             holder[0].stop("done" if done else "error")
+        if run_dir:
+            remove_file_log()  # the next point of a sweep in this process logs to its own train.log
 
 
 def evaluate(trainer: Any, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
@@ -178,7 +180,29 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
             watchdog_holder.append(watchdog)
             board = watchdog.board
     mesh = build_mesh(cfg, rt, pm, board)
-    return Trainer(cfg, mesh, pm, rt.device, run_dir)
+    trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
+    # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
+    trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
+    return trainer
+
+
+def open_loggers_agreed(cfg: Any, rt: Runtime, pm, run_dir: Optional[str]):
+    """Rank 0's logger backends, opened before step 1; a backend that cannot
+    start (a package missing, a directory it cannot write) stops every rank
+    with rank 0's one line (its verdict broadcast over MPI, like validation's)."""
+    from hpctrain.train.loggers import Loggers, open_loggers
+
+    loggers, problem = Loggers(), None
+    if rt.is_main and run_dir:
+        try:
+            loggers = open_loggers(cfg, pm, run_dir)
+        except ConfigError as e:
+            problem = str(e)
+    if rt.world_size > 1:
+        problem = rt.mpi_comm.bcast(problem, root=0)
+    if problem:
+        raise ConfigError(problem)
+    return loggers
 
 
 def reference_trainer(cfg: Any, pm=None, run_dir: Optional[str] = None):

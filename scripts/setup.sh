@@ -17,7 +17,8 @@ TORCH_SPEC=${HPCTRAIN_TORCH_SPEC:-torch==2.13.0}
 say() { printf '[setup] %s\n' "$*"; }
 
 export DEBIAN_FRONTEND=noninteractive
-apt_pkgs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools gcc libc6-dev pkg-config)
+# chromium: the headless browser the report test (tests/unit/report) renders hpctrain-report pages in
+apt_pkgs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools gcc libc6-dev pkg-config chromium)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

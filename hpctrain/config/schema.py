@@ -275,6 +275,19 @@ class LossScaleConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """The torch profiler on chosen steps and ranks (``hpctrain.train.profile``)."""
+
+    steps: List[int] = field(default_factory=list)
+    """Steps (1-based) to trace; consecutive steps share one trace; empty: no profiling."""
+    ranks: List[int] = field(default_factory=lambda: [0])
+    """World ranks that write a trace."""
+    memory: bool = False
+    """Record tensor allocations in the trace (profile_memory) and, on CUDA, the allocator's history, so an
+    out-of-memory snapshot shows where each block was allocated."""
+
+
+@dataclass
 class TrainerConfig:
     """Training loop."""
 
@@ -312,6 +325,8 @@ class TrainerConfig:
     data.validation.paths); 0: only after the last step."""
     eval_batches: int = 4
     """Global batches of each validation source per validation (the same ones every time, so the numbers compare)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """The torch profiler: Chrome traces of trainer.profile.steps on trainer.profile.ranks."""
 
 
 @dataclass
@@ -384,7 +399,7 @@ class ReliabilityConfig:
     (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 
 
-FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow")
+FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow", "oom")
 
 
 @dataclass
@@ -395,7 +410,8 @@ class DebugConfig:
     """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process
     stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps
     slow_s in every step's compute from then on), corrupt (one of its weights changes), overflow (one of its
-    gradients becomes inf after that step's reduction, as an fp16 overflow on one rank); none."""
+    gradients becomes inf after that step's reduction, as an fp16 overflow on one rank), oom (its step raises
+    CUDA's out-of-memory error, on any device: the error line and the memory snapshot); none."""
     fault_rank: int = 0
     """The world rank the fault happens on."""
     fault_step: int = 1
@@ -405,6 +421,24 @@ class DebugConfig:
     it; the step must save)."""
     slow_s: float = 0.05
     """Seconds a slow rank sleeps per micro-batch forward."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where rank 0 sends each step's metrics: logger backends, each a plugin (``hpctrain.train.loggers``)."""
+
+    backends: List[str] = field(default_factory=lambda: ["jsonl"])
+    """Backends that get every step's metrics: jsonl (metrics.jsonl in the run directory, built in), tensorboard,
+    wandb, mlflow, or a logger plugin's name (hpctrain-train --plugins lists them)."""
+    dir: Optional[str] = None
+    """Directory the backends write under (TensorBoard events, the W&B offline runs, the MLflow file store); None:
+    the run directory, or in a Hydra sweep the sweep directory, so the points are runs side by side."""
+    group: Optional[str] = None
+    """The run's group in backends that have one (W&B group, MLflow experiment); None: the Hydra sweep directory
+    in a multirun, else the model's name."""
+    name: Optional[str] = None
+    """The run's name in the backends; None: the sweep point's number and overrides in a multirun, else the run
+    directory's name."""
 
 
 @dataclass
@@ -441,5 +475,6 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: Optional[str] = None
     """Filled in at start: the one run directory all ranks share."""

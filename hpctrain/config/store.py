@@ -36,6 +36,7 @@ GROUPS: Dict[str, type] = {
     "cluster": S.ClusterConfig,
     "reliability": S.ReliabilityConfig,
     "debug": S.DebugConfig,
+    "logging": S.LoggingConfig,
 }
 
 

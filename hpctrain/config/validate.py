@@ -252,6 +252,26 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems += init_from_problems(cfg, pm)
     from hpctrain.optimizers.checks import optimizer_problems
     problems += optimizer_problems(cfg, pm, caps.get("optim", []))
+    problems += _observability_checks(cfg, world_size, pm)
+    return problems
+
+
+def _observability_checks(cfg: Any, world_size: int, pm) -> List[str]:
+    """Logger backends that exist, a logging directory that can be written, profiled steps and ranks that exist."""
+    from hpctrain.train.loggers import backend_problems
+
+    problems = backend_problems(cfg, pm)
+    if cfg.logging.dir and cfg.logging.backends:
+        problems += _writable(str(cfg.logging.dir), "logging.dir")
+    prof = cfg.trainer.profile
+    bad_steps = [s for s in prof.steps if not 1 <= s <= cfg.trainer.steps]
+    if bad_steps:
+        problems.append(f"trainer.profile.steps={list(prof.steps)}: {bad_steps} not steps of this run; "
+                        f"use steps in 1..{cfg.trainer.steps} (trainer.steps)")
+    bad_ranks = [r for r in prof.ranks if not 0 <= r < world_size]
+    if bad_ranks:
+        problems.append(f"trainer.profile.ranks={list(prof.ranks)}: {bad_ranks} not ranks of this "
+                        f"{world_size}-rank job; use ranks in 0..{world_size - 1}")
     return problems
 
 

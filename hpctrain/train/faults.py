@@ -16,6 +16,9 @@ Kinds (``debug.fault``):
 - ``overflow``: one of the gradients it holds becomes inf once the step's
   gradients are reduced, as an fp16 overflow seen by one rank
   (``hpctrain.train.loss_scale``: every rank must skip that step).
+- ``oom``: its step raises ``torch.cuda.OutOfMemoryError`` before the
+  forward (on any device), so the out-of-memory path (the snapshot and the
+  error line naming it, ``hpctrain.train.profile``) runs where no GPU is.
 
 ``debug.fault_at=checkpoint`` fires die, stall and freeze just before the
 checkpoint save after the step instead, so the other ranks are waiting
@@ -69,6 +72,9 @@ class FaultInjector:
                 m.register_forward_pre_hook(lambda *_: time.sleep(self.slow_s))
         elif self.kind in ("die", "stall", "freeze") and self.at == "step":
             self._fire(f"step {step}")
+        elif self.kind == "oom":
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (debug.fault=oom in step {step}). "
+                                              "Tried to allocate 2.00 GiB.")
 
     def loss_scale(self, step: int) -> float:
         """What this rank's summed loss is multiplied by (NaN for a nan fault)."""

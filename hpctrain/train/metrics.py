@@ -1,8 +1,10 @@
 """Metrics: ``metrics.jsonl`` in the run directory and rank 0's progress display.
 
-One JSON object per step (step, loss, grad_norm, lr, tokens_per_s,
-step_time_s, consumed_samples), flushed every ``log_every`` steps and at the
-end. Only rank 0 writes. The progress bar (rich) draws on stderr when a
+One JSON object per step (step, loss, grad_norm, lr, tokens_per_s (global),
+tokens_per_s_per_device, model_tflops_per_device, mfu, step_time_s,
+consumed_samples, data_wait_s, peak memory), flushed every ``log_every``
+steps and at the end. Only rank 0 writes; ``hpctrain.train.loggers`` sends
+the same numbers to the other backends. The progress bar (rich) draws on stderr when a
 terminal is attached, including an interactive ``mpirun``
 (``trainer.progress=auto``), or when forced (``on``); a
 log line every ``log_every`` steps is printed either way, so batch logs show
@@ -44,9 +46,35 @@ def json_safe(record: Dict[str, float]) -> Dict[str, object]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB"
+
+
 def format_step(step: int, total: int, m: Dict[str, float]) -> str:
-    return (f"step {step:>{len(str(total))}}/{total} | loss {m['loss']:.4f} | grad_norm {m['grad_norm']:.3f} "
-            f"| lr {m['lr']:.2e} | {m['tokens_per_s']:,.0f} tok/s")
+    """The step's log line: loss, gradient norm, learning rate, throughput per
+    device and global, model TFLOP/s per device and MFU (with a
+    ``cluster.peak_tflops``), the peak memory over the ranks and the rank
+    holding it (when gathered), the data wait, and validation loss when present."""
+    parts = [f"step {step:>{len(str(total))}}/{total}", f"loss {m['loss']:.4f}", f"grad_norm {m['grad_norm']:.3f}",
+             f"lr {m['lr']:.2e}"]
+    if "tokens_per_s_per_device" in m:
+        parts.append(f"{m['tokens_per_s_per_device']:,.0f} tok/s/device ({m['tokens_per_s']:,.0f} tok/s global)")
+    else:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s global")
+    if "model_tflops_per_device" in m:
+        flops = f"{m['model_tflops_per_device']:.3g} TFLOP/s/device"
+        parts.append(flops + (f", MFU {100 * m['mfu']:.1f}%" if "mfu" in m else ""))
+    for name, label in (("cuda_max_allocated_bytes", "peak allocated"), ("cuda_max_reserved_bytes", "peak reserved"),
+                        ("peak_rss_bytes", "peak RSS")):
+        if f"{name}.max" in m:
+            parts.append(f"{label} {_mib(m[name + '.min'])}..{_mib(m[name + '.max'])} "
+                         f"(max on rank {int(m[name + '.max_rank'])})")
+            break
+    if "data_wait_s" in m:
+        parts.append(f"data wait {1000 * m['data_wait_s']:.1f} ms")
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f}")
+    return " | ".join(parts)
 
 
 LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "prte", "srun")

@@ -27,7 +27,9 @@ group moves anything).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -48,11 +50,15 @@ from hpctrain.train.faults import FaultInjector
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
+from hpctrain.train.loggers import Loggers, open_loggers
 from hpctrain.train.loss_scale import DynamicLossScale
-from hpctrain.train.metrics import MetricsWriter, Progress, log_step, run_dir_file
+from hpctrain.train.memory import gather_peaks, peak_rss_bytes, summarise
+from hpctrain.train.metrics import Progress, log_step
 from hpctrain.train.optim import lr_at, set_lr
+from hpctrain.train.profile import StepProfiler
 from hpctrain.train.schedule import as_step_result
 from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
+from hpctrain.train.throughput import flops_per_token, throughput
 
 log = get_logger(__name__)
 
@@ -60,18 +66,22 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """``trainer.precision`` -> the autocast dtype (fp32: none)."""
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
+__all__ = ["Trainer", "peak_rss_bytes"]
 
 
 class Trainer:
-    def __init__(self, cfg: Any, mesh: Mesh, pm, device: torch.device, run_dir: Optional[str] = None):
+    def __init__(self, cfg: Any, mesh: Mesh, pm, device: torch.device, run_dir: Optional[str] = None,
+                 loggers: Optional[Loggers] = None):
         self.cfg, self.mesh, self.pm, self.device, self.run_dir = cfg, mesh, pm, device, run_dir
+        self.loggers = loggers
+        """Rank 0's logger backends (``hpctrain.train.loggers``); None: opened by ``fit``."""
+        self.flops_per_token = flops_per_token(cfg)
+        """Model FLOPs per trained token, the planner's formula (``hpctrain.train.throughput``)."""
+        self.peaks_per_rank: Dict[str, List[float]] = {}
+        """Every rank's peak memory, by metric, as last gathered (``hpctrain.train.memory``)."""
+        self.profiler = StepProfiler(cfg.trainer.profile, mesh.world_rank, device, run_dir)
+        self.logging_s = 0.0
+        """Seconds this rank spent in the loggers and the log line (``hpctrain-bench loggers``)."""
         self.step = 0
         self.parallel = parallelize(cfg, mesh, pm, device)
         """The layout, built: model, handles, optimizer and schedule (``hpctrain.parallel.compose``)."""
@@ -206,6 +216,7 @@ class Trainer:
         board = self.mesh.board
         board.step, board.phase = self.step + 1, "training"
         self.faults.before_step(self.step + 1, [m for m in self.model.modules() if isinstance(m, Transformer)])
+        self.profiler.before_step(self.step + 1)
         t_data = time.perf_counter()
         step_data = self.prefetch.next_step() if self.prefetch is not None else self.cursor.next_step()
         data_wait = time.perf_counter() - t_data  # with the prefetcher, what its read-ahead did not hide
@@ -260,13 +271,14 @@ class Trainer:
         if rel.weight_check_every and self.step % rel.weight_check_every == 0:
             check_replicas(self.params, mesh, self.device, self.step)  # collective; raises on every rank
         dt = time.perf_counter() - t0
+        self.profiler.after_step(self.step)
         tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.metrics = {
             "step": self.step,
             "loss": loss_value,
             "grad_norm": norm_value,
             "lr": lr,
-            "tokens_per_s": tokens / dt,
+            **throughput(tokens, dt, mesh.world_size, self.flops_per_token, float(cfg.cluster.peak_tflops)),
             "step_time_s": dt,
             "consumed_samples": self.cursor.consumed_samples,
             "data_wait_s": data_wait,
@@ -296,6 +308,12 @@ class Trainer:
                 self._comm_logged.add(name)
                 self.metrics[f"comm_bytes.{name}"] = moved
         self._comm_seen = now
+        if self.step % cfg.trainer.log_every == 0 or self.step == cfg.trainer.steps:
+            # every rank's peaks for the log line (collective, the same steps on every rank); its bytes
+            # are logging's, not training's, so they stay out of comm_bytes
+            self.peaks_per_rank = gather_peaks(mesh, self.device)
+            self.metrics.update(summarise(self.peaks_per_rank))
+            self._comm_seen = self._comm_totals()
         for extra in self.pm.hook.hpctrain_step_metrics(trainer=self, step=self.step, metrics=dict(self.metrics)):
             for key, value in (extra or {}).items():
                 if key in self.metrics:
@@ -308,10 +326,16 @@ class Trainer:
         cfg, hook = self.cfg, self.pm.hook
         total = cfg.trainer.steps
         is_main = self.mesh.world_rank == 0
-        writer = MetricsWriter(run_dir_file(self.run_dir, "metrics.jsonl") if is_main else None)
+        if self.loggers is None:
+            self.loggers = open_loggers(cfg, self.pm, self.run_dir) if is_main and self.run_dir else Loggers()
+        loggers = self.loggers
+        backends = [n for n in cfg.logging.backends if n != "jsonl"]
+        where = ", ".join(([loggers.jsonl_path] if loggers.jsonl_path else []) + backends) if loggers.loggers else ""
         log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s",
                   cfg.model.name, f"{self.logical_params:,}", self.mesh.describe(),
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
+        if is_main and self.run_dir:
+            write_layout(self.run_dir, self.mesh, self.logical_params, str(self.device))
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
         unsaved = why_no_stop_save(cfg, self.pm, self.checkpointer is not None)  # None: a stop saves
@@ -320,16 +344,21 @@ class Trainer:
         stopped = None  # (reason, checkpoint) when a signal or the clock ends the run early
         try:
             while self.step < total:
-                m = self.train_step()
+                try:
+                    m = self.train_step()
+                except torch.cuda.OutOfMemoryError as e:
+                    raise self.profiler.out_of_memory(e, self.step + 1) from e
                 every = cfg.trainer.eval_every
                 if self.orders.valid and (self.step == total or (every and self.step % every == 0)):
                     m.update(self.validate())  # collective: the same steps on every rank
                 self.history.append(m)
-                writer.write(m)
+                t_log = time.perf_counter()
+                loggers.log(m)
                 progress.update(self.step, m)
                 if self.step % cfg.trainer.log_every == 0 or self.step == total:
                     log_step(self.step, total, m)
-                    writer.flush()
+                    loggers.flush()
+                self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(trainer=self, step=self.step, metrics=m)
                 saved = None
                 if self.checkpointer is not None and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
@@ -347,7 +376,10 @@ class Trainer:
         finally:
             stops.uninstall()
             progress.close()
-            writer.close()
+            loggers.close()
+            self.profiler.close()
+            if is_main and self.run_dir and self.peaks_per_rank:
+                write_peaks(self.run_dir, self.peaks_per_rank)
             if self.checkpointer is not None:
                 self.mesh.board.phase = "checkpoint finish"
                 # wait for a background save; a checkpointer with close() also lets go of its directory
@@ -359,7 +391,29 @@ class Trainer:
             requeued = requeue_if_slurm(reason) if is_main and saved else None
             raise StopRequested(stop_message(self.step, stops.describe(reason), saved, requeued, unsaved))
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
-        if self.history and writer.path:
+        if self.history and where:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),
-                      self.history[0]["loss"], self.history[-1]["loss"], writer.path)
+                      self.history[0]["loss"], self.history[-1]["loss"], where)
         return self.history
+
+
+PEAKS_FILE = "memory_per_rank.json"
+"""Every rank's peak memory at the end of the run (rank 0 writes it; ``hpctrain-report`` draws it)."""
+
+
+def write_peaks(run_dir: str, peaks: Dict[str, List[float]]) -> None:
+    with open(os.path.join(run_dir, PEAKS_FILE), "w") as f:
+        json.dump(peaks, f, indent=1)
+
+
+LAYOUT_FILE = "layout.json"
+"""The run's mesh: world size, axis sizes and order, every axis's groups (rank 0 writes it; ``hpctrain-report``)."""
+
+
+def write_layout(run_dir: str, mesh: Mesh, params: int, device: str) -> None:
+    from hpctrain.mesh import AXES
+
+    groups = {a: [list(g) for g in mesh.partition(a)] for a in AXES if mesh.size(a) > 1}
+    with open(os.path.join(run_dir, LAYOUT_FILE), "w") as f:
+        json.dump({"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order),
+                   "groups": groups, "parameters": params, "device": device}, f, indent=1)

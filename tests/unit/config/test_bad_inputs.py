@@ -125,6 +125,18 @@ BAD = [
     ("data.blend=[{weight:0.5}] data.source=indexed", "data.blend[0].paths is empty; give the source's shards"),
     ("data.split=0.1 data.source=indexed data.paths=[/x] data.validation.paths=[/z]",
      "data.split=0.1 and data.validation.paths both choose the validation documents; set one"),
+    ("logging.backends=[nosuch]", "logging.backends: 'nosuch' is not provided by any installed plugin; choose from"),
+    ("logging.backends=[jsonl,jsonl]", "logging.backends=['jsonl', 'jsonl'] names a backend twice"),
+    ("logging.wandb.mode=cloud logging.backends=[wandb]",
+     "logging.wandb.mode='cloud' is not one of offline, online, disabled"),
+    ("logging.tensorboard.flush_secs=0 logging.backends=[tensorboard]",
+     "logging.tensorboard.flush_secs=0: must be an integer >= 1"),
+    ("trainer.profile.steps=[0,3]", "trainer.profile.steps=[0, 3]: [0] not steps of this run; use steps in 1..40"),
+    ("trainer.profile.steps=[41]", "trainer.profile.steps=[41]: [41] not steps of this run"),
+    ("trainer.profile.ranks=[1]", "trainer.profile.ranks=[1]: [1] not ranks of this 1-rank job; use ranks in 0..0"),
+    ("trainer.profile.memory=maybe", "trainer.profile.memory='maybe': must be true or false (bool)"),
+    ("HPCTRAIN_DISABLE_PLUGINS=logger_wandb logging.backends=[wandb]",
+     "blocked by HPCTRAIN_DISABLE_PLUGINS: logger_wandb; to unblock"),
     # (bad shard files, a vocabulary past the model's, vocab_size=auto unrecorded: test_bad_shards.py)
     ("model=hf", "model=hf needs model.hf_dir=<a Hugging Face model directory>"),
     ("model.hf_dir=/nonexistent/llama", "model.hf_dir=/nonexistent/llama: no such directory"),
@@ -200,3 +212,22 @@ def test_an_unwritable_checkpoint_dir_fails_before_the_first_step(make_config, p
     problems = validate(make_config("checkpoint.every=5", f"checkpoint.dir={blocker}/ckpt"), 1, pm)
     assert any(f"checkpoint.dir='{blocker}/ckpt' is not writable" in p for p in problems), problems
     assert validate(make_config("checkpoint.every=5", f"checkpoint.dir={tmp_path}/ok"), 1, pm) == []
+
+
+def test_an_unwritable_logging_dir_fails_before_the_first_step(make_config, pm, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    problems = validate(make_config(f"logging.dir={blocker}/logs"), 1, pm)
+    assert any(f"logging.dir='{blocker}/logs' is not writable" in p for p in problems), problems
+    assert validate(make_config(f"logging.dir={tmp_path}/ok"), 1, pm) == []
+
+
+@pytest.mark.parametrize("backend,package,extra", [("tensorboard", "tensorboard", "tensorboard"),
+                                                   ("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")])
+def test_a_backend_whose_library_is_missing_names_the_extra(make_config, pm, monkeypatch, backend, package, extra):
+    import sys
+
+    monkeypatch.setitem(sys.modules, package, None)  # Python's own way to make an import fail
+    problems = validate(make_config(f"logging.backends=[jsonl,{backend}]"), 1, pm)
+    assert problems == [f"logging.backends includes {backend} but the {package} package is not installed; "
+                        f"pip install 'hpctrain[{extra}]' (or {package}), or remove {backend} from logging.backends"]

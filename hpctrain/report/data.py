@@ -1,0 +1,84 @@
+"""What a run directory holds, read for the report."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hpctrain.errors import ConfigError
+
+
+@dataclass
+class Run:
+    path: str
+    metrics: List[Dict[str, Any]]
+    config: Optional[Any] = None
+    """The run's config (``.hydra/config.yaml``, typed), when present."""
+    layout: Dict[str, Any] = field(default_factory=dict)
+    peaks: Dict[str, List[float]] = field(default_factory=dict)
+    timeline_png: Optional[bytes] = None
+    overrides: List[str] = field(default_factory=list)
+
+    def series(self, key: str) -> List[tuple]:
+        return [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float))]
+
+    @property
+    def last(self) -> Dict[str, Any]:
+        return self.metrics[-1] if self.metrics else {}
+
+
+def _json(path: str, default: Any) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def _config(run_dir: str) -> Optional[Any]:
+    path = os.path.join(run_dir, ".hydra", "config.yaml")
+    if not os.path.exists(path):
+        return None
+    from hpctrain.config.store import to_config
+    from hpctrain.plugins import get_manager
+
+    try:
+        return to_config(open(path).read(), get_manager())
+    except Exception:  # noqa: BLE001 - a config of another version: the page goes on without what needs it
+        return None
+
+
+def _overrides(run_dir: str) -> List[str]:
+    path = os.path.join(run_dir, ".hydra", "overrides.yaml")
+    if not os.path.exists(path):
+        return []
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def is_run(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "metrics.jsonl"))
+
+
+def load_run(run_dir: str) -> Run:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path) as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise ConfigError(f"{run_dir} is not a run directory: no readable metrics.jsonl ({e.strerror}); give "
+                          "the directory hpctrain-train wrote (logging.backends with jsonl), or a sweep's") from e
+    png = os.path.join(run_dir, "pipeline_timeline.png")
+    return Run(path=run_dir, metrics=metrics, config=_config(run_dir),
+               layout=_json(os.path.join(run_dir, "layout.json"), {}),
+               peaks=_json(os.path.join(run_dir, "memory_per_rank.json"), {}),
+               timeline_png=open(png, "rb").read() if os.path.exists(png) else None,
+               overrides=_overrides(run_dir))
+
+
+def sweep_points(sweep_dir: str) -> List[str]:
+    """A sweep directory's point directories (numbered, as Hydra makes them), in order."""
+    names = [n for n in os.listdir(sweep_dir) if n.isdigit() and is_run(os.path.join(sweep_dir, n))]
+    return [os.path.join(sweep_dir, n) for n in sorted(names, key=int)]
