@@ -120,7 +120,8 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
         if cfg.model.hf_dir:  # the shape from the directory's config.json (validation reports its problems)
             from hpctrain.hf.config import apply_hf_config
 
-            if not apply_hf_config(cfg):
+            explicit = [o.lstrip("+").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
+            if not apply_hf_config(cfg, explicit):
                 from hpctrain.log import log_rank0
 
                 log_rank0("model.hf_dir=%s: %s, %d layers, d_model %d", cfg.model.hf_dir, cfg.model.name,

@@ -17,7 +17,7 @@ TORCH_SPEC=${HPCTRAIN_TORCH_SPEC:-torch==2.13.0}
 say() { printf '[setup] %s\n' "$*"; }
 
 export DEBIAN_FRONTEND=noninteractive
-# chromium: the headless browser the report test (tests/unit/report) renders hpctrain-report pages in
+# chromium: the headless browser the report test (tests/launch/test_report.py) renders hpctrain-report pages in
 apt_pkgs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools gcc libc6-dev pkg-config chromium)
 missing=()
 for p in "${apt_pkgs[@]}"; do

@@ -128,7 +128,8 @@ def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
 
     try:
         cfg = to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
-        apply_hf_config(cfg)  # model.hf_dir's shape, as hpctrain-train fills it (validation reports problems)
+        # model.hf_dir's shape, as hpctrain-train fills it (validation reports problems)
+        apply_hf_config(cfg, [o.lstrip("+").split("=", 1)[0] for o in overrides])
         return cfg
     except ConfigError:
         raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 """The Hugging Face architectures our decoder computes exactly, with their model_type."""
@@ -145,9 +145,35 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     return out, problems
 
 
-def apply_hf_config(cfg: Any) -> List[str]:
+WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
+               "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts", "moe.top_k", "moe.router",
+               "moe.shared_experts", "moe.every")
+"""``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
+directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE
+loss coefficients and capacity) an explicit override sets instead: training choices, not the model's shape."""
+
+
+def _model_value(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    node: Any = cfg.model
+    for part in key.split("."):
+        node = node.get(part) if node is not None else None
+    return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+
+
+def _flat(overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"moe": {"top_k": 2}}`` -> ``{"moe.top_k": 2}`` (sections are set, and compared, key by key)."""
+    out: Dict[str, Any] = {}
+    for k, v in overrides.items():
+        out.update({f"{k}.{kk}": vv for kk, vv in v.items()} if isinstance(v, dict) else {k: v})
+    return out
+
+
+def apply_hf_config(cfg: Any, explicit: Sequence[str] = ()) -> List[str]:
     """Fill ``cfg.model`` from ``model.hf_dir``'s config.json (in place); the problems instead when there
-    are any (``cfg`` is then left as it is, and validation reports them)."""
+    are any (``cfg`` is then left as it is, and validation reports them). ``explicit``: the ``model.*`` keys
+    the command line set, which keep their values (``WEIGHT_KEYS`` that disagree are refused by validation)."""
     hf_dir = cfg.model.get("hf_dir")
     if not hf_dir:
         return []
@@ -157,10 +183,13 @@ def apply_hf_config(cfg: Any) -> List[str]:
     if overrides.get("ffn") == "moe" and "moe" not in cfg.model:
         return [f"model.hf_dir={hf_dir} is a Mixtral, but no plugin provides model.ffn=moe (install hpctrain's "
                 "moe plugin or unblock it)"]
-    for key, value in overrides.items():
-        if isinstance(value, dict):
-            for k, v in value.items():
-                cfg.model[key][k] = v
+    kept = {k[len("model."):] for k in explicit if k.startswith("model.")}
+    for key, value in _flat(overrides).items():
+        if key in kept:
+            continue
+        head, _, tail = key.partition(".")
+        if tail:
+            cfg.model[head][tail] = value
         else:
             cfg.model[key] = value
     return []
@@ -171,4 +200,11 @@ def hf_model_problems(cfg: Any) -> List[str]:
     hf_dir = cfg.model.get("hf_dir")
     if not hf_dir:
         return ["model=hf needs model.hf_dir=<a Hugging Face model directory>"] if cfg.model.name == "hf" else []
-    return read_hf_config(str(hf_dir), int(cfg.trainer.seq_len))[1]
+    overrides, problems = read_hf_config(str(hf_dir), int(cfg.trainer.seq_len))
+    if problems:
+        return problems
+    flat = _flat(overrides)
+    return [f"model.{key}={_model_value(cfg, key)} disagrees with model.hf_dir={hf_dir}, whose config.json gives "
+            f"{value}: the weights fix it; drop the override"
+            for key, value in flat.items()
+            if (key in WEIGHT_KEYS or key.split(".")[0] in WEIGHT_KEYS) and _model_value(cfg, key) != value]

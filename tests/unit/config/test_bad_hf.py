@@ -123,6 +123,17 @@ def test_a_good_model_passes(make_config, pm, models, which):
     assert _problems(make_config, pm, models[which]) == []
 
 
+def test_an_explicit_override_of_the_shape_is_refused_and_of_a_training_choice_kept(make_config, pm, models):
+    path = models["mixtral"]
+    problems = validate(make_config("model=hf", f"model.hf_dir={path}", "trainer.seq_len=32", "model.n_layers=5",
+                                    "model.moe.top_k=1"), 1, pm)
+    assert len(problems) == 2, problems
+    assert "model.n_layers=5 disagrees with model.hf_dir=" in problems[0] and "drop the override" in problems[0]
+    assert problems[1].startswith("model.moe.top_k=1 disagrees"), problems
+    cfg = make_config("model=hf", f"model.hf_dir={path}", "trainer.seq_len=32", "model.moe.aux_loss_coef=0.5")
+    assert validate(cfg, 1, pm) == [] and cfg.model.moe.aux_loss_coef == 0.5  # a training choice: the user's
+
+
 def test_a_sliding_window_no_shorter_than_the_sequence_passes(make_config, pm, models, tmp_path):
     path = _copy(models, tmp_path)
     _edit(path, sliding_window=32)
