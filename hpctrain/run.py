@@ -99,7 +99,8 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
     try:
         if evaluate_only:
             _check_evaluation(cfg)  # a config problem: before any collective
-        trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder)
+        # hpctrain-eval writes validation.json only: no logger backend run (no training step to log)
+        trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder, loggers=not evaluate_only)
         history = evaluate(trainer, run_dir) if evaluate_only else trainer.fit()
         done = True
         return history
@@ -155,8 +156,10 @@ def start_watchdog(cfg: Any, rt: Runtime):
     return Watchdog(rt.mpi_comm, timeout)
 
 
-def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holder: Optional[List[Any]] = None):
-    """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet.
+def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holder: Optional[List[Any]] = None,
+                loggers: bool = True):
+    """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet; with ``loggers``,
+    open the logger backends (else the trainer opens them at its first logged step, if any).
 
     With ``watchdog_holder`` (a list), the hang watchdog is started after
     validation and appended to it; the caller stops it."""
@@ -181,8 +184,8 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
             board = watchdog.board
     mesh = build_mesh(cfg, rt, pm, board)
     trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
-    # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
-    trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
+    if loggers:  # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
+        trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
     return trainer
 
 

@@ -129,7 +129,9 @@ def _comm_theory(n, layers, h, tokens, microbatches, sequence_parallel):
     head = 3 * f * A if sequence_parallel else 2 * f * A  # its input: gathered, gathered again + reduce-scattered
     ends = 2 * f * A + head  # embedding: output summed forward, gradient handed back (all-reduce, or RS + AG)
     loss = 3 * 2 * f * 4 * tokens  # max, sum of exponentials, target logit: one fp32 per token each
-    step_totals = 2 * f * 4 * 8  # the step's totals, a 4-element fp64 all-reduce (tp is the whole world here)
+    # the step's totals, a 5-element fp64 all-reduce (norm, loss, tokens, short reads, fp16 overflow flag);
+    # tp is the whole world here
+    step_totals = 2 * f * 5 * 8
     return microbatches * (layers * per_layer + norms + ends + loss) + step_totals
 
 

@@ -82,7 +82,8 @@ def test_bf16_autocast_trains(world, make_config):
 def test_comm_bytes_of_plain_dp_is_a_ring_all_reduce_of_the_gradients(world, make_config, backend):
     """nccl-tests bus bytes: an all-reduce of S bytes moves 2(n-1)/n x S per rank.
     The gradients are all the dp group moves, apart from one flag per parameter
-    in each bucket and the step's 4-element float64 totals all-reduce (norm, loss, tokens, short reads)."""
+    in each bucket and the step's 5-element float64 totals all-reduce (norm, loss, tokens, short reads,
+    the fp16 overflow flag)."""
     n = world.Get_size()
     cfg = make_config("trainer.steps=2", f"trainer.global_batch_size={2 * n}", "trainer.micro_batch_size=2",
                       f"comm.backend={backend}", "comm.bucket_mb=0.05")
