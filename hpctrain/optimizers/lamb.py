@@ -16,24 +16,14 @@ AdamW's rule (matrices and embeddings). State per tensor, shaped like it:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
 import torch
 
-from hpctrain.mesh import Mesh
-from hpctrain.optimizers.base import ShardedOptimizer
-from hpctrain.optimizers.kinds import adapted
-from hpctrain.optimizers.norms import TensorNorms
-from hpctrain.shard import ShardSpec
+from hpctrain.optimizers.norms import TrustRatioOptimizer
 
 
-class Lamb(ShardedOptimizer):
-    def __init__(self, tensors: Sequence[torch.nn.Parameter], optim: Any, mesh: Mesh,
-                 specs: Optional[Sequence[ShardSpec]] = None):
-        super().__init__(tensors, optim, mesh, specs)
-        self.norms = TensorNorms(self.specs, mesh)
-        self.adapt = [adapted(s, optim.exclude_from_adaptation) for s in self.specs]
-
+class Lamb(TrustRatioOptimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
         if closure is not None:

@@ -25,12 +25,14 @@ reduced over; tied embeddings on two stages each compute the same norm.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.mesh import Mesh
+from hpctrain.optimizers.base import ShardedOptimizer
+from hpctrain.optimizers.kinds import adapted
 from hpctrain.shard import Piece, ShardSpec
 
 
@@ -81,3 +83,14 @@ class TensorNorms:
             self.mesh.group(axis).communicator().all_reduce(part, ReduceOp.SUM)
             sums.index_copy_(0, idx, part)
         return sums
+
+
+class TrustRatioOptimizer(ShardedOptimizer):
+    """The base of LAMB and LARS: the logical tensors' norms (``TensorNorms``) and, per tensor, whether its
+    kind takes a trust ratio (``optim.exclude_from_adaptation``)."""
+
+    def __init__(self, tensors: Sequence[torch.nn.Parameter], optim: Any, mesh: Mesh,
+                 specs: Optional[Sequence[ShardSpec]] = None):
+        super().__init__(tensors, optim, mesh, specs)
+        self.norms = TensorNorms(self.specs, mesh)
+        self.adapt = [adapted(s, optim.exclude_from_adaptation) for s in self.specs]
