@@ -25,7 +25,7 @@ What the trainer exposes to a checkpointer (read and restore):
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
 
 
 class ShardedStateOptimizer(Protocol):
@@ -100,3 +100,19 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
         chosen["checkpoint.init_from"] = str(cfg.checkpoint.init_from)
     digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
     return os.path.join(os.path.abspath(launch_dir), "checkpoints", f"{cfg.model.name}-{digest}")
+
+
+def weight_mismatches(source: str, missing: Sequence[str], wrong: Sequence[str], missing_fix: str, wrong_fix: str,
+                      limit: int = 3) -> List[str]:
+    """At most two lines about the weights ``source`` (``checkpoint.init_from=...``) holds for this model: the
+    tensors it lacks and those of the wrong shape (``"name is [a, b], the model needs [c, d]"``), ``limit`` of
+    each named, then a count; each line ends with its fix."""
+    def some(items: Sequence[str], sep: str) -> str:
+        return sep.join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+    out = []
+    if missing:
+        out.append(f"{source} lacks {some(missing, ', ')}; {missing_fix}")
+    if wrong:
+        out.append(f"{source}: a tensor of the wrong shape: {some(wrong, '; ')}; {wrong_fix}")
+    return out

@@ -144,16 +144,11 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
                 missing.append(name)
             elif shapes[name] != want:
                 wrong.append(f"{name} is {list(shapes[name])}, the model needs {list(want)}")
-    out = []
-    if missing:
-        out.append(f"checkpoint.init_from={PREFIX}{hf_dir} lacks {', '.join(missing[:limit])}"
-                   + (f" and {len(missing) - limit} more" if len(missing) > limit else "")
-                   + "; is it the model of model.hf_dir (tied embeddings, layers, experts)?")
-    if wrong:
-        out.append(f"checkpoint.init_from={PREFIX}{hf_dir}: a tensor of the wrong shape: {'; '.join(wrong[:limit])}"
-                   + (f" and {len(wrong) - limit} more" if len(wrong) > limit else "")
-                   + f"; set model=hf model.hf_dir={hf_dir} so the model takes the directory's shape")
-    return out
+    from hpctrain.checkpoint import weight_mismatches
+
+    return weight_mismatches(f"checkpoint.init_from={PREFIX}{hf_dir}", missing, wrong,
+                             "is it the model of model.hf_dir (tied embeddings, layers, experts)?",
+                             f"set model=hf model.hf_dir={hf_dir} so the model takes the directory's shape", limit)
 
 
 def num_experts_of(cfg: Any) -> int:

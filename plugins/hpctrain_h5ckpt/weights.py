@@ -71,13 +71,8 @@ def init_from_problems(cfg: Any, limit: int = 3) -> List[str]:
             missing.append(spec.logical_name)
         elif shape != tuple(spec.global_shape):
             wrong.append(f"{spec.logical_name} is {list(shape)}, the model needs {list(spec.global_shape)}")
-    out = []
-    if missing:
-        out.append(f"checkpoint.init_from={found} lacks {', '.join(missing[:limit])}"
-                   + (f" and {len(missing) - limit} more" if len(missing) > limit else "")
-                   + "; it was saved by another model: set the model it was trained with")
-    if wrong:
-        out.append(f"checkpoint.init_from={found}: a tensor of the wrong shape: {'; '.join(wrong[:limit])}"
-                   + (f" and {len(wrong) - limit} more" if len(wrong) > limit else "")
-                   + "; set the model it was trained with")
-    return out
+    from hpctrain.checkpoint import weight_mismatches
+
+    return weight_mismatches(f"checkpoint.init_from={found}", missing, wrong,
+                             "it was saved by another model: set the model it was trained with",
+                             "set the model it was trained with", limit)
