@@ -112,7 +112,9 @@ class Watchdog:
         """The address and port rank 0 listens on (every rank, once started)."""
         self._known = threading.Event()
         self._stop = threading.Event()
-        self._host = socket.gethostname()
+        # the name Slurm knows the node by (what `srun --exclude` takes, and the only difference between
+        # emulated nodes of one machine), else the host name
+        self._host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         self._peers: Dict[socket.socket, _Peer] = {}
         problem = None
         if self.rank == 0:

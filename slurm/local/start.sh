@@ -17,13 +17,21 @@
 #   HPCTRAIN_SLURM_CPUS      CPUs the node claims   (default 8; more than the real
 #                            cores is fine: config_overrides, for oversubscribed tests)
 #   HPCTRAIN_SLURMCTLD_PORT  controller port        (default 6817)
-#   HPCTRAIN_SLURMD_PORT     node daemon port       (default 6818)
+#   HPCTRAIN_SLURMD_PORT     node daemon port       (default 6818; with several
+#                            nodes, node i listens on this + i)
+#   HPCTRAIN_SLURM_NODES     nodes                  (default 1). More than one
+#                            emulates a multi-node cluster on this machine: one
+#                            slurmd per node (<host>-1, <host>-2, ...), each with
+#                            HPCTRAIN_SLURM_CPUS CPUs, so srun --nodes, --exclude
+#                            and a node that fails behave as on a real cluster
+#                            (restart inside an allocation is tested this way)
 set -euo pipefail
 
 STATE=${HPCTRAIN_SLURM_DIR:-/tmp/hpctrain-slurm}
 CPUS=${HPCTRAIN_SLURM_CPUS:-8}
 CTLD_PORT=${HPCTRAIN_SLURMCTLD_PORT:-6817}
 SLURMD_PORT=${HPCTRAIN_SLURMD_PORT:-6818}
+NODES=${HPCTRAIN_SLURM_NODES:-1}
 PARTITION=local
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
@@ -39,6 +47,7 @@ show_log() {
 }
 
 [[ $(id -u) -eq 0 ]] || die "must run as root (it installs packages and runs the daemons as root); try: sudo bash $0"
+[[ $NODES =~ ^[1-9][0-9]*$ ]] || die "HPCTRAIN_SLURM_NODES must be a positive integer, got '$NODES'"
 [[ $STATE = /* ]] || die "HPCTRAIN_SLURM_DIR must be an absolute path, got '$STATE'"
 # 0755: munged refuses a socket or key below a directory others may write.
 # An existing directory is used as it is (never chmod a directory we did not make).
@@ -80,7 +89,19 @@ if need_install; then
 fi
 
 # ---------------------------------------------------------------- names and paths
-NODE=$(hostname -s)
+HOST=$(hostname -s)
+# The nodes' names. Emulated nodes (HPCTRAIN_SLURM_NODES > 1) each have their
+# own slurmd pid file, log, spool and a copy of slurm.conf beside an mpi.conf
+# of their own: PMIx puts its per-step directory under /tmp otherwise, where
+# two slurmds of one host collide.
+NODE_NAMES=()
+if ((NODES == 1)); then
+    NODE_NAMES=("$HOST")
+else
+    for i in $(seq "$NODES"); do NODE_NAMES+=("$HOST-$i"); done
+fi
+NODE=${NODE_NAMES[0]}
+slurmd_pidfile() { if ((NODES == 1)); then echo "$STATE/slurmd.pid"; else echo "$STATE/slurmd-$1.pid"; fi; }
 CONF=$STATE/slurm.conf
 MUNGE_DIR=$STATE/munge
 MUNGE_SOCKET=$MUNGE_DIR/munge.socket
@@ -93,18 +114,22 @@ pid_alive() { # pidfile name: the pid in pidfile is a live process called name
     [[ $pid =~ ^[0-9]+$ ]] && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]
 }
 
-node_state() { # idle, mix, alloc, comp, down, drain, ... (flag characters like * ~ stripped)
+node_state() { # [node] idle, mix, alloc, comp, down, drain, ... (flag characters like * ~ stripped)
     local out
-    out=$(timeout 10 sinfo -h -N -n "$NODE" -o %t 2>/dev/null || true)
+    out=$(timeout 10 sinfo -h -N -n "${1:-$NODE}" -o %t 2>/dev/null || true)
     echo "${out%%$'\n'*}" | tr -cd 'a-z'
 }
 
 healthy() {
+    local n
     pid_alive "$MUNGE_DIR/munged.pid" munged &&
         pid_alive "$STATE/slurmctld.pid" slurmctld &&
-        pid_alive "$STATE/slurmd.pid" slurmd &&
-        [[ $(timeout 10 scontrol ping 2>/dev/null || true) == *UP* ]] &&
-        [[ $(node_state) =~ ^(idle|mix|alloc|comp)$ ]]
+        [[ $(timeout 10 scontrol ping 2>/dev/null || true) == *UP* ]] || return 1
+    # the cluster running is the one asked for: as many nodes, each up
+    [[ $(timeout 10 sinfo -h -N -o %N 2>/dev/null | sort -u | wc -l) -eq $NODES ]] || return 1
+    for n in "${NODE_NAMES[@]}"; do
+        pid_alive "$(slurmd_pidfile "$n")" slurmd && [[ $(node_state "$n") =~ ^(idle|mix|alloc|comp)$ ]] || return 1
+    done
 }
 
 print_env() {
@@ -122,7 +147,10 @@ HPCTRAIN_SLURM_LOCKED=1 bash "$HERE/stop.sh" >/dev/null 2>&1 || true
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 port_busy "$CTLD_PORT" && die "port $CTLD_PORT is in use (a system slurmctld, or a cluster started with another HPCTRAIN_SLURM_DIR?); stop it or set HPCTRAIN_SLURMCTLD_PORT"
-port_busy "$SLURMD_PORT" && die "port $SLURMD_PORT is in use (a system slurmd?); stop it or set HPCTRAIN_SLURMD_PORT"
+for n in $(seq 0 "$NODES"); do
+    if ((NODES == 1 && n > 0 || NODES > 1 && n == 0)); then continue; fi
+    port_busy $((SLURMD_PORT + n)) && die "port $((SLURMD_PORT + n)) is in use (a system slurmd?); stop it or set HPCTRAIN_SLURMD_PORT"
+done
 
 # ---------------------------------------------------------------- munge
 mkdir -p "$MUNGE_DIR"
@@ -149,12 +177,17 @@ munge -n -S "$MUNGE_SOCKET" 2>/dev/null | unmunge -S "$MUNGE_SOCKET" >/dev/null 
 # ---------------------------------------------------------------- slurm.conf
 mem_mb=$(awk '/^MemTotal:/ { print int($2 / 1024 * 0.9) }' /proc/meminfo)
 mkdir -p "$STATE/ctld" "$STATE/spool"
+if ((NODES == 1)); then
+    spool=$STATE/spool slurmd_pid=$STATE/slurmd.pid slurmd_log=$STATE/slurmd.log
+else # %n: the node's name
+    spool=$STATE/spool/%n slurmd_pid=$STATE/slurmd-%n.pid slurmd_log=$STATE/slurmd-%n.log
+fi
 cat >"$CONF" <<EOF
-# Written by slurm/local/start.sh; rewritten on every start. One node, no
+# Written by slurm/local/start.sh; rewritten on every start. $NODES node(s), no
 # systemd, no cgroups, no accounting database: a test cluster, not a template
 # for a real one.
 ClusterName=hpctrain-local
-SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 # Root runs everything, so no slurm user is needed.
@@ -164,11 +197,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$MUNGE_SOCKET
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
+SlurmdSpoolDir=$spool
 SlurmctldPidFile=$STATE/slurmctld.pid
-SlurmdPidFile=$STATE/slurmd.pid
+SlurmdPidFile=$slurmd_pid
 SlurmctldLogFile=$STATE/slurmctld.log
-SlurmdLogFile=$STATE/slurmd.log
+SlurmdLogFile=$slurmd_log
 # No cgroups: containers and CI runners often lack a writable cgroup tree.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -188,32 +221,63 @@ MpiDefault=none
 ReturnToService=2
 KillWait=5
 InactiveLimit=0
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN
-PartitionName=$PARTITION Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
+if ((NODES == 1)); then
+    echo "NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN" >>"$CONF"
+else
+    # Emulated nodes share this machine's /dev/shm, where Open MPI names its
+    # shared-memory files by job and node-local rank: ranks of two "nodes" would
+    # open each other's. A directory per node and job keeps them apart (the
+    # task prolog's "export" lines enter every task's environment).
+    mkdir -p "$STATE/nodes"
+    cat >"$STATE/nodes/task_prolog.sh" <<'PROLOG'
+#!/bin/sh
+d=/dev/shm/hpctrain-slurm-$SLURM_JOB_ID-$SLURMD_NODENAME
+mkdir -p "$d" && echo "export OMPI_MCA_btl_vader_backing_directory=$d"
+PROLOG
+    chmod 0755 "$STATE/nodes/task_prolog.sh"
+    echo "TaskProlog=$STATE/nodes/task_prolog.sh" >>"$CONF"
+    for i in $(seq "$NODES"); do
+        echo "NodeName=$HOST-$i NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((SLURMD_PORT + i)) CPUs=$CPUS RealMemory=$((mem_mb / NODES)) State=UNKNOWN" >>"$CONF"
+    done
+fi
+echo "PartitionName=$PARTITION Nodes=$(IFS=,; echo "${NODE_NAMES[*]}") Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES" >>"$CONF"
 
 # ---------------------------------------------------------------- daemons
 # -c: start with no saved jobs; this cluster is throwaway.
 slurmctld -c >"$STATE/slurmctld.err" 2>&1 9>&- ||
     { show_log "$STATE/slurmctld.err"; show_log "$STATE/slurmctld.log"; die "slurmctld did not start"; }
-slurmd >"$STATE/slurmd.err" 2>&1 9>&- ||
-    { show_log "$STATE/slurmd.err"; show_log "$STATE/slurmd.log"; die "slurmd did not start"; }
-
-state=""
-for _ in $(seq 120); do
-    state=$(node_state || true)
-    [[ $state == idle ]] && break
-    # A node remembered as down from an earlier run: bring it back.
-    if [[ $state =~ ^(down|drain|drng|fail)$ ]]; then
-        scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true
-    fi
-    sleep 0.25
-done
-if [[ $state != idle ]]; then
-    show_log "$STATE/slurmctld.log"
-    show_log "$STATE/slurmd.log"
-    die "node $NODE is '${state:-unreachable}' after 30 s, not idle (logs above; stop with: bash $HERE/stop.sh)"
+if ((NODES == 1)); then
+    slurmd >"$STATE/slurmd.err" 2>&1 9>&- ||
+        { show_log "$STATE/slurmd.err"; show_log "$STATE/slurmd.log"; die "slurmd did not start"; }
+else
+    for n in "${NODE_NAMES[@]}"; do
+        mkdir -p "$STATE/spool/$n" "$STATE/nodes/$n/pmix"
+        cp "$CONF" "$STATE/nodes/$n/slurm.conf"
+        echo "PMIxCliTmpDirBase=$STATE/nodes/$n/pmix" >"$STATE/nodes/$n/mpi.conf"
+        slurmd -N "$n" -f "$STATE/nodes/$n/slurm.conf" >"$STATE/slurmd-$n.err" 2>&1 9>&- ||
+            { show_log "$STATE/slurmd-$n.err"; show_log "$STATE/slurmd-$n.log"; die "slurmd for node $n did not start"; }
+    done
 fi
+
+for n in "${NODE_NAMES[@]}"; do
+    state=""
+    for _ in $(seq 120); do
+        state=$(node_state "$n" || true)
+        [[ $state == idle ]] && break
+        # A node remembered as down from an earlier run: bring it back.
+        if [[ $state =~ ^(down|drain|drng|fail)$ ]]; then
+            scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
+        fi
+        sleep 0.25
+    done
+    if [[ $state != idle ]]; then
+        show_log "$STATE/slurmctld.log"
+        show_log "$STATE/slurmd.log"
+        [[ $NODES -gt 1 ]] && show_log "$STATE/slurmd-$n.log"
+        die "node $n is '${state:-unreachable}' after 30 s, not idle (logs above; stop with: bash $HERE/stop.sh)"
+    fi
+done
 
 # srun --mpi=pmix is the point of this cluster; say so now rather than in a test.
 srun --mpi=list 2>&1 | grep -qw pmix ||

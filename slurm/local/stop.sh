@@ -75,13 +75,16 @@ if live_pid "$STATE/slurmctld.pid" slurmctld >/dev/null && command -v squeue >/d
 fi
 
 stop_daemon "$STATE/slurmd.pid" slurmd
+for f in "$STATE"/slurmd-*.pid; do # the emulated nodes of HPCTRAIN_SLURM_NODES > 1
+    if [[ -e $f ]]; then stop_daemon "$f" slurmd; fi
+done
 stop_daemon "$STATE/slurmctld.pid" slurmctld
 stop_daemon "$STATE/munge/munged.pid" munged
 rm -f "$STATE/env"
 
 if ((purge)); then
     # Only what start.sh makes: HPCTRAIN_SLURM_DIR may point at a shared directory.
-    rm -rf "${STATE:?}"/{munge,ctld,spool}
-    rm -f "$STATE"/{slurm.conf,jobcomp.txt,apt.log,.lock} "$STATE"/slurm{ctld,d}.{log,err}
+    rm -rf "${STATE:?}"/{munge,ctld,spool,nodes}
+    rm -f "$STATE"/{slurm.conf,jobcomp.txt,apt.log,.lock} "$STATE"/slurm{ctld,d}.{log,err} "$STATE"/slurmd-*.{log,err}
     rmdir "$STATE" 2>/dev/null || true
 fi
