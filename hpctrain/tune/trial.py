@@ -121,6 +121,8 @@ def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[st
             os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
             with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
+            with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
         cfg.run_dir = run_dir
         _reset_peak(rt.device)
         history = run(cfg, run_dir, pm)
