@@ -16,8 +16,6 @@ import os
 import statistics
 from typing import Any, Dict, List, Sequence
 
-import yaml
-
 from hpctrain.errors import ConfigError
 
 GB = 1e9
@@ -31,12 +29,13 @@ def read_run(run_dir: str) -> Dict[str, Any]:
         if not os.path.isfile(path):
             raise ConfigError(f"--compare {run_dir}: {path} does not exist; give the run directory of a finished "
                               "hpctrain-train run (it holds .hydra/ and metrics.jsonl)")
-    with open(os.path.join(hydra, "config.yaml")) as f:
-        cfg = yaml.safe_load(f)
+    from omegaconf import OmegaConf
+
+    cfg: Any = OmegaConf.to_container(OmegaConf.load(os.path.join(hydra, "config.yaml")))
     overrides: List[str] = []
     if os.path.isfile(os.path.join(hydra, "overrides.yaml")):
-        with open(os.path.join(hydra, "overrides.yaml")) as f:
-            overrides = list(yaml.safe_load(f) or [])
+        given: Any = OmegaConf.to_container(OmegaConf.load(os.path.join(hydra, "overrides.yaml")))
+        overrides = [str(o) for o in given or []]
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
