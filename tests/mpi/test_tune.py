@@ -4,6 +4,7 @@ correlation, records a layout that fails validation and goes on; with a slow dp 
 (debug.comm_delay_*) it ranks the layouts without dp first while the uncalibrated planner does not."""
 import argparse
 import json
+import re
 
 import pytest
 
@@ -55,9 +56,10 @@ def test_tune_trains_the_top_six_as_one_process_does(shared_tmp, world):
 def test_a_slow_dp_link_is_measured_and_ranks_layouts_without_dp_first(shared_tmp):
     slow = ["debug.comm_delay_axis=dp", "debug.comm_delay_ms=100"]
     report = _tune(shared_tmp, *TINY, *slow, top=1, steps=1)
-    cal = report["calibration"]
-    assert cal["dp_latency_us"] > 10 * cal["tp_latency_us"], cal
+    links = {k["axis"]: k for k in report["measured"]["links"]}
+    assert links["dp"]["small_s"] >= 0.1 > links["tp"]["small_s"], links  # every dp all-reduce waited 100 ms
+    assert report["calibration"]["dp_latency_us"] > report["calibration"]["tp_latency_us"]
     (lay,) = report["layouts"]
-    assert lay["ok"] and lay["sizes"]["dp"] == 1, lay["label"]
-    assert not report["uncalibrated_order"][0].startswith("tp4 dp1"), report["uncalibrated_order"][:3]
-    assert " dp" in " " + report["uncalibrated_order"][0].split(" zero")[0]
+    assert lay["ok"] and lay["sizes"]["dp"] == 1, lay["label"]  # the slow axis is avoided...
+    first = report["uncalibrated_order"][0]
+    assert int(re.search(r"dp(\d+)", first).group(1)) > 1, first  # ...which the datasheet ranking does not do
