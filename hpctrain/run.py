@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hpctrain.bootstrap import Runtime, get_runtime, with_device
+from hpctrain.comm.delay import delayed
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
@@ -74,7 +75,8 @@ def backend_factory(cfg: Any, pm, device: torch.device):
         if comm is None:
             raise PluginError(f"comm backend {name!r} was declared but its plugin returned no communicator "
                               f"for {group.name}")
-        return comm
+        # debug.comm_delay_*: a slow link under every group that crosses that axis
+        return delayed(comm, group.axes, cfg.debug.comm_delay_axis, float(cfg.debug.comm_delay_ms))
 
     return make
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Tuple
 from omegaconf import OmegaConf
 
 from hpctrain.config.schema import FAULTS
+from hpctrain.mesh import AXES
 
 
 def _real(x: Any) -> bool:
@@ -121,6 +122,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("debug.fault_rank", at_least(0), "an integer >= 0 (a world rank)"),
     Rule("debug.fault_step", at_least(1), "an integer >= 1"),
     Rule("debug.slow_s", at_least(0), "a finite number >= 0"),
+    Rule("debug.comm_delay_axis", lambda x: x in ("none",) + AXES, f"one of none, {', '.join(AXES)}"),
+    Rule("debug.comm_delay_ms", at_least(0), "a finite number of milliseconds >= 0"),
     Rule("cluster.gpus", at_least(0), "an integer >= 0"),
     Rule("cluster.gpus_per_node", at_least(0), "an integer >= 0"),
     Rule("cluster.gpu_mem_gb", at_least(0), "a finite number >= 0"),

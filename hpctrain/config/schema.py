@@ -421,6 +421,12 @@ class DebugConfig:
     it; the step must save)."""
     slow_s: float = 0.05
     """Seconds a slow rank sleeps per micro-batch forward."""
+    comm_delay_axis: str = "none"
+    """A slow link: every collective, send and receive of each group spanning this axis (tp, cp, ep, dp, pp),
+    on every rank, first sleeps comm_delay_ms (hpctrain/comm/delay.py); none. The model trains the same;
+    hpctrain-tune's tests use it to show a measured slow axis changes the ranking."""
+    comm_delay_ms: float = 0.0
+    """Milliseconds each operation on comm_delay_axis's groups waits; 0 with an axis named is refused."""
 
 
 @dataclass

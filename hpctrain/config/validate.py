@@ -189,6 +189,9 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if d.fault != "none" and d.fault_rank >= world_size:
         problems.append(f"debug.fault_rank={d.fault_rank} is not a rank of this {world_size}-rank job; "
                         f"use 0..{world_size - 1}")
+    if d.comm_delay_axis != "none" and d.comm_delay_ms == 0:
+        problems.append(f"debug.comm_delay_axis={d.comm_delay_axis} with debug.comm_delay_ms=0 delays nothing; "
+                        "set debug.comm_delay_ms (e.g. 50) or debug.comm_delay_axis=none")
     if d.fault != "none" and d.fault_at == "checkpoint" and not cfg.checkpoint.every:
         problems.append("debug.fault_at=checkpoint needs checkpoints: set checkpoint.every")
 

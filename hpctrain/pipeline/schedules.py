@@ -78,6 +78,18 @@ def check(schedule: str, p: int, v: int, m: int) -> str:
     return ""
 
 
+def check_busy(p: int, m: int) -> str:
+    """'' when ``m`` micro-batches per step keep ``p`` stages busy, else why not and the fix.
+
+    The schedules themselves run with fewer (``check``); the pipeline plugin
+    refuses such a run and the planner does not offer one (each stage would idle more than it works)."""
+    if p > 1 and m < p:
+        return (f"{m} micro-batches per step cannot keep {p} pipeline stages busy (each would idle "
+                f"more than it works); raise trainer.global_batch_size or lower "
+                f"trainer.micro_batch_size so that global batch / (micro-batch x dp x ep) >= {p}")
+    return ""
+
+
 def compute_order(schedule: str, p: int, v: int, m: int, rank: int) -> List[Tuple[str, int, int]]:
     """Rank ``rank``'s compute actions (kind, micro-batch, chunk) in order."""
     problem = check(schedule, p, v, m)

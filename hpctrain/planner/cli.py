@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Hydra overrides (key=value, group=preset)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--compare", metavar="RUN_DIR", help="predict a finished run's own layout and print it beside "
+                   "what its metrics.jsonl measured (overrides: the machine it ran on, e.g. cluster=cpu-8)")
     p.add_argument("--calibration", metavar="FILE", help="JSON with measured matmul_tflops, busbw... (docs/planner.md)")
     p.add_argument("--pin", action="append", default=[], metavar="KEY=VALUE",
                    help="fix a knob (the same as its config key): zero=0..3, recompute=none|selective|full, "
@@ -187,6 +189,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpctrain.plugins import create_manager
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.compare:
+        from hpctrain.planner.compare import compare
+        try:
+            print(compare(args.compare, args.overrides, args.calibration, create_manager()))
+        except HpctrainError as e:
+            for line in str(e).splitlines():
+                sys.stderr.write(f"hpctrain-plan: error: {line}\n")
+            return 2
+        return 0
     try:
         pm = create_manager()
         plan, arch, work, cluster, cfg, user = make_plan(args.overrides, args.calibration, pm, _knob_pins(args.pin))

@@ -10,7 +10,15 @@ replaces what was measured on the real system:
      "inter_busbw_gbs": 45,       busbw between nodes, per GPU
      "intra_latency_us": 2,       per ring step
      "inter_latency_us": 5,
-     "usable_memory_fraction": 0.9}
+     "usable_memory_fraction": 0.9,
+     "dp_busbw_gbs": 40,          per axis (tp, cp, ep, dp, pp): what that axis's groups measured
+     "dp_latency_us": 30}         (hpctrain-tune writes them); it replaces intra/inter for that axis
+
+A per-axis link is what ``hpctrain-tune`` measured on the groups the
+layouts use, node placement included, so it replaces the two-level
+intra/inter model for every collective of that axis (the data-parallel
+gradient group spans cp, ep and dp: it takes the ``dp`` link). An axis
+given only one of its two keys takes the other from intra/inter.
 
 Without calibration, compute runs at ``DEFAULT_MATMUL_EFFICIENCY`` x peak
 (large bf16 GEMMs reach roughly 70-80% of the datasheet peak on A100/H100
@@ -34,8 +42,11 @@ DEFAULT_INTER_LATENCY_US = 5.0
 DEFAULT_USABLE_MEMORY_FRACTION = 0.9
 """Leaves 10% for the CUDA context, communication buffers and allocator fragmentation."""
 
+LINK_AXES = ("tp", "cp", "ep", "dp", "pp")
+"""Axes that may carry their own measured link (``<axis>_busbw_gbs``, ``<axis>_latency_us``)."""
 CALIBRATION_KEYS = ("matmul_tflops", "intra_busbw_gbs", "inter_busbw_gbs", "intra_latency_us",
-                    "inter_latency_us", "usable_memory_fraction")
+                    "inter_latency_us", "usable_memory_fraction") + tuple(
+    f"{a}_{k}" for a in LINK_AXES for k in ("busbw_gbs", "latency_us"))
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,8 @@ class ClusterSpec:
     inter: Link
     sources: Dict[str, str] = field(default_factory=dict)
     """Where each number came from (``datasheet``, ``calibration``, ``assumed``)."""
+    axis_links: Dict[str, Link] = field(default_factory=dict)
+    """Measured links of single axes (calibration ``<axis>_busbw_gbs`` / ``<axis>_latency_us``)."""
 
     @property
     def nodes(self) -> int:
@@ -158,5 +171,14 @@ def cluster_spec(c: Any, calibration: Optional[Mapping[str, float]] = None) -> C
         raise ConfigError(f"calibration matmul_tflops={matmul / 1e12:g} exceeds cluster.peak_tflops={c.peak_tflops:g}; "
                           "the peak is the datasheet ceiling: fix one of them")
     capacity = c.gpu_mem_gb * 1e9
+    axis_links: Dict[str, Link] = {}
+    for a in LINK_AXES:
+        bw, lat = cal.get(f"{a}_busbw_gbs"), cal.get(f"{a}_latency_us")
+        if bw is None and lat is None:
+            continue
+        # the missing half from the level the axis would cross (inter: it may leave the node)
+        axis_links[a] = Link(bw * 1e9 if bw is not None else min(intra_bw, inter_bw),
+                             lat * 1e-6 if lat is not None else max(intra_lat, inter_lat))
+        sources[f"{a}_link"] = "calibration"
     return ClusterSpec(str(c.name), int(c.gpus), int(per_node), capacity * usable, capacity, peak, matmul,
-                       Link(intra_bw, intra_lat), Link(inter_bw, inter_lat), sources)
+                       Link(intra_bw, intra_lat), Link(inter_bw, inter_lat), sources, axis_links)

@@ -209,6 +209,15 @@ def memory_per_gpu(arch: Arch, lay: Layout, work: Workload) -> Memory:
                key=lambda mem: mem.total)
 
 
+def _time(cluster: ClusterSpec, axis: str, kind: str, nbytes: float, n_in: int, n_out: int) -> float:
+    """One collective of ``axis`` over ``n_in`` GPUs per node on ``n_out`` nodes: on the axis's
+    measured link when the calibration has one, else the two-level intra/inter model."""
+    link = cluster.axis_links.get(axis)
+    if link is not None:
+        return flat_time(kind, nbytes, n_in * n_out, link)
+    return group_time(kind, nbytes, n_in, n_out, cluster.intra, cluster.inter)
+
+
 def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
     """Predict memory and step time of ``lay`` (see the module docstring)."""
     m = lay.microbatches(work.global_batch)
@@ -230,15 +239,15 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     # all-reduce equivalents (AG + RS under SP) per layer: fwd 2, bwd 2, +1 bwd re-gather under SP, recompute 2
     n_tp = 4 + (1 if lay.sp else 0) + (2 if lay.recompute == "full" else 0)
     tp_bytes = tokens * arch.d_model * e
-    t_tp = flat_time("all_reduce", tp_bytes, lay.tp, cluster.intra)
+    t_tp = _time(cluster, "tp", "all_reduce", tp_bytes, lay.tp, 1)
     comm["tp"] = m * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)
     ep_bytes = tokens * arch.top_k * arch.d_model * e / lay.tp
     n_in, n_out = group_span(sizes, ("ep",), G)
-    t_a2a = group_time("all_to_all", ep_bytes, n_in, n_out, cluster.intra, cluster.inter) if arch.is_moe else 0.0
+    t_a2a = _time(cluster, "ep", "all_to_all", ep_bytes, n_in, n_out) if arch.is_moe else 0.0
     comm["ep"] = m * 4 * ep_bytes * bus_factor("all_to_all", lay.ep) if arch.is_moe else 0.0
     kv_bytes = 2 * tokens * arch.kv_dim_per_rank(lay.tp) * e
     n_in, n_out = group_span(sizes, ("cp",), G)
-    t_kv = flat_time("p2p", kv_bytes, 2, cluster.intra if n_out == 1 else cluster.inter) * (lay.cp - 1)
+    t_kv = _time(cluster, "cp", "p2p", kv_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2) * (lay.cp - 1)
     comm["cp"] = m * 3 * kv_bytes * (lay.cp - 1)
     cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - 2 * attn_f)
 
@@ -261,7 +270,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     pp_bytes = tokens * arch.d_model * e / (lay.tp if lay.sp else 1)
     n_in, n_out = group_span(sizes, ("pp",), G)
     transfers = 2 * (m * lay.vpp + lay.pp - 1) if lay.pp > 1 else 0
-    t_pp = transfers * flat_time("p2p", pp_bytes, 2, cluster.intra if n_out == 1 else cluster.inter)
+    t_pp = transfers * _time(cluster, "pp", "p2p", pp_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2)
     comm["pp"] = 2 * m * lay.vpp * pp_bytes if lay.pp > 1 else 0.0
 
     # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
@@ -312,11 +321,11 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
         def t(kind: str, nbytes: float, n_in: int = n_in, n_out: int = n_out) -> float:
             # bucketed: one collective per bucket
             buckets = max(1, int(-(-nbytes // work.bucket_bytes)))
-            return buckets * group_time(kind, nbytes / buckets, n_in, n_out, cluster.intra, cluster.inter)
+            return buckets * _time(cluster, "dp", kind, nbytes / buckets, n_in, n_out)
 
         def one(kind: str, nbytes: float, n_in: int = n_in, n_out: int = n_out) -> float:
             # the bucket no compute can hide (first or last)
-            return group_time(kind, min(nbytes, work.bucket_bytes), n_in, n_out, cluster.intra, cluster.inter)
+            return _time(cluster, "dp", kind, min(nbytes, work.bucket_bytes), n_in, n_out)
 
         grads, weights = params * sb.grads, params * sb.weights
         rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - t_b)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from hpctrain.config.validate import check_layout
 from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
+from hpctrain.pipeline.schedules import check_busy
 from hpctrain.pipeline.split import auto_counts, end_cost, layer_counts, rank_layers
 from hpctrain.planner.activations import RECOMPUTE
 from hpctrain.planner.arch import Arch
@@ -189,7 +190,8 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
         for schedule, vpp in schedules:
             if vpp not in choices("vpp", [vpp]):
                 continue
-            why = check_schedule(schedule, pp, vpp, m)
+            # the pipeline plugin counts micro-batches over dp x ep (the sample axes)
+            why = check_schedule(schedule, pp, vpp, m) or check_busy(pp, global_batch // (dp * ep * mb))
             if why:
                 reject(why)
                 continue

@@ -31,7 +31,7 @@ from hpctrain.mesh import Mesh
 from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.handles import PipelineHandle
 from hpctrain.pipeline.bubble import formula_bubble
-from hpctrain.pipeline.schedules import check
+from hpctrain.pipeline.schedules import check, check_busy
 from hpctrain.pipeline.split import model_end_cost, stage_layers
 from hpctrain.shard import get_spec, set_spec
 
@@ -87,10 +87,8 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         why = check(pc.schedule, pp, pc.vpp, m)
         if why:
             problems.append(why)
-        elif m < pp:
-            problems.append(f"{m} micro-batches per step cannot keep {pp} pipeline stages busy (each would idle "
-                            f"more than it works); raise trainer.global_batch_size or lower "
-                            f"trainer.micro_batch_size so that global batch / (micro-batch x dp x ep) >= {pp}")
+        elif check_busy(pp, m):
+            problems.append(check_busy(pp, m))
     try:
         stage_layers(pc.layers, cfg.model.n_layers, pp * pc.vpp)
     except ValueError as e:

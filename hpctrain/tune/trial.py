@@ -1,0 +1,151 @@
+"""One layout trained for a few steps in this job, through ``hpctrain.run.run`` (what
+``hpctrain-train`` runs after composing): validation agreed over the ranks, the mesh and its
+groups, the model, optimizer and data built for this layout, then freed.
+
+Rank 0 composes the config and broadcasts it (as ``hpctrain-train`` does), so a composition error
+is every rank's. A failure raised on every rank (a validation error, before any collective, or an
+out-of-memory in the same step everywhere) is recorded with its reason after one allgather of
+every rank's verdict, and the tuning goes on. A failure on some ranks only leaves the others
+inside a collective; the hang watchdog (``reliability.hang_timeout_s``) then names the rank and
+the operation and ends the job, as in training (nothing hangs silently).
+
+Measured: step time (median of the steps after the first, which warms up), peak memory (CUDA:
+the allocator's maximum allocated bytes since this layout began; CPU: the process's peak resident
+set, reset per layout through /proc/self/clear_refs where Linux allows it), both the maximum over
+ranks, and bytes on the wire per group per step (the trainer's ``comm_bytes.<group>`` metrics,
+median over the same steps).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from hpctrain.errors import HpctrainError
+
+TRIAL_OVERRIDES = ("trainer.progress=off", "checkpoint.every=0", "trainer.eval_every=0")
+"""Tuning trains to measure: no progress bar, no checkpoints, no validation passes."""
+
+
+@dataclass
+class Trial:
+    """What one layout did."""
+
+    label: str
+    overrides: List[str]
+    ok: bool = False
+    reason: str = ""
+    step_times: List[float] = field(default_factory=list)
+    losses: List[float] = field(default_factory=list)
+    median_step_s: Optional[float] = None
+    peak_bytes: Optional[float] = None
+    comm_bytes: Dict[str, float] = field(default_factory=dict)
+    run_dir: Optional[str] = None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets the peak resident set (VmHWM), Linux >= 4.0
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from hpctrain.train.memory import peak_rss_bytes
+
+    return float(peak_rss_bytes())
+
+
+def summarise(history: List[Dict[str, float]], trial: Trial) -> None:
+    """Fill ``trial``'s measurements from the per-step metrics (the first step is warm-up when there are more)."""
+    trial.losses = [float(m["loss"]) for m in history]
+    trial.step_times = [float(m["step_time_s"]) for m in history]
+    timed = history[1:] if len(history) > 1 else history
+    trial.median_step_s = statistics.median(float(m["step_time_s"]) for m in timed)
+    groups = sorted({k for m in timed for k in m if k.startswith("comm_bytes.")})
+    trial.comm_bytes = {k.split(".", 1)[1]: statistics.median(float(m.get(k, 0.0)) for m in timed) for k in groups}
+
+
+def compose_agreed(overrides: List[str], rt: Any, pm) -> Any:
+    """Rank 0's typed config for ``overrides``, on every rank; a composition error is raised on every rank."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config import compose_resolved
+    from hpctrain.config.store import to_config
+    from hpctrain.errors import ConfigError
+
+    payload = None
+    if rt.is_main:
+        try:
+            payload = ("ok", OmegaConf.to_yaml(compose_resolved(overrides, pm), resolve=True))
+        except HpctrainError as e:
+            payload = ("error", str(e))
+    if rt.world_size > 1:
+        payload = rt.mpi_comm.bcast(payload, root=0)
+    assert payload is not None
+    if payload[0] == "error":
+        raise ConfigError(payload[1])
+    return to_config(payload[1], pm)
+
+
+def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[str], rt: Any, pm) -> Trial:
+    """Train ``overrides`` for ``steps`` steps on the whole world. Collective."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.run import run
+    from hpctrain.train.watchdog import JobStopped
+
+    trial = Trial(label, list(overrides), run_dir=run_dir)
+    reason = ""
+    peak = 0.0
+    try:
+        cfg = compose_agreed(list(overrides) + [f"trainer.steps={steps}", *TRIAL_OVERRIDES], rt, pm)
+        if run_dir and rt.is_main:  # what hpctrain-plan --compare reads, as in a hpctrain-train run directory
+            os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
+            with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(cfg, resolve=True))
+            with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+        cfg.run_dir = run_dir
+        _reset_peak(rt.device)
+        history = run(cfg, run_dir, pm)
+        peak = _peak(rt.device)
+        summarise(history, trial)
+    except JobStopped:
+        raise  # the watchdog is ending the job: a rank died or hangs
+    except HpctrainError as e:
+        reason = str(e).replace("\n", "; ")
+    except Exception as e:  # noqa: BLE001 - an out-of-memory or a plugin's error: recorded, the tuning goes on
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    finally:
+        gc.collect()  # this layout's model, optimizer, groups and buffers, before the next one is built
+        if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+    verdicts = rt.mpi_comm.allgather((reason, peak)) if rt.world_size > 1 else [(reason, peak)]
+    failed = {r: why for r, (why, _) in enumerate(verdicts) if why}
+    if failed:
+        reasons = sorted(set(failed.values()))
+        trial.reason = reasons[0] if len(failed) == len(verdicts) and len(reasons) == 1 else \
+            "; ".join(f"{why} (on ranks {[r for r, w in failed.items() if w == why]})" for why in reasons)
+        trial.step_times, trial.losses, trial.median_step_s, trial.comm_bytes = [], [], None, {}
+        return trial
+    trial.ok = True
+    trial.peak_bytes = max(p for _, p in verdicts)
+    return trial
