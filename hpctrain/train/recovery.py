@@ -67,11 +67,12 @@ class Recovery:
         recomputed = max(0, int(failure.get("last_step", resumed_step)) - resumed_step)
         metrics.update({"recovery.time_s": took, "recovery.steps_recomputed": recomputed,
                         "recovery.resumed_step": resumed_step, "recovery.tier": tier})
-        log_rank0("recovered from the failure in step %d (rank(s) %s on %s): resumed at step %d from the %s tier, "
-                  "%d step(s) recomputed, %.1f s from the failure to the end of step %d",
-                  int(failure.get("last_step", 0)) + 1, ", ".join(map(str, failure.get("ranks", []))),
-                  ", ".join(failure.get("hosts", [])) or "?", resumed_step, tier, recomputed, took,
-                  int(metrics["step"]))
+        where = f"resumed at step {resumed_step} from the {tier} tier" if tier != "none" else \
+            "started again from step 0 (nothing to resume from)"
+        log_rank0("recovered from the failure in step %d (rank(s) %s on %s): %s, %d step(s) recomputed, %.1f s from "
+                  "the failure to the end of step %d", int(failure.get("last_step", 0)) + 1,
+                  ", ".join(map(str, failure.get("ranks", []))), ", ".join(failure.get("hosts", [])) or "?", where,
+                  recomputed, took, int(metrics["step"]))
         try:
             os.replace(os.path.join(self.run_dir, FAILURE_FILE), os.path.join(self.run_dir, RECOVERED_FILE))
         except OSError:

@@ -23,6 +23,13 @@ gradient (MoE's router biases); plugins add metrics
 (``hpctrain_step_metrics``), and the bytes each group's communicator moved
 in the step are logged as ``comm_bytes.<group>`` (from the first step a
 group moves anything).
+
+Checkpoints: the persistent one (``checkpoint.every``, a format plugin) and
+the node-local tier (``checkpoint.local.every``, ``hpctrain.localckpt``),
+saved at the step boundary. On ``checkpoint.resume=auto`` the persistent
+checkpoint is loaded first, then the local tier's newest complete step
+replaces it when newer; the first step after a recorded failure reports its
+cost (``hpctrain.train.recovery``).
 """
 from __future__ import annotations
 
