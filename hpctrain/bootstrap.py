@@ -125,6 +125,17 @@ def init_runtime(device: str = "auto") -> Runtime:
     return _runtime
 
 
+def job_nodes(world_size: int) -> int:
+    """The number of nodes, for validation (no collective): the runtime's when
+    it exists, else what ``HPCTRAIN_RANKS_PER_NODE`` makes of ``world_size``, else 1."""
+    if _runtime is not None:
+        return _runtime.num_nodes
+    per_node = os.environ.get(RANKS_PER_NODE_ENV, "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return max(1, world_size // int(per_node))
+    return 1
+
+
 def get_runtime() -> Runtime:
     if _runtime is None:
         return init_runtime()

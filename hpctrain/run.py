@@ -148,14 +148,15 @@ def _check_evaluation(cfg: Any) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def start_watchdog(cfg: Any, rt: Runtime):
-    """The hang watchdog for this job, or None (off, or one rank)."""
+def start_watchdog(cfg: Any, rt: Runtime, run_dir: Optional[str] = None):
+    """The hang watchdog for this job, or None (off, or one rank); its verdict is
+    recorded in ``run_dir`` (``hpctrain.train.recovery``)."""
     timeout = float(cfg.reliability.hang_timeout_s)
     if rt.world_size == 1 or timeout <= 0:
         return None
     from hpctrain.train.watchdog import Watchdog
 
-    return Watchdog(rt.mpi_comm, timeout)
+    return Watchdog(rt.mpi_comm, timeout, run_dir=run_dir)
 
 
 def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holder: Optional[List[Any]] = None,
@@ -180,7 +181,7 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
         add_file_log(os.path.join(run_dir, "train.log"))
     board = None
     if watchdog_holder is not None:
-        watchdog = start_watchdog(cfg, rt)
+        watchdog = start_watchdog(cfg, rt, run_dir)
         if watchdog is not None:
             watchdog_holder.append(watchdog)
             board = watchdog.board

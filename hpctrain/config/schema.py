@@ -330,6 +330,22 @@ class TrainerConfig:
 
 
 @dataclass
+class LocalCheckpointConfig:
+    """The local resilience tier (hpctrain/localckpt): every rank's exact state on node-local storage, with
+    copies on partner nodes, resumed with checkpoint.resume=auto when newer than the persistent checkpoint."""
+
+    every: int = 0
+    """Save every rank's own state locally every N steps (in the background after a host copy); 0 turns the
+    tier off. Independent of checkpoint.every, which keeps saving the persistent HDF5 checkpoint."""
+    dir: Optional[str] = None
+    """Node-local directory (/dev/shm or a local disk); None: /dev/shm/hpctrain-<user>-<SLURM job id, or a hash
+    of checkpoint.dir outside SLURM>, the same for every restart of one allocation or experiment."""
+    replicas: int = 1
+    """Copies of each rank's state sent to the same place on the next nodes (MPI point-to-point); must be below
+    the number of nodes. 0 keeps no copy (a lost node then loses the tier)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpointing (the format is a plugin; see hpctrain_make_checkpointer)."""
 
@@ -357,6 +373,8 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in the background: a save blocks the step only while tensors are copied to host
     memory. (The key is not ``async`` because that is a Python keyword.)"""
+    local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
+    """The node-local tier with partner copies (checkpoint.local.every, dir, replicas)."""
     allow_batch_change: bool = False
     """Resume from a checkpoint saved with another trainer.global_batch_size. Refused by default, because the
     run then differs from the one that saved it while looking like its continuation; when allowed, the

@@ -244,6 +244,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
                             + (f" ({plugins.blocked_hint()})" if plugins.blocked_hint() else ""))
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
+    problems += _local_tier_checks(cfg, world_size)
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
     from hpctrain.hf.config import hf_model_problems
 
@@ -256,6 +257,37 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     from hpctrain.optimizers.checks import optimizer_problems
     problems += optimizer_problems(cfg, pm, caps.get("optim", []))
     problems += _observability_checks(cfg, world_size, pm)
+    return problems
+
+
+def _local_tier_checks(cfg: Any, world_size: int) -> List[str]:
+    """checkpoint.local: copies on other nodes than there are, a directory that cannot be written."""
+    from hpctrain.bootstrap import job_nodes
+
+    lc = cfg.checkpoint.local
+    if not lc.every:
+        return []
+    problems = []
+    nodes = job_nodes(world_size)
+    if lc.replicas >= nodes:
+        problems.append(f"checkpoint.local.replicas={lc.replicas} needs more nodes than copies: this job has "
+                        f"{nodes} node(s), and a copy on its own node survives nothing the original does not; use "
+                        f"checkpoint.local.replicas={max(0, nodes - 1)}" + (" (or more nodes)" if nodes > 1 else
+                                                                              " (one node), or more nodes"))
+    if lc.dir:
+        problems += _writable(str(lc.dir), "checkpoint.local.dir")
+    from omegaconf import OmegaConf
+
+    # put back exactly, but not yet proved by a test for these layouts: refused rather than trusted
+    untested = [f"{k}={v}" for k, v, off in (("parallel.pp", cfg.parallel.pp, 1),
+                                              ("parallel.zero.stage", OmegaConf.select(cfg, "parallel.zero.stage",
+                                                                                       default=0), 0),
+                                              ("optim.outer", cfg.optim.outer.name, "none"))
+                if v not in (off, None)]
+    if untested:
+        problems.append(f"checkpoint.local.every={lc.every} with {', '.join(untested)}: the local tier is not "
+                        "proved to put this layout's state back exactly yet; use the persistent checkpoint "
+                        "(checkpoint.every) with it, or set checkpoint.local.every=0")
     return problems
 
 

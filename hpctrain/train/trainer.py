@@ -23,6 +23,13 @@ gradient (MoE's router biases); plugins add metrics
 (``hpctrain_step_metrics``), and the bytes each group's communicator moved
 in the step are logged as ``comm_bytes.<group>`` (from the first step a
 group moves anything).
+
+Checkpoints: the persistent one (``checkpoint.every``, a format plugin) and
+the node-local tier (``checkpoint.local.every``, ``hpctrain.localckpt``),
+saved at the step boundary. On ``checkpoint.resume=auto`` the persistent
+checkpoint is loaded first, then the local tier's newest complete step
+replaces it when newer; the first step after a recorded failure reports its
+cost (``hpctrain.train.recovery``).
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ from hpctrain.train.memory import gather_peaks, peak_rss_bytes, summarise
 from hpctrain.train.metrics import Progress, log_step
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.profile import StepProfiler
+from hpctrain.train.recovery import Recovery
 from hpctrain.train.schedule import as_step_result
 from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
 from hpctrain.train.throughput import flops_per_token, throughput
@@ -120,16 +128,25 @@ class Trainer:
         self.faults = FaultInjector(cfg.debug, mesh.world_rank)
         self.history: List[Dict[str, float]] = []
         self.checkpointer = self._make_checkpointer()
+        self.local_tier = self._make_local_tier()
+        """The node-local tier with partner copies (``hpctrain.localckpt``), or None."""
         mesh.seal()
         self._comm_seen = self._comm_totals()
         self._comm_logged: set = set()
+        self.resumed_from = "none"
+        """The tier this run resumed from: local, persistent or none (``hpctrain.train.recovery``)."""
         if self.checkpointer is not None and cfg.checkpoint.resume:
             path = self.checkpointer.resolve(str(cfg.checkpoint.resume))
             if path is not None:
                 # load may fall back to an older checkpoint (resume=auto) and returns what it loaded
                 path = self.checkpointer.load(self, path) or path
+                self.resumed_from = "persistent"
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step,
                           self.cursor.consumed_samples)
+        if self.local_tier is not None:
+            self._resume_local()
+        if self.step == 0 and cfg.checkpoint.resume:
+            log_rank0("checkpoint.resume=%s: nothing to resume from; starting from step 0", cfg.checkpoint.resume)
 
     def extra_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the loop besides tensors, step and cursor (the same on every rank)."""
@@ -185,6 +202,43 @@ class Trainer:
         if made is None:
             raise PluginError(f"checkpoint.format={ck.format!r}: no plugin made a checkpointer")
         return made
+
+    def _make_local_tier(self):
+        """The local tier when ``checkpoint.local.every`` is set and this trainer is the whole job (a
+        one-process reference inside an MPI job keeps none)."""
+        from hpctrain.bootstrap import get_runtime
+
+        if not self.cfg.checkpoint.local.every:
+            return None
+        rt = get_runtime()
+        if rt.world_size != self.mesh.world_size:
+            return None
+        from hpctrain.localckpt import LocalTier
+
+        return LocalTier(self.cfg, self.mesh, rt)
+
+    def _resume_local(self) -> None:
+        """With ``checkpoint.resume=auto``: the local tier's newest complete step when it is newer than what the
+        persistent checkpoint gave (collective). Steps after the one resumed from are forgotten (all of them on
+        a fresh start), so a later failure never mixes two histories."""
+        tier = self.local_tier
+        assert tier is not None
+        if str(self.cfg.checkpoint.resume) == "auto":
+            found = tier.agree(self)
+            if found.other_layout is not None:
+                log_rank0("local tier (%s): step %d was written by another layout or experiment; not used, "
+                          "falling back to the persistent checkpoint", tier.base, found.other_layout)
+            if found.step is None:
+                log_rank0("local tier (%s): no step that every rank's state is held for", tier.base)
+            elif found.step <= self.step:
+                log_rank0("local tier (%s): its newest complete step %d is not newer than the persistent "
+                          "checkpoint's step %d; using the persistent checkpoint", tier.base, found.step, self.step)
+            else:
+                tier.load(self, found)
+                self.resumed_from = "local"
+                log_rank0("resumed from the local tier (%s) at step %d (%d samples consumed); %d rank(s)' state "
+                          "fetched from partner nodes", tier.base, self.step, self.cursor.consumed_samples, found.lost)
+        tier.forget_after(self.step)
 
     def save_checkpoint(self, path: Optional[str] = None) -> Optional[str]:
         """Save now (collective); used by ``checkpoint.every`` and on demand (preemption)."""
@@ -342,6 +396,8 @@ class Trainer:
         stops = StopRequests(cfg, is_main, catch_sigint=unsaved is None)
         stops.install()
         stopped = None  # (reason, checkpoint) when a signal or the clock ends the run early
+        recovery = Recovery(self.run_dir, is_main)
+        first, resumed_at = True, self.step
         try:
             while self.step < total:
                 try:
@@ -351,6 +407,11 @@ class Trainer:
                 every = cfg.trainer.eval_every
                 if self.orders.valid and (self.step == total or (every and self.step % every == 0)):
                     m.update(self.validate())  # collective: the same steps on every rank
+                if self.local_tier is not None and self.local_tier.due(self.step):
+                    m["local_ckpt_blocking_s"] = self.local_tier.save(self)
+                if first:
+                    first = False
+                    recovery.after_first_step(m, resumed_at, self.resumed_from)
                 self.history.append(m)
                 t_log = time.perf_counter()
                 loggers.log(m)
@@ -373,6 +434,8 @@ class Trainer:
                         saved = self.save_checkpoint()
                     stopped = (reason, saved)
                     break
+            if self.local_tier is not None:
+                self.local_tier.close()  # the last local save is complete before the run ends
         finally:
             stops.uninstall()
             progress.close()

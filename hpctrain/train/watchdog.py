@@ -47,6 +47,7 @@ from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import HpctrainError
 from hpctrain.log import get_logger
 from hpctrain.train.hang import RankState, Verdict, diagnose
+from hpctrain.train.recovery import write_failure
 from hpctrain.train.watchdog_wire import (
     MAX_LINE,
     LineReader,
@@ -98,7 +99,10 @@ class _Peer:
 class Watchdog:
     """One rank's end of the heartbeat channel (see the module docstring)."""
 
-    def __init__(self, mpi_comm: Any, timeout_s: float, board: Optional[OpBoard] = None):
+    def __init__(self, mpi_comm: Any, timeout_s: float, board: Optional[OpBoard] = None,
+                 run_dir: Optional[str] = None):
+        self.run_dir = run_dir
+        """Where a verdict is recorded as ``last_failure.json`` (``hpctrain.train.recovery``); None: nowhere."""
         self.comm = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.timeout = float(timeout_s)
@@ -361,6 +365,11 @@ class Watchdog:
 
     def _act(self, verdict: Verdict, conns) -> None:
         self._report(verdict.message)
+        states = self._states
+        # steps are synchronous: a rank that began step s means every rank finished s - 1
+        finished = max(s.step for s in states.values()) - 1 if states else 0
+        write_failure(self.run_dir, verdict.message, list(verdict.stuck),
+                      [states[r].host for r in verdict.stuck if r in states], max(0, finished))
         for conn in conns:
             send(conn, {"t": "verdict", "message": verdict.message})
         self._abort()
@@ -431,7 +440,7 @@ class Watchdog:
             if not ready:
                 if time.monotonic() - heard > self.timeout and not self._stop.is_set():
                     zero.heard = heard
-                    self._rank0_lost(diagnose({0: zero}, time.monotonic(), self.timeout))
+                    self._rank0_lost(diagnose({0: zero}, time.monotonic(), self.timeout), zero)
                     return
                 continue
             messages = reader.read()
@@ -439,7 +448,7 @@ class Watchdog:
             if messages is None:
                 if not self._stop.is_set():
                     zero.gone = "died"
-                    self._rank0_lost(diagnose({0: zero}, heard, self.timeout))
+                    self._rank0_lost(diagnose({0: zero}, heard, self.timeout), zero)
                 return
             for m in messages:
                 if m["t"] == "beat":
@@ -454,10 +463,11 @@ class Watchdog:
                 elif m["t"] == "leave":
                     return
 
-    def _rank0_lost(self, verdict: Optional[Verdict]) -> None:
+    def _rank0_lost(self, verdict: Optional[Verdict], zero: RankState) -> None:
         assert verdict is not None  # rank 0 silent past the timeout, or gone: always a verdict
         if self.rank == 1:  # one rank speaks for the others
             self._report(verdict.message)
+            write_failure(self.run_dir, verdict.message, [0], [zero.host], max(self.board.step, zero.step) - 1)
             self._abort()
         self.verdict = verdict.message
         self._known.set()

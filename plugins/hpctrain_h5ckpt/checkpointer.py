@@ -319,7 +319,7 @@ class H5Checkpointer:
     def _say_what_auto_found(self, found: List[str]) -> None:
         where = os.path.abspath(self.directory) if self.directory else "(no checkpoint.dir)"
         if not found:
-            log_rank0("checkpoint.resume=auto: no committed checkpoint (step_*.h5) in %s: starting from step 0%s",
+            log_rank0("checkpoint.resume=auto: no committed checkpoint (step_*.h5) in %s%s",
                       where, self._siblings_note())
             return
         steps = [store.step_of(os.path.basename(p)) for p in found]

@@ -1,0 +1,201 @@
+"""One rank's exact state as the local tier keeps it, and its file format.
+
+``capture`` copies to host memory what this rank holds, exactly as it holds
+it (its shards; nothing is gathered or resharded): every parameter and
+persistent buffer, every optimizer state tensor (through the optimizer's
+``state`` mapping keyed by parameter, as ``hpctrain.checkpoint`` describes,
+so ZeRO's flat shards and DiLoCo's replica state come along), the RNG
+states, the data cursor, the step and the trainer's ``extra_state``. Tensors
+are named by their position (``p<i>``: the i-th distinct parameter of
+``model.named_parameters()``), which the same layout reproduces exactly; the
+``signature`` (layout and experiment) guards against any other layout.
+
+``encode``/``decode``: one flat byte string, no pickle: the magic line, an
+8-byte little-endian header length, a JSON header (meta, and per tensor its
+name, dtype, shape, offset and length), then the raw tensor bytes and a
+CRC-32 of everything before it. The same bytes go to the node-local file and
+over MPI to the partners.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+MAGIC = b"HPCTRAIN-LOCAL 1\n"
+
+DTYPES: Dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+class LocalStateError(Exception):
+    """A local-tier file that cannot be used (damaged, or another layout's)."""
+
+
+@dataclass
+class RankState:
+    """Host copies of one rank's state, ready to encode."""
+
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+def signature(trainer: Any) -> str:
+    """What must match for a rank's saved state to be put back as it is: the
+    world size, the mesh (sizes and order), the model, optimizer, batch,
+    sequence, seed and precision (``hpctrain.checkpoint.EXPERIMENT_KEYS``)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.checkpoint import EXPERIMENT_KEYS
+
+    cfg, mesh = trainer.cfg, trainer.mesh
+    chosen = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+              for k in EXPERIMENT_KEYS for v in [OmegaConf.select(cfg, k)]}
+    chosen["layout"] = {"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order)}
+    chosen["parallel"] = OmegaConf.to_container(cfg.parallel, resolve=True)
+    return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _params(trainer: Any) -> List[torch.nn.Parameter]:
+    out, seen = [], set()
+    for _, p in trainer.model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _buffers(model: torch.nn.Module) -> List[torch.Tensor]:
+    out, seen = [], set()
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append(buf)
+    return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy (the caller keeps training; the copy must not alias)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def capture(trainer: Any) -> RankState:
+    """This rank's state now, copied to host memory (the only part of a save the step waits for)."""
+    out = RankState()
+    scalars: Dict[str, Any] = {}
+    on_cpu: List[str] = []
+    state = trainer.optimizer.state
+    for i, p in enumerate(_params(trainer)):
+        out.tensors[f"p{i}"] = _host(p)
+        for key, value in state.get(p, {}).items():
+            name = f"o{i}/{key}"
+            if isinstance(value, torch.Tensor):
+                out.tensors[name] = _host(value)
+                if value.device.type == "cpu" and p.device.type != "cpu":
+                    on_cpu.append(name)
+            elif isinstance(value, (bool, int, float)):
+                scalars[name] = value
+            else:
+                raise LocalStateError(f"optimizer state {key!r} is a {type(value).__name__}; the local tier "
+                                      "keeps tensors and numbers only")
+    for i, b in enumerate(_buffers(trainer.model)):
+        out.tensors[f"b{i}"] = _host(b)
+    out.tensors["rng/cpu"] = torch.get_rng_state()
+    if trainer.device.type == "cuda":
+        out.tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
+    out.meta = {"step": int(trainer.step), "cursor": trainer.cursor.state_dict(),
+                "extra": trainer.extra_state(), "scalars": scalars, "on_cpu": on_cpu,
+                "rank": trainer.mesh.world_rank, "signature": signature(trainer)}
+    return out
+
+
+def restore(trainer: Any, saved: RankState) -> None:
+    """Put ``saved`` back into ``trainer`` (this rank's own state, same layout)."""
+    meta, tensors = saved.meta, saved.tensors
+    params = _params(trainer)
+    buffers = _buffers(trainer.model)
+    missing = [f"p{i}" for i in range(len(params)) if f"p{i}" not in tensors]
+    if missing or meta.get("signature") != signature(trainer):
+        raise LocalStateError("written by another layout or experiment")
+    trainer.cursor.load_state_dict(meta["cursor"])
+    state = trainer.optimizer.state
+    scalars: Dict[str, Any] = meta["scalars"]
+    on_cpu = set(meta["on_cpu"])
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(tensors[f"p{i}"])
+            prefix = f"o{i}/"
+            restored: Dict[str, Any] = {}
+            existing = state.get(p, {})
+            for name, t in tensors.items():
+                if not name.startswith(prefix):
+                    continue
+                key = name[len(prefix):]
+                now = existing.get(key)
+                if isinstance(now, torch.Tensor) and now.shape == t.shape and now.dtype == t.dtype:
+                    now.copy_(t)  # in place: state an optimizer keeps elsewhere (offloaded) stays there
+                    restored[key] = now
+                else:
+                    # torch keeps scalar state (Adam's step) on the host
+                    host = t.dim() == 0 or name in on_cpu
+                    restored[key] = t.clone() if host else t.to(p.device)
+            for name, value in scalars.items():
+                if name.startswith(prefix):
+                    restored[name[len(prefix):]] = value
+            if restored:
+                state[p] = restored
+            elif p in state:
+                del state[p]
+        for i, b in enumerate(buffers):
+            if f"b{i}" in tensors:
+                b.copy_(tensors[f"b{i}"])
+    trainer.step = int(meta["step"])
+    trainer.load_extra_state(meta["extra"])
+    torch.set_rng_state(tensors["rng/cpu"])
+    if "rng/cuda" in tensors and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng/cuda"], trainer.device)
+
+
+def encode(saved: RankState) -> bytes:
+    """One byte string (see the module docstring)."""
+    entries: List[Tuple[str, str, List[int], int, int]] = []
+    blobs: List[bytes] = []
+    offset = 0
+    for name, t in saved.tensors.items():
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        entries.append((name, str(t.dtype).replace("torch.", ""), list(t.shape), offset, len(raw)))
+        blobs.append(raw)
+        offset += len(raw)
+    header = json.dumps({"meta": saved.meta, "tensors": entries}, sort_keys=True).encode()
+    body = b"".join([MAGIC, struct.pack("<Q", len(header)), header, *blobs])
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode(data: bytes) -> RankState:
+    """The state in ``data``; LocalStateError when it is damaged."""
+    view = memoryview(data)
+    if len(data) < len(MAGIC) + 12 or bytes(view[:len(MAGIC)]) != MAGIC:
+        raise LocalStateError("not a local-tier file")
+    (crc,) = struct.unpack("<I", view[-4:])
+    if zlib.crc32(view[:-4]) != crc:
+        raise LocalStateError("checksum mismatch (a damaged or half-written file)")
+    start = len(MAGIC)
+    (n,) = struct.unpack("<Q", view[start:start + 8])
+    header = json.loads(bytes(view[start + 8:start + 8 + n]))
+    base = start + 8 + n
+    out = RankState(meta=header["meta"])
+    for name, dtype, shape, off, length in header["tensors"]:
+        raw = bytearray(view[base + off:base + off + length])
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
+        out.tensors[name] = flat.view(DTYPES[dtype]).reshape(shape)
+    return out

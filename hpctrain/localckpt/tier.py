@@ -1,0 +1,273 @@
+"""``LocalTier``: save every ``checkpoint.local.every`` steps to node-local
+storage with copies on partner nodes, and resume from the newest step that
+the surviving nodes hold in full.
+
+Save (``save``, at the step boundary): the state is copied to host memory
+(``state.capture``: all the step waits for); a background thread encodes
+it, writes this rank's file, sends it to its partners and receives its
+sources' copies (MPI point-to-point on the tier's own duplicate of the
+world communicator; mpi4py runs MPI with ``MPI_THREAD_MULTIPLE``, and below
+that level the thread's work runs in the call instead), writes its manifest
+last, and prunes all but the two newest steps. The next save, and the end
+of the run, wait for it first. Two are kept because a node lost while
+writing step N leaves N incomplete there; N - every is complete
+everywhere (every rank passes a collective between its saves).
+
+Partners: the rank with the same place on node ``n + k`` (k = 1..replicas,
+nodes in a ring) holds this rank's k-th copy. ``replicas`` must be below
+the number of nodes (checked before any collective).
+
+Resume (``agree`` then ``load``): every rank lists what its node directory
+holds (``store.held``); one allgather shares it; every rank computes the
+same answer: the newest step for which every rank's file, written by this
+layout and experiment (``state.signature``), is on some live rank's node.
+Then each rank whose own copy is gone receives it from a holder (the lowest
+rank holding it), and every rank restores its own state. Files another layout
+wrote are not used (the caller falls back to the persistent checkpoint and
+the log says so).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+from hpctrain.localckpt import store
+from hpctrain.localckpt.state import LocalStateError, capture, decode, encode, restore, signature
+from hpctrain.log import get_logger
+
+log = get_logger(__name__)
+
+KEEP = 2
+"""Step directories kept per node (see the module docstring)."""
+TAG = 3417
+"""Message tag of the tier's sends (its communicator is its own, so any tag would do)."""
+
+
+def default_dir(checkpoint_dir: Optional[str]) -> str:
+    """``/dev/shm/hpctrain-<user>-<job>`` (``$TMPDIR`` without /dev/shm): the SLURM job id when there is one (the
+    same for every ``srun`` of one allocation), else a hash of the persistent checkpoint directory (the same for
+    every relaunch of one experiment)."""
+    import getpass
+    import hashlib
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        job = "ck" + hashlib.sha256(os.path.abspath(checkpoint_dir or ".").encode()).hexdigest()[:8]
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+    return os.path.join(base, f"hpctrain-{getpass.getuser()}-{job}")
+
+
+def partners(rank_nodes: Tuple[int, ...], rank: int, replicas: int) -> List[int]:
+    """The ranks holding ``rank``'s copies: the same place on the next ``replicas`` nodes of the ring."""
+    nodes: Dict[int, List[int]] = {}
+    for r, n in enumerate(rank_nodes):
+        nodes.setdefault(n, []).append(r)
+    order = sorted(nodes)
+    here = order.index(rank_nodes[rank])
+    place = nodes[rank_nodes[rank]].index(rank)
+    out = []
+    for k in range(1, replicas + 1):
+        there = nodes[order[(here + k) % len(order)]]
+        out.append(there[place % len(there)])
+    return out
+
+
+@dataclass
+class Found:
+    """What ``agree`` settled, the same on every rank."""
+
+    step: Optional[int]
+    """The newest step every rank's state is held for (None: none)."""
+    holders: Dict[int, int]
+    """rank -> the rank that sends it its file (absent: its own copy is on its node)."""
+    other_layout: Optional[int] = None
+    """The newest step held only in files another layout or experiment wrote."""
+    lost: int = 0
+    """Ranks whose own copy is gone at ``step`` (fetched from partners)."""
+
+
+class LocalTier:
+    def __init__(self, cfg: Any, mesh: Any, runtime: Any):
+        lc = cfg.checkpoint.local
+        self.every, self.replicas = int(lc.every), int(lc.replicas)
+        self.base = str(lc.dir) if lc.dir else default_dir(cfg.checkpoint.dir)
+        self.rank, self.size = mesh.world_rank, mesh.world_size
+        nodes = runtime.rank_nodes or tuple(range(self.size))
+        self.root = store.node_dir(self.base, runtime.node_rank, runtime.emulated_nodes)
+        self.local_leader = runtime.local_rank == 0
+        self.comm = runtime.mpi_comm.Dup() if self.size > 1 else None
+        self.threads = self.comm is not None and _threads_ok()
+        self.targets = partners(nodes, self.rank, self.replicas) if self.replicas else []
+        self.sources = [r for r in range(self.size) if r != self.rank and self.rank in
+                        (partners(nodes, r, self.replicas) if self.replicas else [])]
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.stats: List[Dict[str, float]] = []
+        """Per save: blocking_s (in the step), write_s (file), replicate_s (sends and receives), bytes."""
+        self._sig: Optional[str] = None
+        os.makedirs(self.root, exist_ok=True)
+
+    # -- saving --------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def save(self, trainer: Any) -> float:
+        """Start saving ``trainer``'s state now; returns the seconds the step was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        saved = capture(trainer)
+        self._sig = saved.meta["signature"]
+        step = int(trainer.step)
+        blocking = time.perf_counter() - t0
+        record: Dict[str, float] = {"step": step, "blocking_s": blocking}
+        self.stats.append(record)
+        if self.threads:
+            self._thread = threading.Thread(target=self._guarded, args=(saved, step, record),
+                                            name="hpctrain-localckpt", daemon=True)
+            self._thread.start()
+        else:
+            self._write(saved, step, record)
+        return blocking
+
+    def _guarded(self, saved: Any, step: int, record: Dict[str, float]) -> None:
+        try:
+            self._write(saved, step, record)
+        except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
+            log.error("rank %d: local checkpoint of step %d failed: %s", self.rank, step, e)
+            self._error = e
+
+    def _write(self, saved: Any, step: int, record: Dict[str, float]) -> None:
+        t0 = time.perf_counter()
+        data = encode(saved)
+        store.write_atomic(store.rank_file(self.root, step, self.rank), data)
+        t1 = time.perf_counter()
+        got = self._exchange(data, step)
+        for src, blob in got.items():
+            store.write_atomic(store.rank_file(self.root, step, src), blob)
+        store.write_manifest(self.root, step, self.rank, [self.rank, *got], str(saved.meta["signature"]))
+        store.prune(self.root, KEEP)
+        record.update(write_s=t1 - t0, replicate_s=time.perf_counter() - t1, bytes=float(len(data)))
+
+    def _exchange(self, data: bytes, step: int) -> Dict[int, bytes]:
+        """Send ``data`` to the partners, receive the sources' files."""
+        if self.comm is None or not (self.targets or self.sources):
+            return {}
+        from mpi4py import MPI
+
+        buf = np.frombuffer(data, dtype=np.uint8)
+        size = np.array([buf.size], dtype=np.int64)
+        reqs = []
+        for t in self.targets:
+            reqs.append(self.comm.Isend([size, MPI.INT64_T], dest=t, tag=TAG))
+            reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=t, tag=TAG + 1))
+        got: Dict[int, bytes] = {}
+        for s in self.sources:
+            n = np.empty(1, dtype=np.int64)
+            self.comm.Recv([n, MPI.INT64_T], source=s, tag=TAG)
+            into = np.empty(int(n[0]), dtype=np.uint8)
+            self.comm.Recv([into, MPI.BYTE], source=s, tag=TAG + 1)
+            got[s] = into.tobytes()
+        MPI.Request.Waitall(reqs)
+        return got
+
+    def wait(self) -> None:
+        """Block until the save in flight is complete; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def close(self) -> None:
+        self.wait()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+    # -- resuming ------------------------------------------------------------------
+    def agree(self, trainer: Any) -> Found:
+        """What the surviving nodes hold, agreed in one allgather (collective)."""
+        sig = signature(trainer)
+        mine = {step: {s: sorted(r) for s, r in by_sig.items()} for step, by_sig in store.held(self.root).items()}
+        everyone = self.comm.allgather(mine) if self.comm is not None else [mine]
+        return decide(everyone, sig, self.size)
+
+    def load(self, trainer: Any, found: Found) -> None:
+        """Fetch what this rank lacks from its holder and restore (collective)."""
+        assert found.step is not None
+        step = found.step
+        mine = store.rank_file(self.root, step, self.rank)
+        data: Optional[bytes] = None
+        if self.rank not in found.holders:
+            with open(mine, "rb") as f:
+                data = f.read()
+        if self.comm is not None:
+            data = self._fetch(found, step, data)
+        assert data is not None
+        try:
+            restore(trainer, decode(data))
+        except LocalStateError as e:
+            raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
+
+    def _fetch(self, found: Found, step: int, data: Optional[bytes]) -> Optional[bytes]:
+        from mpi4py import MPI
+
+        comm = self.comm
+        assert comm is not None
+        reqs, keep = [], []
+        for r, holder in sorted(found.holders.items()):
+            if holder == self.rank:
+                with open(store.rank_file(self.root, step, r), "rb") as f:
+                    buf = np.frombuffer(f.read(), dtype=np.uint8)
+                size = np.array([buf.size], dtype=np.int64)
+                keep += [buf, size]
+                reqs.append(comm.Isend([size, MPI.INT64_T], dest=r, tag=TAG + 2))
+                reqs.append(comm.Isend([buf, MPI.BYTE], dest=r, tag=TAG + 3))
+        h = found.holders.get(self.rank)
+        if h is not None:
+            n = np.empty(1, dtype=np.int64)
+            comm.Recv([n, MPI.INT64_T], source=h, tag=TAG + 2)
+            into = np.empty(int(n[0]), dtype=np.uint8)
+            comm.Recv([into, MPI.BYTE], source=h, tag=TAG + 3)
+            data = into.tobytes()
+        MPI.Request.Waitall(reqs)
+        return data
+
+    def forget_after(self, step: int) -> None:
+        """Remove this node's steps after ``step`` (a history not continued; all of them on a fresh start)."""
+        if self.comm is not None:
+            self.comm.Barrier()  # every rank has read what it needed before any is removed
+        if self.local_leader:
+            store.prune(self.root, KEEP, newer_than=step)
+
+
+def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int) -> Found:
+    """The agreed answer from every rank's ``store.held`` (pure: the same on every rank)."""
+    holders_of: Dict[int, Dict[int, Set[int]]] = {}  # step -> rank -> holders
+    other: Optional[int] = None
+    for holder, held in enumerate(everyone):
+        for step, by_sig in held.items():
+            for s, ranks in by_sig.items():
+                if s != sig:
+                    other = max(other or 0, int(step))
+                    continue
+                for r in ranks:
+                    holders_of.setdefault(int(step), {}).setdefault(int(r), set()).add(holder)
+    for step in sorted(holders_of, reverse=True):
+        by_rank = holders_of[step]
+        if len(by_rank) == size and all(0 <= r < size for r in by_rank):
+            holders = {r: min(h) for r, h in by_rank.items() if r not in h}
+            return Found(step, holders, other if other is not None and other > step else None, len(holders))
+    return Found(None, {}, other)
+
+
+def _threads_ok() -> bool:
+    from mpi4py import MPI
+
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
