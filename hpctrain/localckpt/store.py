@@ -11,10 +11,13 @@ all its files, so a step a rank was still writing when it died is never
 counted as held. No fsync: the tier protects against a lost *node*, whose
 storage is lost with it anyway; the partners' copies are what survive.
 
-``<node dir>``: ``checkpoint.local.dir`` itself on real nodes; with emulated
-nodes (``HPCTRAIN_RANKS_PER_NODE``, every "node" on one machine) a
-``node_<i>`` directory under it per emulated node, so deleting one emulates
-losing that node's storage.
+``<node dir>``: a directory per node under ``checkpoint.local.dir``, named
+for the node (``SLURMD_NODENAME``, the name Slurm knows it by, else the host
+name), so that a directory that is not node-local after all (a shared file
+system given by mistake, or emulated nodes of one machine under the local
+test Slurm) still keeps each node's files apart; with nodes emulated by
+``HPCTRAIN_RANKS_PER_NODE`` (every "node" on one machine, one host name)
+``node_<i>``. Deleting one emulates losing that node's storage.
 """
 from __future__ import annotations
 
@@ -22,13 +25,16 @@ import json
 import os
 import re
 import shutil
+import socket
 from typing import Dict, List, Optional, Set
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
 def node_dir(base: str, node_rank: int, emulated: bool) -> str:
-    return os.path.join(base, f"node_{node_rank}") if emulated else base
+    if emulated:
+        return os.path.join(base, f"node_{node_rank}")
+    return os.path.join(base, os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
 
 
 def step_dir(root: str, step: int) -> str:

@@ -366,8 +366,9 @@ class Watchdog:
     def _act(self, verdict: Verdict, conns) -> None:
         self._report(verdict.message)
         states = self._states
-        # steps are synchronous: a rank that began step s means every rank finished s - 1
-        finished = max(s.step for s in states.values()) - 1 if states else 0
+        # steps are synchronous: a rank that began step s means every rank finished s - 1. Rank 0's own
+        # board is current; the others' heartbeats can be an interval (up to 5 s: many short steps) old
+        finished = max([self.board.step] + [s.step for s in states.values()]) - 1
         write_failure(self.run_dir, verdict.message, list(verdict.stuck),
                       [states[r].host for r in verdict.stuck if r in states], max(0, finished))
         for conn in conns:
