@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator
 from hpctrain.comm.watch import OpBoard, Waiting, WatchedWork
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
@@ -60,7 +60,7 @@ class CommCounter:
 _AR, _AG, _RS, _A2A, _BC, _SEND = range(len(OPS))
 
 
-class CountingCommunicator:
+class CountingCommunicator(WrappedCommunicator):
     """A Communicator that counts bus bytes, then delegates to ``inner``.
 
     Attributes it does not define (``group``, backend-specific ones) are the
@@ -71,14 +71,11 @@ class CountingCommunicator:
 
     def __init__(self, inner: Communicator, board: Optional[OpBoard] = None, group: str = "?",
                  members: Sequence[int] = ()):
-        self.inner = inner
+        super().__init__(inner)
         self.board = board if board is not None else OpBoard()
         self.group_name = group
         self.members = tuple(members)
         """World ranks of the group, in group-rank order."""
-        self.backend = inner.backend
-        self.rank = inner.rank
-        self.size = inner.size
         self.counter = CommCounter()
         n = inner.size
         self._ring = (n - 1) / n if n else 0.0
@@ -86,9 +83,6 @@ class CountingCommunicator:
         self._all_reduce = inner.all_reduce
         self._all_gather = inner.all_gather
         self._reduce_scatter = inner.reduce_scatter
-
-    def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper
-        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"Counting({self.inner!r})"

@@ -10,25 +10,19 @@ changes, so a delayed run trains exactly the same model.
 from __future__ import annotations
 
 import time
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
-from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator
 
 
-class DelayedCommunicator:
+class DelayedCommunicator(WrappedCommunicator):
     """Sleeps ``seconds`` then delegates to ``inner``; other attributes are the inner one's."""
 
     def __init__(self, inner: Communicator, seconds: float):
-        self.inner = inner
+        super().__init__(inner)
         self.seconds = float(seconds)
-        self.backend = inner.backend
-        self.rank = inner.rank
-        self.size = inner.size
-
-    def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper
-        return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return f"Delayed({self.seconds * 1e3:g} ms, {self.inner!r})"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -173,6 +173,23 @@ def check_reduce_dtype(what: str, dtype: torch.dtype, op: "ReduceOp", supported:
     if ReduceOp(op) == ReduceOp.AVG and not dtype.is_floating_point:
         raise CommError(f"{what}: op=avg needs a floating dtype, not {str(dtype).replace('torch.', '')} "
                         "(use op=sum and divide)")
+
+
+class WrappedCommunicator:
+    """The base of a communicator that does something before delegating to
+    another (counting bus bytes, an injected delay): ``inner`` is the wrapped
+    one, its ``backend``, ``rank`` and ``size`` are copied, and any attribute
+    the wrapper does not define (``group``, backend-specific ones) is read
+    from it."""
+
+    def __init__(self, inner: Communicator):
+        self.inner = inner
+        self.backend = inner.backend
+        self.rank = inner.rank
+        self.size = inner.size
+
+    def __getattr__(self, name: str) -> Any:  # only for names not found on the wrapper
+        return getattr(self.inner, name)
 
 
 class LocalCommunicator:
