@@ -23,7 +23,7 @@ import gc
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -110,23 +110,50 @@ def compose_agreed(overrides: List[str], rt: Any, pm) -> Any:
 
 def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[str], rt: Any, pm) -> Trial:
     """Train ``overrides`` for ``steps`` steps on the whole world. Collective."""
+    trial = Trial(label, list(overrides), run_dir=run_dir)
+    watchdog: List[Any] = []  # run() puts this layout's hang watchdog here; it watches the agreement below too
+    try:
+        reason, peak = _train(trial, _trial_overrides(overrides, steps), run_dir, rt, pm, watchdog)
+        if watchdog and reason:
+            watchdog[0].failed()  # ranks still inside this layout's collectives are named, not left waiting
+        verdicts = rt.mpi_comm.allgather((reason, peak)) if rt.world_size > 1 else [(reason, peak)]
+    finally:
+        if watchdog:
+            watchdog[0].stop("done" if trial.losses else "error")
+    failed = {r: why for r, (why, _) in enumerate(verdicts) if why}
+    if failed:
+        reasons = sorted(set(failed.values()))
+        trial.reason = reasons[0] if len(failed) == len(verdicts) and len(reasons) == 1 else \
+            "; ".join(f"{why} (on ranks {[r for r, w in failed.items() if w == why]})" for why in reasons)
+        trial.step_times, trial.losses, trial.median_step_s, trial.comm_bytes = [], [], None, {}
+        return trial
+    trial.ok = True
+    trial.peak_bytes = max(p for _, p in verdicts)
+    return trial
+
+
+def _trial_overrides(overrides: List[str], steps: int) -> List[str]:
+    """A trial's overrides: the layout's, its step count, and no progress bar, checkpoints or validation."""
+    return list(overrides) + [f"trainer.steps={steps}", *TRIAL_OVERRIDES]
+
+
+def _train(trial: Trial, overrides: List[str], run_dir: Optional[str], rt: Any, pm,
+           watchdog: List[Any]) -> Tuple[str, float]:
+    """Train on this rank; (why it failed here or "", peak memory). Everything it built is freed."""
     from omegaconf import OmegaConf
 
     from hpctrain.run import run
     from hpctrain.train.watchdog import JobStopped
 
-    trial = Trial(label, list(overrides), run_dir=run_dir)
-    reason = ""
-    peak = 0.0
-    watchdog: List[Any] = []  # run() puts this layout's hang watchdog here; it watches the agreement below too
+    reason, peak = "", 0.0
     try:
-        cfg = compose_agreed(list(overrides) + [f"trainer.steps={steps}", *TRIAL_OVERRIDES], rt, pm)
+        cfg = compose_agreed(overrides, rt, pm)
         if run_dir and rt.is_main:  # what hpctrain-plan --compare reads, as in a hpctrain-train run directory
             os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
             with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
             with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+                f.write(OmegaConf.to_yaml(OmegaConf.create(list(trial.overrides))))
         cfg.run_dir = run_dir
         _reset_peak(rt.device)
         history = run(cfg, run_dir, pm, watchdog_holder=watchdog)
@@ -140,26 +167,10 @@ def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[st
         reason = f"out of memory in step {e.step}: {e.detail}"
     except torch.cuda.OutOfMemoryError as e:  # building the layout
         reason = f"out of memory: {str(e).splitlines()[0] if str(e) else 'CUDA'}"
-    except Exception as e:  # noqa: BLE001 - an out-of-memory or a plugin's error: recorded, the tuning goes on
+    except Exception as e:  # noqa: BLE001 - a plugin's error: recorded, the tuning goes on
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
     finally:
         gc.collect()  # this layout's model, optimizer, groups and buffers, before the next one is built
         if rt.device.type == "cuda":
             torch.cuda.empty_cache()
-    if watchdog and reason:
-        watchdog[0].failed()  # ranks still inside this layout's collectives are named, not left waiting
-    try:
-        verdicts = rt.mpi_comm.allgather((reason, peak)) if rt.world_size > 1 else [(reason, peak)]
-    finally:
-        if watchdog:
-            watchdog[0].stop("error" if reason else "done")
-    failed = {r: why for r, (why, _) in enumerate(verdicts) if why}
-    if failed:
-        reasons = sorted(set(failed.values()))
-        trial.reason = reasons[0] if len(failed) == len(verdicts) and len(reasons) == 1 else \
-            "; ".join(f"{why} (on ranks {[r for r, w in failed.items() if w == why]})" for why in reasons)
-        trial.step_times, trial.losses, trial.median_step_s, trial.comm_bytes = [], [], None, {}
-        return trial
-    trial.ok = True
-    trial.peak_bytes = max(p for _, p in verdicts)
-    return trial
+    return reason, peak
