@@ -88,15 +88,20 @@ def build_mesh(cfg: Any, rt: Runtime, pm, board: Optional[OpBoard] = None) -> Me
     return mesh
 
 
-def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = False) -> List[Dict[str, float]]:
+def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = False,
+        watchdog_holder: Optional[List[Any]] = None) -> List[Dict[str, float]]:
     """Train according to ``cfg``; returns the per-step metrics (every rank).
     ``evaluate_only`` (``hpctrain-eval``): build the layout, load
     ``checkpoint.resume`` and run one validation instead of training.
 
     With ``reliability.hang_timeout_s`` > 0 on more than one rank, the hang
     watchdog runs from after validation to the end (``hpctrain.train.watchdog``).
+    A caller that passes its own ``watchdog_holder`` (a list) gets the watchdog
+    in it and stops it itself: ``hpctrain-tune`` keeps it watching while the
+    ranks agree on a failed layout, so a failure on some ranks only still ends
+    the job with the watchdog's line.
     """
-    holder: List[Any] = []
+    holder: List[Any] = [] if watchdog_holder is None else watchdog_holder
     done = False
     try:
         if evaluate_only:
@@ -107,14 +112,17 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
         done = True
         return history
     except Exception as e:
-        if holder and not isinstance(e, HpctrainError):
+        from hpctrain.train.profile import OutOfMemoryWithSnapshot
+
+        if holder and not isinstance(e, (HpctrainError, OutOfMemoryWithSnapshot)):
             # a failure caused by another rank's fault: the watchdog has (or is about to have) named it
+            # (an out-of-memory in a step is this rank's own)
             verdict = holder[0].wait_for_verdict(5.0)
             if verdict is not None:
                 raise JobStopped(verdict) from e
         raise
     finally:
-        if holder:
+        if holder and watchdog_holder is None:
             holder[0].stop("done" if done else "error")
         if run_dir:
             remove_file_log()  # the next point of a sweep in this process logs to its own train.log

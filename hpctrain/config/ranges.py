@@ -122,7 +122,7 @@ RULES: Tuple[Rule, ...] = (
          "the usual is 600; set it above your slowest checkpoint save"),
     Rule("debug.fault", lambda x: x in FAULTS, f"one of {', '.join(FAULTS)}"),
     Rule("debug.fault_at", lambda x: x in ("step", "checkpoint"), "step or checkpoint"),
-    Rule("debug.fault_rank", at_least(0), "an integer >= 0 (a world rank)"),
+    Rule("debug.fault_rank", at_least(-1), "a world rank >= 0, or -1 (every rank)"),
     Rule("debug.fault_step", at_least(1), "an integer >= 1"),
     Rule("debug.slow_s", at_least(0), "a finite number >= 0"),
     Rule("debug.comm_delay_axis", lambda x: x in ("none",) + AXES, f"one of none, {', '.join(AXES)}"),

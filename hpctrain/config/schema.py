@@ -431,7 +431,8 @@ class DebugConfig:
     gradients becomes inf after that step's reduction, as an fp16 overflow on one rank), oom (its step raises
     CUDA's out-of-memory error, on any device: the error line and the memory snapshot); none."""
     fault_rank: int = 0
-    """The world rank the fault happens on."""
+    """The world rank the fault happens on; -1: every rank at once (hpctrain-tune's test of a layout that runs
+    out of memory everywhere)."""
     fault_step: int = 1
     """The step (1-based) it happens in."""
     fault_at: str = "step"

@@ -1,5 +1,6 @@
-"""Fault injection (``debug.*``): make one rank fail in a chosen way at a
-chosen step, to test (and show) how a job fails.
+"""Fault injection (``debug.*``): make one rank (``debug.fault_rank``; -1:
+every rank) fail in a chosen way at a chosen step, to test (and show) how a
+job fails.
 
 Kinds (``debug.fault``):
 
@@ -47,7 +48,7 @@ class FaultInjector:
         self.step = int(debug.fault_step)
         self.at = str(debug.fault_at)
         self.slow_s = float(debug.slow_s)
-        self.mine = self.kind != "none" and int(debug.fault_rank) == world_rank
+        self.mine = self.kind != "none" and int(debug.fault_rank) in (world_rank, -1)
         self._slowed = False
 
     def _fire(self, what: str) -> None:

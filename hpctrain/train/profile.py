@@ -43,6 +43,13 @@ def trace_path(run_dir: str, rank: int, first: int, last: int) -> str:
 class OutOfMemoryWithSnapshot(RuntimeError):
     """A CUDA out-of-memory error, with the snapshot written for it."""
 
+    def __init__(self, message: str, step: int = 0, detail: str = ""):
+        super().__init__(message)
+        self.step = step
+        """The step it happened in."""
+        self.detail = detail
+        """The allocator's own first line (the same on every rank that ran out the same way)."""
+
 
 class StepProfiler:
     def __init__(self, pcfg: Any, rank: int, device: torch.device, run_dir: Optional[str]):
@@ -110,4 +117,4 @@ class StepProfiler:
         message = (f"rank {self.rank}: CUDA out of memory in step {step}: {first}; {saved}; lower "
                    "trainer.micro_batch_size, set model.recompute=selective or full, or a higher parallel.zero.stage")
         log.error(message)
-        return OutOfMemoryWithSnapshot(message)
+        return OutOfMemoryWithSnapshot(message, step, first)

@@ -110,6 +110,7 @@ class Watchdog:
         self.board = board or OpBoard()
         self.verdict: Optional[str] = None
         """The message of the verdict that stops the job, once known on this rank."""
+        self._failed = False
         self.refused: List[str] = []
         """Rank 0: every refused connection, as ``"<address>: <reason>"``."""
         self.endpoint: Optional[Tuple[str, int]] = None
@@ -174,7 +175,7 @@ class Watchdog:
         waiting = None if w is None else [w.op, w.group, w.seq, list(w.members), time.monotonic() - w.since]
         return {"t": kind, "rank": self.rank, "host": self._host, "pid": os.getpid(), "step": b.step,
                 "phase": b.phase, "issued": dict(b.issued), "waiting": waiting,
-                "last_op": list(b.last_op) if b.last_op else None, **extra}
+                "last_op": list(b.last_op) if b.last_op else None, "failed": self._failed, **extra}
 
     @staticmethod
     def _update(s: RankState, m: Dict[str, Any], now: float) -> None:
@@ -215,6 +216,8 @@ class Watchdog:
                 self._refuse(peer, f"it did not prove the job's secret within {HELLO_DEADLINE_S:g} s")
             here = self._state("hb")
             self._update(self._states[0], here, now)
+            if self._failed:
+                self._states[0].gone = "error"
             for r in range(1, self.size):  # a rank that never connected counts as silent from the start
                 self._states.setdefault(r, RankState(r, heard=now))
             if now >= next_beat:
@@ -270,6 +273,8 @@ class Watchdog:
                 self._update(s, m, now)
                 if m["t"] == "bye":
                     s.gone = m["why"]
+                elif m.get("failed") is True:
+                    s.gone = "error"
             if problem:
                 self._refuse(peer, problem)
                 return
@@ -479,6 +484,13 @@ class Watchdog:
         caused by another rank's death is seen here slightly before the verdict)."""
         self._known.wait(seconds)
         return self.verdict
+
+    def failed(self) -> None:
+        """This rank's run ended with an error but the rank stays in the job (``hpctrain-tune`` goes on
+        to agree with the others on the failure): rank 0 counts it as having left with an error from
+        the next heartbeat on, so ranks still waiting for it are named after the timeout, while ranks
+        that all failed together wait for nothing. The channel stays open until ``stop``."""
+        self._failed = True
 
     def stop(self, why: str = "done") -> None:
         """Leave the channel with a goodbye (no verdict follows from it)."""

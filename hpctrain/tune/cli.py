@@ -1,6 +1,7 @@
 """``hpctrain-tune``: under the same launcher as training,
 
     srun ... hpctrain-tune <hpctrain-train overrides> [--top K] [--steps S] [--out FILE] [--also "k=v ..."]
+                           [--measure-iters N]
 
 1. measures this allocation (``measure``): matmul TFLOP/s at the model's shapes, latency and bus
    bandwidth of each axis's groups, and writes them as a calibration file (``<out>.calibration.json``,
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="steps per layout; the first is warm-up (default 5)")
     p.add_argument("--out", default="tune.json", help="the JSON report (default tune.json); the calibration "
                                                       "and the runs go beside it")
+    p.add_argument("--measure-iters", type=int, default=5, metavar="N",
+                   help="timed repetitions of each measurement (the GEMMs, each group's all-reduces), after the "
+                        "warm-up; the medians are of these (default 5)")
     p.add_argument("--also", action="append", default=[], metavar="'KEY=VALUE ...'",
                    help="also train this layout (overrides on top of the others; repeatable)")
     return p
@@ -54,6 +58,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: give the steps per layout (>= 1; 3 or more to time "
                           "steps after the warm-up)")
+    if args.measure_iters < 1:
+        raise ConfigError(f"--measure-iters {args.measure_iters}: give the timed repetitions per measurement (>= 1)")
     if args.top == 0 and not args.also:
         raise ConfigError("--top 0 without --also trains nothing; give --top K")
     if not args.out.endswith(".json"):
@@ -133,7 +139,8 @@ def tune(args: argparse.Namespace, rt: Any, pm) -> int:
 
     log_rank0("hpctrain-tune: measuring matmul at the model's shapes on %d ranks", rt.world_size)
     tokens = cfg.trainer.micro_batch_size * cfg.trainer.seq_len
-    matmul = measure.matmul_tflops(cfg.model, tokens, cfg.trainer.precision, rt.device, rt.mpi_comm)
+    matmul = measure.matmul_tflops(cfg.model, tokens, cfg.trainer.precision, rt.device, rt.mpi_comm,
+                                   iters=args.measure_iters)
     planning = _planning_overrides(cfg, user, rt, matmul)
 
     def first_ranking() -> Any:
@@ -143,7 +150,7 @@ def tune(args: argparse.Namespace, rt: Any, pm) -> int:
     axis_layouts, uncalibrated = _rank0(rt, first_ranking)
     log_rank0("hpctrain-tune: measuring the groups of %s", ", ".join(
         f"{a} (as in {label})" for a, (label, _) in axis_layouts.items()) or "no axis (one rank)")
-    links = measure.measure_links(cfg, axis_layouts, rt, pm)
+    links = measure.measure_links(cfg, axis_layouts, rt, pm, iters=args.measure_iters)
 
     def calibrated_ranking() -> Any:
         cal = measure.calibration(matmul, links)

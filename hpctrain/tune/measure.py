@@ -59,7 +59,7 @@ def gemm_shapes(model_cfg: Any, tokens: int) -> List[Tuple[int, int, int]]:
 
 
 def matmul_tflops(model_cfg: Any, tokens: int, precision: str, device: torch.device, mpi_comm: Any,
-                  iters: int = 10) -> float:
+                  iters: int = 5) -> float:
     """Dense GEMM TFLOP/s per device at the model's shapes (slowest rank, median). Collective."""
     dtype = DTYPES.get(precision, torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -108,9 +108,10 @@ def time_group(comm: Any, n: int, nbytes: int, dtype: torch.dtype, device: torch
     return t_small, t_large
 
 
-def measure_links(cfg: Any, layouts: Mapping[str, Tuple[str, Dict[str, int]]], rt: Any, pm) -> List[AxisLink]:
-    """Each axis's link, on the mesh of ``layouts[axis]`` = (label, sizes). Collective: every rank
-    passes the same ``layouts`` (rank 0's, broadcast)."""
+def measure_links(cfg: Any, layouts: Mapping[str, Tuple[str, Dict[str, int]]], rt: Any, pm,
+                  iters: int = 5) -> List[AxisLink]:
+    """Each axis's link, on the mesh of ``layouts[axis]`` = (label, sizes), ``iters`` timed all-reduces
+    per size. Collective: every rank passes the same ``layouts`` (rank 0's, broadcast)."""
     from omegaconf import OmegaConf
 
     from hpctrain.run import build_mesh
@@ -123,7 +124,7 @@ def measure_links(cfg: Any, layouts: Mapping[str, Tuple[str, Dict[str, int]]], r
         mesh = build_mesh(layout_cfg, rt, pm)
         group = mesh.group(axis)
         nbytes = message_bytes(axis, layout_cfg, elem)
-        small, large = time_group(group.communicator(), group.size, nbytes, dtype, rt.device, rt.mpi_comm)
+        small, large = time_group(group.communicator(), group.size, nbytes, dtype, rt.device, rt.mpi_comm, iters)
         lat, bw = fit_link(group.size, nbytes, small, large)
         nodes = len({rt.rank_nodes[r] for r in group.ranks}) if rt.rank_nodes else 1
         out.append(AxisLink(axis, group.size, nodes, nbytes, small, large, lat, bw, label))

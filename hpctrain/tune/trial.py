@@ -6,8 +6,10 @@ Rank 0 composes the config and broadcasts it (as ``hpctrain-train`` does), so a 
 is every rank's. A failure raised on every rank (a validation error, before any collective, or an
 out-of-memory in the same step everywhere) is recorded with its reason after one allgather of
 every rank's verdict, and the tuning goes on. A failure on some ranks only leaves the others
-inside a collective; the hang watchdog (``reliability.hang_timeout_s``) then names the rank and
-the operation and ends the job, as in training (nothing hangs silently).
+inside a collective: the failed ranks keep this layout's hang watchdog (``reliability.hang_timeout_s``)
+running through that allgather, marked as having left with an error, so after the timeout rank 0
+names them and the operation the others wait in and ends the job (exit status 5), as in training
+(nothing hangs silently; with the watchdog off it hangs).
 
 Measured: step time (median of the steps after the first, which warms up), peak memory (CUDA:
 the allocator's maximum allocated bytes since this layout began; CPU: the process's peak resident
@@ -21,11 +23,12 @@ import gc
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from hpctrain.errors import HpctrainError
+from hpctrain.train.profile import OutOfMemoryWithSnapshot
 
 TRIAL_OVERRIDES = ("trainer.progress=off", "checkpoint.every=0", "trainer.eval_every=0")
 """Tuning trains to measure: no progress bar, no checkpoints, no validation passes."""
@@ -107,38 +110,16 @@ def compose_agreed(overrides: List[str], rt: Any, pm) -> Any:
 
 def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[str], rt: Any, pm) -> Trial:
     """Train ``overrides`` for ``steps`` steps on the whole world. Collective."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.run import run
-    from hpctrain.train.watchdog import JobStopped
-
     trial = Trial(label, list(overrides), run_dir=run_dir)
-    reason = ""
-    peak = 0.0
+    watchdog: List[Any] = []  # run() puts this layout's hang watchdog here; it watches the agreement below too
     try:
-        cfg = compose_agreed(list(overrides) + [f"trainer.steps={steps}", *TRIAL_OVERRIDES], rt, pm)
-        if run_dir and rt.is_main:  # what hpctrain-plan --compare reads, as in a hpctrain-train run directory
-            os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
-            with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(cfg, resolve=True))
-            with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
-        cfg.run_dir = run_dir
-        _reset_peak(rt.device)
-        history = run(cfg, run_dir, pm)
-        peak = _peak(rt.device)
-        summarise(history, trial)
-    except JobStopped:
-        raise  # the watchdog is ending the job: a rank died or hangs
-    except HpctrainError as e:
-        reason = str(e).replace("\n", "; ")
-    except Exception as e:  # noqa: BLE001 - an out-of-memory or a plugin's error: recorded, the tuning goes on
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+        reason, peak = _train(trial, _trial_overrides(overrides, steps), run_dir, rt, pm, watchdog)
+        if watchdog and reason:
+            watchdog[0].failed()  # ranks still inside this layout's collectives are named, not left waiting
+        verdicts = rt.mpi_comm.allgather((reason, peak)) if rt.world_size > 1 else [(reason, peak)]
     finally:
-        gc.collect()  # this layout's model, optimizer, groups and buffers, before the next one is built
-        if rt.device.type == "cuda":
-            torch.cuda.empty_cache()
-    verdicts = rt.mpi_comm.allgather((reason, peak)) if rt.world_size > 1 else [(reason, peak)]
+        if watchdog:
+            watchdog[0].stop("done" if trial.losses else "error")
     failed = {r: why for r, (why, _) in enumerate(verdicts) if why}
     if failed:
         reasons = sorted(set(failed.values()))
@@ -149,3 +130,47 @@ def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[st
     trial.ok = True
     trial.peak_bytes = max(p for _, p in verdicts)
     return trial
+
+
+def _trial_overrides(overrides: List[str], steps: int) -> List[str]:
+    """A trial's overrides: the layout's, its step count, and no progress bar, checkpoints or validation."""
+    return list(overrides) + [f"trainer.steps={steps}", *TRIAL_OVERRIDES]
+
+
+def _train(trial: Trial, overrides: List[str], run_dir: Optional[str], rt: Any, pm,
+           watchdog: List[Any]) -> Tuple[str, float]:
+    """Train on this rank; (why it failed here or "", peak memory). Everything it built is freed."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.run import run
+    from hpctrain.train.watchdog import JobStopped
+
+    reason, peak = "", 0.0
+    try:
+        cfg = compose_agreed(overrides, rt, pm)
+        if run_dir and rt.is_main:  # what hpctrain-plan --compare reads, as in a hpctrain-train run directory
+            os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
+            with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(cfg, resolve=True))
+            with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(OmegaConf.create(list(trial.overrides))))
+        cfg.run_dir = run_dir
+        _reset_peak(rt.device)
+        history = run(cfg, run_dir, pm, watchdog_holder=watchdog)
+        peak = _peak(rt.device)
+        summarise(history, trial)
+    except JobStopped:
+        raise  # the watchdog is ending the job: a rank died or hangs
+    except HpctrainError as e:
+        reason = str(e).replace("\n", "; ")
+    except OutOfMemoryWithSnapshot as e:  # in a step (the rank's line and snapshot are in its log)
+        reason = f"out of memory in step {e.step}: {e.detail}"
+    except torch.cuda.OutOfMemoryError as e:  # building the layout
+        reason = f"out of memory: {str(e).splitlines()[0] if str(e) else 'CUDA'}"
+    except Exception as e:  # noqa: BLE001 - a plugin's error: recorded, the tuning goes on
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    finally:
+        gc.collect()  # this layout's model, optimizer, groups and buffers, before the next one is built
+        if rt.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return reason, peak

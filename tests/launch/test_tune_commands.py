@@ -1,7 +1,8 @@
 """``mpiexec -n 4 hpctrain-tune ...`` as users launch it: it ends with the fastest measured layout's
 command, and that command, run as printed, trains (with srun when a Slurm controller answers; else the
-same hpctrain-train argument list under mpiexec with the printed task count). Bad arguments: one line,
-exit 2, before any collective."""
+same hpctrain-train argument list under mpiexec with the printed task count). A layout failing on one
+rank only ends the job through the hang watchdog instead of hanging. Bad arguments: one line, exit 2,
+before any collective."""
 import glob
 import json
 import os
@@ -67,6 +68,17 @@ def test_printed_command_runs_as_printed(tmp_path):
     assert [row["loss"] for row in rows] == pytest.approx(json.loads(out.read_text())["layouts"][best]["losses"],
                                                           rel=1e-6)
     assert glob.glob(str(tmp_path / "tune.runs" / "*" / "metrics.jsonl"))
+
+
+def test_a_layout_failing_on_rank_0_only_ends_the_job_with_the_watchdogs_line(tmp_path):
+    # rank 0 records the failure and waits to agree on it while rank 1 waits inside the step's collective
+    r = subprocess.run([MPIEXEC, "-n", "2", str(BIN / "hpctrain-tune"), *TINY, "reliability.hang_timeout_s=2",
+                        "--top", "0", "--measure-iters", "1", "--out", str(tmp_path / "tune.json"),
+                        "--also", "parallel.tp=2 debug.fault=oom debug.fault_rank=0 debug.fault_step=1"],
+                       env=_env(), capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
+    assert r.returncode == 5, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("hpctrain: error: hang watchdog:")]
+    assert len(lines) == 1 and "rank 0 " in lines[0] and "left the job in step 1" in lines[0], r.stderr[-3000:]
 
 
 def test_bad_arguments_are_one_line_and_status_2(tmp_path):
