@@ -17,6 +17,14 @@ dataset, a shape that differs from the model's, an unreadable dataset, a
 checksum mismatch) is gathered from all ranks and raised as one
 ``CheckpointError`` on every rank, naming the file and the datasets.
 
+Reads are collective (datasets of at least ``collective_min_mb``) only
+where some rank's hyperslab is strided in the file (a split of a later
+dim). A hyperslab that is one contiguous byte range (a split of dim 0, as
+ZeRO-3/FSDP and data parallelism load) is read independently: a collective
+read would only add the ranks' synchronisation and MPI-IO's two-phase
+exchange, which made the bench's load 2.7x slower (docs/checkpointing.md,
+"Measured").
+
 The same class with ``MPI.COMM_SELF`` and no wants is ``hpctrain-ckpt
 verify``: it reads and checks every dataset.
 """
@@ -62,6 +70,16 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def contiguous(box: Box, shape: Sequence[int]) -> bool:
+    """Whether ``box`` is one contiguous byte range of a row-major dataset of
+    ``shape``: leading dims of extent 1, then any range of one dim, then whole dims."""
+    dims = list(zip(box, shape))
+    i = 0
+    while i < len(dims) and dims[i][0][1] - dims[i][0][0] == 1:
+        i += 1
+    return all((a, b) == (0, n) for (a, b), n in dims[i + 1:])
+
+
 def _agree(comm: Any, errors: List[str]) -> List[str]:
     """Every rank's problems, on every rank, each once, in rank order."""
     merged: List[str] = []
@@ -96,14 +114,28 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {path}: {problem}")
 
     def _index(self) -> Dict[str, DatasetInfo]:
+        # h5py's low-level calls: its high-level objects cost twice HDF5's own
+        # metadata reads here, once per dataset on every rank at every load
+        names: List[bytes] = []
+
+        def visit(name: bytes, info: Any) -> None:
+            if info.type == h5py.h5o.TYPE_DATASET:
+                names.append(name)
+
+        fid = self.opened.id
+        h5py.h5o.visit(fid, visit, info=True)
         out: Dict[str, DatasetInfo] = {}
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                attrs = {k: _decode(v) if k != "checksum" else v for k, v in obj.attrs.items()}
-                out["/" + name] = DatasetInfo("/" + name, tuple(obj.shape), obj.dtype.str, attrs)
-
-        self.opened.visititems(visit)
+        for name in names:
+            dsid = h5py.h5d.open(fid, name)
+            attrs: Dict[str, Any] = {}
+            for i in range(h5py.h5a.get_num_attrs(dsid)):
+                aid = h5py.h5a.open(dsid, index=i)
+                value = np.empty(aid.shape, dtype=aid.dtype)
+                aid.read(value)
+                key = aid.name.decode()
+                attrs[key] = value if key == "checksum" else _decode(value[()])
+            path = "/" + name.decode()
+            out[path] = DatasetInfo(path, tuple(dsid.shape), dsid.dtype.str, attrs)
         return out
 
     def _format_problem(self) -> Optional[str]:
@@ -156,7 +188,11 @@ class CheckpointReader:
         decls = [DatasetDecl(p, self.index[p].shape, self.index[p].dtype) for p in wants]
         per_rank = self.comm.allgather((decls, {p: list(b) for p, b in wants.items()}, {}))
         plan = build_plan(per_rank, require_cover=False)
-        rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners}
+        # Collective reads only where some rank's hyperslab is strided in the
+        # file; the decision is a function of the gathered wants, so every rank
+        # makes the same one.
+        rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners
+                  if not all(contiguous(b, self.index[p].shape) for b, _ in plan.owners[p])}
         out, errors = self._read_boxes(wants, rounds)
         if self.opts.verify:
             errors += self._verify(wants, out, plan)
@@ -175,7 +211,7 @@ class CheckpointReader:
             mine = list(wants.get(p, ()))
             try:
                 dset = self.opened[p]
-                if collective and self.index[p].nbytes >= self.opts.collective_min_bytes:
+                if collective and p in rounds and self.index[p].nbytes >= self.opts.collective_min_bytes:
                     arrays = []
                     for k in range(rounds.get(p, 0)):
                         if k < len(mine):
