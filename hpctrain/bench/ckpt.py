@@ -84,8 +84,10 @@ def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, si
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
     opt.step()
-    cursor = SimpleNamespace(state_dict=lambda: {"consumed_samples": 0}, load_state_dict=lambda state: None,
-                             consumed_samples=0)
+    # the real cursor's state_dict holds the batch size too (a load then needs no parse of /meta/config)
+    batch = int(cfg.trainer.global_batch_size)
+    cursor = SimpleNamespace(state_dict=lambda: {"consumed_samples": 0, "global_batch_size": batch},
+                             load_state_dict=lambda state: None, consumed_samples=0)
     return SimpleNamespace(model=model, optimizer=opt, mesh=mesh, cursor=cursor, cfg=cfg, step=1,
                            device=torch.device("cpu"))
 

@@ -93,13 +93,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _verify_one(path: str, report_errors: bool = False) -> bool:
     """Every dataset's checksum, and finite weights and optimizer state; one
     line either way (a corrupt file raises, unless ``report_errors``)."""
-    import torch
-
+    from hpctrain_h5ckpt.finite import all_finite
     from hpctrain_h5ckpt.snapshot import from_numpy
 
     def finite(r: Any, name: str) -> bool:
-        t = from_numpy(r.file[name][()], r.index[name].attrs.get("torch_dtype", ""))  # bf16: its bit pattern
-        return not t.is_floating_point() or bool(torch.isfinite(t).all())
+        return all_finite(from_numpy(r.file[name][()], r.index[name].attrs.get("torch_dtype", "")))  # bf16: bits
 
     try:
         with _reader(path) as r:

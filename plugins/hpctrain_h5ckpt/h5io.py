@@ -132,8 +132,11 @@ def write_none(dset: h5py.Dataset, dxpl: Any) -> None:
     dset.id.write(mspace, fspace, np.empty((1,), dtype=dset.dtype), dxpl=dxpl)
 
 
-def read_box(dset: h5py.Dataset, box: Box, dxpl: Optional[Any] = None) -> np.ndarray:
-    out = np.empty(box_shape(box), dtype=dset.dtype)
+def read_box(dset: h5py.Dataset, box: Box, dxpl: Optional[Any] = None, out: Optional[np.ndarray] = None
+             ) -> np.ndarray:
+    """One box, into ``out`` (C-contiguous, the box's shape) or a new array."""
+    if out is None:
+        out = np.empty(box_shape(box), dtype=dset.dtype)
     mspace, fspace = _spaces(dset, box)
     dset.id.read(mspace, fspace, out, dxpl=dxpl)
     return out

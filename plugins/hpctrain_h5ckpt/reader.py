@@ -17,11 +17,20 @@ dataset, a shape that differs from the model's, an unreadable dataset, a
 checksum mismatch) is gathered from all ranks and raised as one
 ``CheckpointError`` on every rank, naming the file and the datasets.
 
+Reads are collective (datasets of at least ``collective_min_mb``) only
+where some rank's hyperslab is strided in the file (a split of a later
+dim). A hyperslab that is one contiguous byte range (a split of dim 0, as
+ZeRO-3/FSDP and data parallelism load) is read independently: a collective
+read would only add the ranks' synchronisation and MPI-IO's two-phase
+exchange, which made the bench's load 2.7x slower (docs/checkpointing.md,
+"Measured").
+
 The same class with ``MPI.COMM_SELF`` and no wants is ``hpctrain-ckpt
 verify``: it reads and checks every dataset.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -31,7 +40,7 @@ from mpi4py import MPI
 
 from hpctrain_h5ckpt import checksum, h5io
 from hpctrain_h5ckpt.errors import CheckpointError
-from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, build_plan, full_box
+from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, box_shape, build_plan, full_box
 from hpctrain_h5ckpt.options import IOOptions
 
 _BLOCK_BYTES = 64 << 20  # bound on memory when a dataset is verified whole
@@ -60,6 +69,42 @@ def _decode(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item() if not isinstance(value, np.bytes_) else bytes(value).decode("utf-8", "replace")
     return value
+
+
+class _Arena:
+    """Host memory for every box a rank reads, as views of one allocation.
+
+    One large allocation is backed by transparent huge pages (numpy asks for
+    them above 4 MiB), so first touching it costs a fraction of the page
+    faults of a separate array per box, most of which are too small for huge
+    pages (docs/checkpointing.md, "Measured")."""
+
+    _ALIGN = 64
+
+    def __init__(self, boxes: Mapping[str, Tuple[str, Sequence[Tuple[int, ...]]]]):
+        self.views: Dict[Tuple[str, int], Tuple[int, Tuple[int, ...], np.dtype]] = {}
+        at = 0
+        for path, (dtype, shapes) in boxes.items():
+            dt = np.dtype(dtype)
+            for k, shape in enumerate(shapes):
+                self.views[(path, k)] = (at, shape, dt)
+                at += -(-math.prod(shape) * dt.itemsize // self._ALIGN) * self._ALIGN
+        self.memory = np.empty(at, dtype=np.uint8)
+
+    def take(self, path: str, k: int) -> np.ndarray:
+        at, shape, dt = self.views[(path, k)]
+        n = math.prod(shape) * dt.itemsize
+        return self.memory[at:at + n].view(dt).reshape(shape)
+
+
+def contiguous(box: Box, shape: Sequence[int]) -> bool:
+    """Whether ``box`` is one contiguous byte range of a row-major dataset of
+    ``shape``: leading dims of extent 1, then any range of one dim, then whole dims."""
+    dims = list(zip(box, shape))
+    i = 0
+    while i < len(dims) and dims[i][0][1] - dims[i][0][0] == 1:
+        i += 1
+    return all((a, b) == (0, n) for (a, b), n in dims[i + 1:])
 
 
 def _agree(comm: Any, errors: List[str]) -> List[str]:
@@ -96,14 +141,28 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {path}: {problem}")
 
     def _index(self) -> Dict[str, DatasetInfo]:
+        # h5py's low-level calls: its high-level objects cost twice HDF5's own
+        # metadata reads here, once per dataset on every rank at every load
+        names: List[bytes] = []
+
+        def visit(name: bytes, info: Any) -> None:
+            if info.type == h5py.h5o.TYPE_DATASET:
+                names.append(name)
+
+        fid = self.opened.id
+        h5py.h5o.visit(fid, visit, info=True)
         out: Dict[str, DatasetInfo] = {}
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                attrs = {k: _decode(v) if k != "checksum" else v for k, v in obj.attrs.items()}
-                out["/" + name] = DatasetInfo("/" + name, tuple(obj.shape), obj.dtype.str, attrs)
-
-        self.opened.visititems(visit)
+        for name in names:
+            dsid = h5py.h5d.open(fid, name)
+            attrs: Dict[str, Any] = {}
+            for i in range(h5py.h5a.get_num_attrs(dsid)):
+                aid = h5py.h5a.open(dsid, index=i)
+                value = np.empty(aid.shape, dtype=aid.dtype)
+                aid.read(value)
+                key = aid.name.decode()
+                attrs[key] = value if key == "checksum" else _decode(value[()])
+            path = "/" + name.decode()
+            out[path] = DatasetInfo(path, tuple(dsid.shape), dsid.dtype.str, attrs)
         return out
 
     def _format_problem(self) -> Optional[str]:
@@ -156,7 +215,11 @@ class CheckpointReader:
         decls = [DatasetDecl(p, self.index[p].shape, self.index[p].dtype) for p in wants]
         per_rank = self.comm.allgather((decls, {p: list(b) for p, b in wants.items()}, {}))
         plan = build_plan(per_rank, require_cover=False)
-        rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners}
+        # Collective reads only where some rank's hyperslab is strided in the
+        # file; the decision is a function of the gathered wants, so every rank
+        # makes the same one.
+        rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners
+                  if not all(contiguous(b, self.index[p].shape) for b, _ in plan.owners[p])}
         out, errors = self._read_boxes(wants, rounds)
         if self.opts.verify:
             errors += self._verify(wants, out, plan)
@@ -171,19 +234,20 @@ class CheckpointReader:
         errors: List[str] = []
         collective = self.opts.parallel
         dxpl = h5io.collective_dxpl() if collective else None
+        arena = _Arena({p: (self.index[p].dtype, [box_shape(b) for b in wants[p]]) for p in wants})
         for p in sorted(self.index):  # same order on every rank: collective calls must match
             mine = list(wants.get(p, ()))
             try:
                 dset = self.opened[p]
-                if collective and self.index[p].nbytes >= self.opts.collective_min_bytes:
+                if collective and p in rounds and self.index[p].nbytes >= self.opts.collective_min_bytes:
                     arrays = []
                     for k in range(rounds.get(p, 0)):
                         if k < len(mine):
-                            arrays.append(h5io.read_box(dset, mine[k], dxpl))
+                            arrays.append(h5io.read_box(dset, mine[k], dxpl, arena.take(p, k)))
                         else:
                             h5io.read_none(dset, dxpl)
                 else:
-                    arrays = [h5io.read_box(dset, b) for b in mine]
+                    arrays = [h5io.read_box(dset, b, None, arena.take(p, k)) for k, b in enumerate(mine)]
                 if mine:
                     out[p] = arrays
             except Exception as e:  # noqa: BLE001 - named in the errors every rank agrees on

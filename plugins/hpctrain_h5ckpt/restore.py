@@ -28,8 +28,8 @@ alike, as a ConfigError (status 2), never as a CheckpointError:
   written by the same experiment and has the same shapes, and trying each
   would only repeat the message per file.
 - A checkpoint saved with another ``trainer.global_batch_size``, once the
-  file is verified: the plugin only supplies the saved value (from
-  ``/meta/config``) in the cursor state; the rule (refuse unless
+  file is verified: the plugin only supplies the saved value (the saved
+  cursor state holds it; files from before it did: ``/meta/config``); the rule (refuse unless
   ``checkpoint.allow_batch_change``, else log how the sample stream
   continues) is the core cursor's ``load_state_dict``, so every checkpoint
   format gets it.
@@ -41,6 +41,7 @@ import math
 import os
 from typing import Any, Dict, List, Tuple, cast
 
+import numpy as np
 import torch
 
 from hpctrain.boxes import box_shape
@@ -49,11 +50,13 @@ from hpctrain.log import get_logger, log_rank0
 from hpctrain.shard import Piece
 
 from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.finite import all_finite
 from hpctrain_h5ckpt.layout import Box
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.snapshot import (
     NAME_TO_TORCH,
     Held,
+    as_numpy,
     from_numpy,
     held_buffers,
     held_params,
@@ -135,19 +138,19 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
         if held.path in index:
             want(held)
     wants.update(_rng_wants(trainer, reader))
-    saved_cfg = _saved_config(reader)
     refuse = getattr(trainer.optimizer, "checkpoint_problem", None)  # e.g. DiLoCo saved with other replicas
     problem = refuse({path: tuple(info.shape) for path, info in reader.index.items()}) if callable(refuse) else None
     if problem:  # the index is the same on every rank: every rank raises
         raise ConfigError(f"checkpoint {reader.path}: {problem}")
-    _refuse_another_model(trainer, reader, shapes, saved_cfg)
+    _refuse_another_model(trainer, reader, shapes)
     data = reader.read(wants, shapes)
     _refuse_nonfinite(reader, index, data)
     cursor_state = json.loads(meta["data_cursor"]) if "data_cursor" in meta else {}  # older files: no blend state
     cursor_state["consumed_samples"] = int(meta["consumed_samples"])
-    saved_batch = _select(saved_cfg, "trainer.global_batch_size")
-    if saved_batch is not None:
-        cursor_state["global_batch_size"] = int(saved_batch)
+    if "global_batch_size" not in cursor_state:  # files before the cursor saved it: from the config
+        saved_batch = _select(_saved_config(reader), "trainer.global_batch_size")
+        if saved_batch is not None:
+            cursor_state["global_batch_size"] = int(saved_batch)
     try:  # before any tensor changes: a refused batch size leaves the trainer as it was
         trainer.cursor.load_state_dict(cursor_state)
     except ConfigError as e:
@@ -169,7 +172,7 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             if sum(math.prod(box_shape(p.box)) for p in pieces) < held.tensor.numel():
                 held.tensor.zero_()  # padding (or nothing held): zeros, as after materialize
             for piece, arr in zip(pieces, data.get(held.path, [])):
-                piece.take(held.tensor).copy_(from_numpy(arr, dtype_name_).view(box_shape(piece.box)))
+                _copy_in(piece.take(held.tensor), from_numpy(arr, dtype_name_).view(box_shape(piece.box)))
         for p, held in params:
             restored: Dict[str, Any] = {}
             for key, opath in optim.get(held.spec.logical_name, []):
@@ -199,11 +202,23 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
               trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
 
 
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src``; host to host through numpy, a plain memcpy that is
+    faster than torch's ``copy_`` on one thread (docs/benchmarks.md, "Figures
+    behind code and test choices", host copies)."""
+    if dst.device.type == "cpu" and dst.dtype == src.dtype:
+        np.copyto(as_numpy(dst.detach()), as_numpy(src))
+    else:
+        dst.copy_(src)
+
+
 def _saved_config(reader: CheckpointReader) -> Any:
     """The config that saved the checkpoint (``/meta/config``), or None when
     it is absent or unreadable (then nothing is compared with it). Rank 0
     reads it and broadcasts it: every rank decides on the same text. It is
-    verified with every other dataset by ``reader.read``."""
+    verified with every other dataset by ``reader.read``. Collective: called
+    by every rank alike, and only where needed (parsing the YAML costs a
+    sizeable part of a load)."""
     text = None
     if reader.comm.Get_rank() == 0 and "/meta/config" in reader.index:
         try:
@@ -234,8 +249,7 @@ MAX_TENSORS_SHOWN = 3
 """Tensors named one per line when a checkpoint does not fit the model; the rest are counted."""
 
 
-def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[str, Tuple[int, ...]],
-                          saved_cfg: Any) -> None:
+def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[str, Tuple[int, ...]]) -> None:
     """A ConfigError on every rank when the checkpoint's tensors do not fit
     this model (see the module docstring); agreed over the ranks, since under
     pipeline parallelism each rank holds other tensors."""
@@ -259,7 +273,7 @@ def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[s
     rest = len(by_tensor) - len(rows)
     if rest:
         rows.append(f"  and {rest} more tensor{'s' if rest > 1 else ''} differ")
-    differ = _model_differences(saved_cfg, trainer.cfg)
+    differ = _model_differences(_saved_config(reader), trainer.cfg)
     cause = (f"the model config differs from the one that saved it ({differ})" if differ else
              "the model config differs from the one that saved it")
     resume = str(trainer.cfg.checkpoint.resume)
@@ -302,7 +316,7 @@ def _refuse_nonfinite(reader: CheckpointReader, index: Any, data: Dict[str, Any]
         dtype = index[path].attrs.get("torch_dtype", "")
         for arr in arrays:
             t = from_numpy(arr, dtype)
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 bad.append(path)
                 break
     everyone = sorted(set().union(*reader.comm.allgather(set(bad))))

@@ -244,8 +244,8 @@ def _add_tensor(view: StateView, held: Held, mesh: Mesh) -> None:
         view.add(decl, piece.box, piece.take(held.tensor))
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a contiguous CPU tensor (bfloat16 as uint16)."""
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a CPU tensor (bfloat16 as uint16); no gradient."""
     return t.view(torch.int16).numpy().view("<u2") if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -265,17 +265,17 @@ def host_copy(t: Data, copy: bool = True, buffer: Optional[torch.Tensor] = None,
         return t
     src = t.detach()
     if not copy and src.device.type == "cpu" and src.is_contiguous():
-        return _as_numpy(src)
+        return as_numpy(src)
     if buffer is None:
         buffer = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
     if src.device.type == "cpu" and src.is_contiguous() and buffer.is_contiguous():
         # host to host: numpy's copy is a plain memcpy, faster than torch's copy_ on
         # one thread (docs/benchmarks.md, "Figures behind code and test choices"), and
         # this copy is what the training step waits for
-        np.copyto(_as_numpy(buffer), _as_numpy(src))
+        np.copyto(as_numpy(buffer), as_numpy(src))
     else:
         buffer.copy_(src, non_blocking=non_blocking and buffer.is_pinned())
-    return _as_numpy(buffer)
+    return as_numpy(buffer)
 
 
 def from_numpy(arr: np.ndarray, dtype_name_: str) -> torch.Tensor:

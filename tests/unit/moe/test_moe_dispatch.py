@@ -1,0 +1,73 @@
+"""The token path's parts against the plain expressions they replace: the
+plan's one sort, the combine's own autograd Function and the gather into a
+reused send buffer, with and without dropped assignments, forward and every
+gradient (fp32: 1e-6 absolute; the weights' gradient sums its products in
+another order)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpctrain_moe import dispatch as D
+
+N, K, DIM, E = 48, 2, 16, 8
+
+
+def _plain(x, e, w, keep):
+    tok = torch.arange(x.shape[0]).repeat_interleave(K)
+    fe, fw = e.reshape(-1), w.reshape(-1)
+    if keep is not None:
+        kept = keep.reshape(-1)
+        tok, fe, fw = tok[kept], fe[kept], fw[kept]
+    order = torch.argsort(fe, stable=True)
+    tok, fw = tok[order], fw[order]
+    rows = x[tok] * 1.5  # an "expert"
+    out = torch.zeros_like(x).index_add(0, tok, rows * fw.unsqueeze(-1).to(x.dtype))
+    return tok, fw, out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("drop", [False, True])
+def test_plan_and_fused_combine_match_the_plain_expressions(dtype, tol, drop):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, DIM, generator=g).requires_grad_()
+    logits = torch.randn(N, E, generator=g).requires_grad_()
+    keep = (torch.rand(N, K, generator=g) > 0.3) if drop else None
+
+    def run(fused):
+        w, e = torch.topk(logits.softmax(-1), K)
+        xx = x.to(dtype)
+        if fused:
+            plan = D.plan_dispatch(e, w, keep, E, None)
+            out = D.combine(D.dispatch(xx, plan, None) * 1.5, plan, None, N)
+            tok, fw = plan.token, plan.weight
+        else:
+            tok, fw, out = _plain(xx, e, w, keep)
+        grads = torch.autograd.grad((out.float() ** 2).sum(), (x, logits))
+        return tok, fw, out, grads
+
+    tok, fw, out, grads = run(True)
+    rtok, rfw, rout, rgrads = run(False)
+    assert torch.equal(tok, rtok) and torch.equal(fw, rfw)
+    torch.testing.assert_close(out, rout, atol=tol, rtol=0)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b, atol=tol * 10, rtol=tol * 10)
+
+
+def test_the_send_buffer_is_reused_and_gradients_survive_its_reuse():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(N, DIM, generator=g, requires_grad=True)
+    idx = torch.randint(0, N, (2 * N,), generator=g)
+    first = D._GatherToSend.apply(x, idx)
+    sent = first.clone()  # what the exchange does with it
+    second = D._GatherToSend.apply(x, idx.flip(0))
+    assert second.data_ptr() == first.data_ptr()  # the same memory, not new pages
+    assert torch.equal(sent, x.detach()[idx]) and torch.equal(second, x.detach()[idx.flip(0)])
+    (grad,) = torch.autograd.grad(sent.sum() * 2 + second.clone().sum() * 3, x)
+    counts = torch.bincount(idx, minlength=N).unsqueeze(1).float()
+    torch.testing.assert_close(grad, (counts * 5).expand(N, DIM))
+
+
+def test_no_tokens():
+    plan = D.plan_dispatch(torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K), None, E, None)
+    assert D.combine(D.dispatch(torch.zeros(0, DIM), plan, None), plan, None, 0).shape == (0, DIM)
