@@ -110,6 +110,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("reliability.weight_check_every", at_least(0), "an integer >= 0", "0 turns the check off"),
     Rule("reliability.straggler_every", at_least(0), "an integer >= 0", "0 turns the report off"),
     Rule("reliability.straggler_factor", above(1), "a finite number > 1", "the usual is 1.5"),
+    Rule("reliability.straggler_stop_after", at_least(0), "an integer >= 0",
+         "0 names stragglers only; N stops the run after N reports in a row naming the same ranks"),
     Rule("reliability.straggler_min_s", optional(at_least(0)),
          "null (max(10 ms, 5% of the step time)) or a finite number of seconds >= 0", "0: the factor alone"),
     Rule("trainer.loss_scale.initial", above(0), "a finite number > 0", "the usual is 65536"),

@@ -406,6 +406,10 @@ class ReliabilityConfig:
     straggler_factor: float = 1.5
     """A rank whose compute time exceeds this x the other ranks' median in two checks in a row is named in the
     log (if it is also straggler_min_s slower)."""
+    straggler_stop_after: int = 0
+    """When the log has named the same rank(s) as stragglers in this many reports in a row, the run saves a
+    checkpoint and stops (exit status 76) with their ranks and nodes in last_failure.json, which
+    slurm/train.sbatch reads to restart without those nodes on a spare. 0: only name them."""
     straggler_min_s: Optional[float] = None
     """The least time (seconds) a straggler's compute time must exceed the other ranks' median by, besides the
     factor: on small steps a rank descheduled for a few milliseconds is 1.5x slower and costs nothing.

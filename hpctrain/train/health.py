@@ -151,6 +151,8 @@ class Stragglers:
         self.min_s = min_s
         """The floor in seconds; None: ``floor`` derives it from the step time."""
         self.slow_before: set = set()
+        self.reports: Dict[int, int] = {}
+        """Reports in a row that named each rank (ranks named in the last report only)."""
 
     def floor(self, step_times: List[float]) -> float:
         """How much slower than the others' median a straggler must be (seconds)."""
@@ -178,9 +180,15 @@ class Stragglers:
                       "two checks in a row)", step, ", ".join(map(str, persistent)),
                       ", ".join(f"{compute[r]:.3f}" for r in persistent), others[persistent[0]], self.factor, floor)
         self.slow_before = slow
+        self.reports = {r: self.reports.get(r, 0) + 1 for r in persistent}
         return {"straggler.slowest_rank": slowest, "straggler.slowest_compute_s": compute[slowest],
                 "straggler.median_compute_s": others[slowest], "straggler.max_step_s": max(t[0] for t in times),
                 "straggler.min_s": floor}
+
+    def named_at_least(self, reports: int) -> List[int]:
+        """The ranks the last ``reports`` reports in a row all named (the same on every rank: the
+        decision is made from gathered times)."""
+        return sorted(r for r, n in self.reports.items() if n >= reports)
 
 
 class ForwardClock:

@@ -68,6 +68,22 @@ class StopRequested(HpctrainError):
     prefix = "stopped"
 
 
+STRAGGLER_EXIT_CODE = 76
+"""Stopped with a checkpoint to leave straggling nodes behind (``reliability.straggler_stop_after``)."""
+
+
+class StragglerStop(StopRequested):
+    """The run stopped after a step because the same ranks kept straggling; their nodes are in
+    ``last_failure.json``, which ``slurm/train.sbatch`` reads to restart without them."""
+
+    exit_code = STRAGGLER_EXIT_CODE
+
+
+def straggler_stop_reason(ranks: Any, reports: int) -> str:
+    return (f"straggler rank(s) {', '.join(map(str, ranks))} named in {reports} report(s) in a row "
+            "(reliability.straggler_stop_after)")
+
+
 def parse_duration(text: Any) -> Optional[float]:
     """Seconds from ``3600``, ``"90:00"`` (MM:SS), ``"01:30:00"`` or ``"1-00:00:00"`` (SLURM's forms); None
     for None/empty."""

@@ -63,9 +63,17 @@ from hpctrain.train.memory import gather_peaks, peak_rss_bytes, summarise
 from hpctrain.train.metrics import Progress, log_step
 from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.profile import StepProfiler
-from hpctrain.train.recovery import Recovery
+from hpctrain.train.recovery import Recovery, write_failure
 from hpctrain.train.schedule import as_step_result
-from hpctrain.train.stopping import StopRequested, StopRequests, requeue_if_slurm, stop_message, why_no_stop_save
+from hpctrain.train.stopping import (
+    StopRequested,
+    StopRequests,
+    StragglerStop,
+    requeue_if_slurm,
+    stop_message,
+    straggler_stop_reason,
+    why_no_stop_save,
+)
 from hpctrain.train.throughput import flops_per_token, throughput
 
 log = get_logger(__name__)
@@ -425,14 +433,17 @@ class Trainer:
                 if self.checkpointer is not None and cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     saved = self.save_checkpoint()
                 reason = stops.agree(self.mesh, self.device, m["step_time_s"])  # collective: the same on every rank
-                if reason and self.step < total:
-                    log_rank0("step %d: %s: %s", self.step, stops.describe(reason),
+                leave = self._stragglers_to_leave()  # decided from gathered times: the same on every rank
+                if (reason or leave) and self.step < total:
+                    why = stops.describe(reason) if reason else straggler_stop_reason(
+                        leave, cfg.reliability.straggler_stop_after)
+                    log_rank0("step %d: %s: %s", self.step, why,
                               "saving and stopping" if unsaved is None else "stopping")
                     if unsaved is None and saved is None:
                         if self.checkpointer is None:
                             self.checkpointer = self._make_checkpointer(for_stop=True)
                         saved = self.save_checkpoint()
-                    stopped = (reason, saved)
+                    stopped = (reason, saved, leave)
                     break
             if self.local_tier is not None:
                 self.local_tier.close()  # the last local save is complete before the run ends
@@ -450,7 +461,15 @@ class Trainer:
                 with self.mesh.board.collective("checkpoint finish", "checkpoint", tuple(range(self.mesh.world_size))):
                     finish()
         if stopped is not None:
-            reason, saved = stopped
+            reason, saved, leave = stopped
+            if leave and not reason:
+                why = straggler_stop_reason(leave, cfg.reliability.straggler_stop_after)
+                hosts = self._hosts()
+                if is_main:
+                    write_failure(self.run_dir, f"step {self.step}: {why}", leave, [hosts[r] for r in leave],
+                                  self.step)
+                raise StragglerStop(stop_message(self.step, why, saved, None, unsaved) + f" (nodes: "
+                                    f"{', '.join(sorted({hosts[r] for r in leave}))})")
             requeued = requeue_if_slurm(reason) if is_main and saved else None
             raise StopRequested(stop_message(self.step, stops.describe(reason), saved, requeued, unsaved))
         hook.hpctrain_on_train_end(trainer=self, metrics=self.metrics)
@@ -458,6 +477,22 @@ class Trainer:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),
                       self.history[0]["loss"], self.history[-1]["loss"], where)
         return self.history
+
+
+    def _stragglers_to_leave(self) -> List[int]:
+        """The ranks ``reliability.straggler_stop_after`` reports in a row have named (empty: go on)."""
+        after = self.cfg.reliability.straggler_stop_after
+        return self.stragglers.named_at_least(after) if after else []
+
+    def _hosts(self) -> List[str]:
+        """Every rank's node as Slurm names it (``SLURMD_NODENAME``, else the host name). Collective."""
+        import socket
+
+        from hpctrain.bootstrap import get_runtime
+
+        mine = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        rt = get_runtime()
+        return rt.mpi_comm.allgather(mine) if rt.world_size > 1 else [mine]
 
 
 PEAKS_FILE = "memory_per_rank.json"

@@ -148,3 +148,23 @@ def test_a_heartbeat_address_that_is_not_rank_0s_is_one_clear_line(tmp_path):
     [line] = _one_error(out)
     assert "rank 0 cannot listen on 0.0.0.1" in line and "HPCTRAIN_MASTER_ADDR" in line, line
     assert "reliability.hang_timeout_s=0" in line and "Traceback" not in out
+
+
+def test_a_persistent_straggler_stops_the_run_with_a_checkpoint_and_its_node_recorded(tmp_path):
+    """reliability.straggler_stop_after=2: the second report in a row naming rank 3 saves, stops (76) and
+    leaves last_failure.json naming rank 3 and its node, for slurm/train.sbatch to restart without it."""
+    ckpt = tmp_path / "ckpt"
+    code, out, _ = _launch(["trainer.steps=20", "reliability.straggler_every=1", "reliability.straggler_factor=3",
+                            "reliability.straggler_stop_after=2", "debug.fault=slow", "debug.slow_s=0.2",
+                            "debug.fault_rank=3", "debug.fault_step=1", f"checkpoint.dir={ckpt}"], tmp_path)
+    assert code == 76, out
+    reports = [line for line in out.splitlines() if "straggler rank(s) 3:" in line]
+    assert len(reports) == 2, out  # the first report names it, the second in a row stops the run
+    stop = [line for line in out.splitlines() if "named in 2 report(s) in a row" in line and "committed" in line]
+    assert stop, out
+    step = int(stop[0].split("step ")[1].split(":")[0])
+    assert step < 20 and (ckpt / f"step_{step:08d}.h5").is_file(), (step, sorted(p.name for p in ckpt.glob("*")))
+    import json
+    import socket
+    failure = json.loads((tmp_path / "last_failure.json").read_text())
+    assert failure["ranks"] == [3] and failure["hosts"] == [socket.gethostname()] and failure["last_step"] == step

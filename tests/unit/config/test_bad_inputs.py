@@ -124,6 +124,7 @@ BAD = [
     ("trainer.max_time_margin_s=-1", "trainer.max_time_margin_s=-1.0: must be a finite number of seconds >= 0"),
     ("debug.fault=die debug.fault_rank=1", "debug.fault_rank=1 is not a rank of this 1-rank job"),
     ("debug.fault_rank=-2", "debug.fault_rank=-2: must be a world rank >= 0, or -1 (every rank)"),
+    ("reliability.straggler_stop_after=-1", "reliability.straggler_stop_after=-1: must be an integer >= 0"),
     ("reliability.straggler_min_s=-1", "reliability.straggler_min_s=-1.0: must be null (max(10 ms, 5% of the step "
                                        "time)) or a finite number of seconds >= 0"),
     ("data.split=1.0", "data.split=1.0: must be a fraction in [0, 1) of each source's documents"),
