@@ -183,6 +183,11 @@ class LocalTier:
         MPI.Request.Waitall(reqs)
         return got
 
+    @property
+    def busy(self) -> bool:
+        """A save is still being written or replicated in the background."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Block until the save in flight is complete; raise its error."""
         if self._thread is not None:
