@@ -15,7 +15,7 @@ from hpctrain.comm.delay import delayed
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
-from hpctrain.log import add_file_log, get_logger, remove_file_log
+from hpctrain.log import add_file_log, get_logger, log_rank0, remove_file_log
 from hpctrain.mesh import AXES, Group, Mesh
 from hpctrain.plugins import get_manager
 from hpctrain.train.watchdog import JobStopped
@@ -175,10 +175,12 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
     With ``watchdog_holder`` (a list), the hang watchdog is started after
     validation and appended to it; the caller stops it."""
     from hpctrain.config.validate import validate
+    from hpctrain.train import elastic
     from hpctrain.train.trainer import Trainer
 
     rt = get_runtime()
     pm = pm or get_manager()
+    notes = elastic.adapt(cfg, rt.world_size, rt.num_nodes)  # the same change on every rank, before validation
     problems = agree_on_problems(validate(cfg, rt.world_size, pm), rt)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -194,6 +196,9 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
             watchdog_holder.append(watchdog)
             board = watchdog.board
     mesh = build_mesh(cfg, rt, pm, board)
+    if cfg.trainer.elastic:
+        for line in [*notes, elastic.describe(cfg, mesh)]:
+            log_rank0("%s", line)
     trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
     if loggers:  # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
         trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)

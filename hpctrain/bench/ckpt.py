@@ -31,6 +31,16 @@ after one real optimizer step: 12 bytes per parameter.
   the background copy and write slowing the steps down (on a CPU-only
   machine they share its cores, and h5py holds the GIL while it writes; on
   a GPU the device-to-host copy runs on the copy engine).
+- local tier (``checkpoint.local.*``, ``hpctrain.localckpt``), in the same
+  iterations on the same state: *save + replicate* = ``LocalTier.save`` then
+  ``wait`` (each rank's own exact shards to node-local storage, ``--local-dir``,
+  default under /dev/shm, sent to its partner on the next node, which writes
+  them too), against the persistent save; *blocked* = the host copy in
+  ``save`` (plus any wait for the previous save) followed, as in training, by
+  stand-in steps until the background write and replication are done,
+  compared to a step (target <= 5% of a step); *load* = ``agree`` + ``load``
+  (one allgather, read, restore). Run it with emulated nodes,
+  ``HPCTRAIN_RANKS_PER_NODE=1``, so the partner is another rank.
 
 Each time is the slowest rank's; the tables show medians over ``--iters``.
 The contenders run back to back within each iteration, and the ratios
@@ -89,7 +99,7 @@ def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, si
     cursor = SimpleNamespace(state_dict=lambda: {"consumed_samples": 0, "global_batch_size": batch},
                              load_state_dict=lambda state: None, consumed_samples=0)
     return SimpleNamespace(model=model, optimizer=opt, mesh=mesh, cursor=cursor, cfg=cfg, step=1,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), extra_state=lambda: {}, load_extra_state=lambda state: None)
 
 
 def _dcp_state(trainer: SimpleNamespace, size: int) -> Dict[str, Any]:
@@ -154,6 +164,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dir", default=None, help="where the files go (default: a temp dir under /tmp)")
     ap.add_argument("--collective-mb", type=float, default=None,
                     help="checkpoint.hdf5.collective_min_mb for hpctrain (default: the config default)")
+    ap.add_argument("--local-dir", default=None,
+                    help="the local tier's directory (default: a fresh directory under /dev/shm)")
+    ap.add_argument("--every", type=int, default=50,
+                    help="checkpoint.every for the time-lost-per-failure estimate (default 50)")
+    ap.add_argument("--local-every", type=int, default=5,
+                    help="checkpoint.local.every for the time-lost-per-failure estimate (default 5)")
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     args = ap.parse_args(argv)
 
@@ -187,6 +203,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_rank0(comm, "hpctrain-bench ckpt: no installed plugin serves checkpoint.format=hdf5")
         return 2
     trainer = _stand_in(cfg, _shapes(args.d_model, args.layers, args.vocab), rank, size)
+    from hpctrain.localckpt import LocalTier
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    local_dir = comm.bcast(args.local_dir or tempfile.mkdtemp(prefix="hpctrain-bench-local-", dir=shm)
+                           if rank == 0 else None, root=0)
+    tier = LocalTier(checkpointer("checkpoint.local.every=1", f"checkpoint.local.dir={local_dir}",
+                                  f"checkpoint.local.replicas={min(1, rt.num_nodes - 1)}")[0], trainer.mesh, rt)
     params = sum(p.numel() for p in trainer.model.parameters()) * size
     state_bytes = 12 * params
     io = "MPI-IO" if (h5py.get_config().mpi and cfg.checkpoint.hdf5.driver != "serial") else "serial"
@@ -194,6 +217,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = _step_work(args.step_s, comm)
     keys = ["h5 save", "dcp save", "h5 load", "dcp load", "work alone"]
     keys += [f"{m} {k}" for m in modes for k in ("blocked", "steps", "added", "committed")]
+    keys += ["local save", "local blocked", "local steps", "local added", "local load"]
     t: Dict[str, List[float]] = {k: [] for k in keys}
     previous: List[str] = []
     for it in range(args.iters + 1):  # iteration 0 warms up (page cache, allocators, plans)
@@ -243,6 +267,34 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "committed": committed}
                 for k, v in measured.items():
                     t[f"{mode} {k}"].append(max_over_ranks(comm, v))
+        # the local tier: a save waited for (throughput), then one overlapped with steps (blocking)
+        trainer.step = 2 * it + 1
+        comm.Barrier()
+        t0 = time.perf_counter()
+        tier.save(trainer)
+        tier.wait()
+        local_save = time.perf_counter() - t0
+        trainer.step = 2 * it + 2
+        comm.Barrier()
+        t0 = time.perf_counter()
+        blocked, steps = tier.save(trainer), 0
+        while steps == 0 or tier.busy:
+            work()
+            steps += 1
+        overlapped = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tier.wait()  # what the next save would wait for
+        blocked += time.perf_counter() - t1
+        comm.Barrier()
+        t0 = time.perf_counter()
+        tier.load(trainer, tier.agree(trainer))
+        local_load = time.perf_counter() - t0
+        if it:
+            measured = {"save": local_save, "blocked": blocked, "steps": steps,
+                        "added": overlapped - steps * t["work alone"][-1], "load": local_load}
+            for k, v in measured.items():
+                t[f"local {k}"].append(max_over_ranks(comm, v))
+    tier.close()
     med = {k: statistics.median(v) for k, v in t.items()}
     # Both contenders run back to back in each iteration, so the machine's load
     # affects both alike there: the median of per-iteration ratios is steadier
@@ -266,6 +318,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         asy.add(f"async, {m}", med[f"{m} blocked"], block[m], med[f"{m} steps"], med[f"{m} added"],
                 med[f"{m} added"] / med["h5 save"], med[f"{m} committed"])
     asy.add("sync (for reference)", med["h5 save"], 1.0, 0, med["h5 save"], 1.0, med["h5 save"])
+    step_s = med["work alone"]
+    local_ratio = statistics.median(h / s for h, s in zip(t["h5 save"], t["local save"]))
+    loc = Table([Column("local tier vs persistent", align="<"), Column("s", "{:.3f}"), Column("MB/s", "{:,.0f}"),
+                 Column("speed x persistent (same operation)", "{:.2f}x")])
+    loc.add("persistent save (hdf5, sync)", med["h5 save"], mb / med["h5 save"], 1.0)
+    loc.add(f"local save + replicate ({tier.replicas} partner)", med["local save"], mb / med["local save"],
+            local_ratio)
+    loc.add("persistent load (hdf5)", med["h5 load"], mb / med["h5 load"], 1.0)
+    loc.add("local load (agree + read + restore)", med["local load"], mb / med["local load"],
+            statistics.median(h / s for h, s in zip(t["h5 load"], t["local load"])))
+    blk = Table([Column("local tier, one save in training", align="<"), Column("s", "{:.3f}"),
+                 Column("x step", "{:.3f}")])
+    blk.add("step (stand-in forward/backward)", step_s, 1.0)
+    blk.add("training blocked (host copy + wait)", med["local blocked"],
+            statistics.median(b / w for b, w in zip(t["local blocked"], t["work alone"])))
+    blk.add(f"step time added over {med['local steps']:.0f} step(s) until written and replicated",
+            med["local added"], med["local added"] / step_s)
+    # a failure at a uniformly random step recomputes half an interval on average, plus the load
+    lost_p = args.every / 2 * step_s + med["h5 load"]
+    lost_l = args.local_every / 2 * step_s + med["local load"]
     size_t = Table([Column("file", align="<"), Column("bytes", "{:,}"), Column("x 12 bytes/param", "{:.4f}"),
                     Column("x 14 bytes/param", "{:.4f}")])
     size_t.add("hpctrain .h5", h5_size, h5_size / (12 * params), h5_size / (14 * params))
@@ -274,7 +346,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f"sharded on dim 0 over {size} ranks; median of {args.iters} (slowest rank); hpctrain "
                 f"{io}, collective I/O for datasets >= {cfg.checkpoint.hdf5.collective_min_mb} MiB",
                 machine_summary(comm), "", table.render(args.markdown), "", asy.render(args.markdown), "",
-                size_t.render(args.markdown),
+                size_t.render(args.markdown), "", loc.render(args.markdown), "", blk.render(args.markdown),
+                "", f"Time lost per failure (mean, restart and queue wait not counted): persistent only, "
+                f"checkpoint.every={args.every}: {args.every / 2:g} steps x {step_s:.3f} s + load "
+                f"{med['h5 load']:.3f} s = {lost_p:.2f} s; with checkpoint.local.every={args.local_every}: "
+                f"{args.local_every / 2:g} x {step_s:.3f} s + local load {med['local load']:.3f} s = {lost_l:.2f} s "
+                f"({lost_p / lost_l:.1f}x less). Local tier target: blocked <= 0.05 x step.",
                 "", f"Each async save is followed by steps of stand-in forward/backward ({med['work alone']:.3f} s "
                 f"alone, --step-s {args.step_s}) + before_update() until it has committed. blocked = time in save() "
                 "and before_update(); added = save through the last step, minus the steps' forward/backward alone.",
@@ -283,4 +360,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     comm.Barrier()
     if rank == 0 and args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
+    if rank == 0 and args.local_dir is None:
+        shutil.rmtree(local_dir, ignore_errors=True)
     return 0

@@ -327,6 +327,12 @@ class TrainerConfig:
     """Global batches of each validation source per validation (the same ones every time, so the numbers compare)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """The torch profiler: Chrome traces of trainer.profile.steps on trainer.profile.ranks."""
+    elastic: bool = False
+    """Go on with the ranks there are after a failure (slurm/train.sbatch sets it when no spare node is left):
+    parallel.dp is recomputed from the world size (an explicit parallel.dp is overridden, and the log says so),
+    the other axes stay, the global batch stays (more gradient accumulation per rank), and the run resumes from
+    the persistent checkpoint or the local tier, whose data-parallel replicas' states are dealt out to the new
+    ranks (a change beyond dp falls back to the persistent checkpoint). Needs checkpoint.resume."""
 
 
 @dataclass

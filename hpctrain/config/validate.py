@@ -245,6 +245,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += _local_tier_checks(cfg, world_size)
+    problems += _elastic_checks(cfg)
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
     from hpctrain.hf.config import hf_model_problems
 
@@ -288,6 +289,21 @@ def _local_tier_checks(cfg: Any, world_size: int) -> List[str]:
         problems.append(f"checkpoint.local.every={lc.every} with {', '.join(untested)}: the local tier is not "
                         "proved to put this layout's state back exactly yet; use the persistent checkpoint "
                         "(checkpoint.every) with it, or set checkpoint.local.every=0")
+    return problems
+
+
+def _elastic_checks(cfg: Any) -> List[str]:
+    """trainer.elastic: a run that must continue from saved state, with replicas it may drop."""
+    if not cfg.trainer.elastic:
+        return []
+    problems = []
+    if not cfg.checkpoint.resume:
+        problems.append("trainer.elastic=true without checkpoint.resume: a run that shrank would start again from "
+                        "step 0; set checkpoint.resume=auto (slurm/train.sbatch does)")
+    if cfg.optim.outer.name != "none":
+        problems.append(f"trainer.elastic=true with optim.outer={cfg.optim.outer.name}: its dp ranks are replicas "
+                        "training alone, and fewer of them would drop replicas' progress; set trainer.elastic=false "
+                        "or optim.outer=none")
     return problems
 
 

@@ -48,20 +48,38 @@ class RankState:
     meta: Dict[str, Any] = field(default_factory=dict)
 
 
-def signature(trainer: Any) -> str:
-    """What must match for a rank's saved state to be put back as it is: the
-    world size, the mesh (sizes and order), the model, optimizer, batch,
-    sequence, seed and precision (``hpctrain.checkpoint.EXPERIMENT_KEYS``)."""
+def layout(mesh: Any) -> Dict[str, Any]:
+    """The mesh a state was written by: world size, axis sizes, rank order."""
+    return {"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order)}
+
+
+def _digest(trainer: Any, without_dp: bool) -> str:
     from omegaconf import OmegaConf
 
     from hpctrain.checkpoint import EXPERIMENT_KEYS
 
     cfg, mesh = trainer.cfg, trainer.mesh
-    chosen = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-              for k in EXPERIMENT_KEYS for v in [OmegaConf.select(cfg, k)]}
-    chosen["layout"] = {"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order)}
-    chosen["parallel"] = OmegaConf.to_container(cfg.parallel, resolve=True)
+    chosen: Dict[str, Any] = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                              for k in EXPERIMENT_KEYS for v in [OmegaConf.select(cfg, k)]}
+    placed, parallel = layout(mesh), dict(OmegaConf.to_container(cfg.parallel, resolve=True))  # type: ignore[arg-type]
+    if without_dp:
+        placed = {"sizes": {a: n for a, n in placed["sizes"].items() if a != "dp"}, "order": placed["order"]}
+        parallel.pop("dp")
+    chosen["layout"], chosen["parallel"] = placed, parallel
     return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def signature(trainer: Any) -> str:
+    """What must match for a rank's saved state to be put back as it is: the
+    world size, the mesh (sizes and order), the model, optimizer, batch,
+    sequence, seed and precision (``hpctrain.checkpoint.EXPERIMENT_KEYS``)."""
+    return _digest(trainer, without_dp=False)
+
+
+def family(trainer: Any) -> str:
+    """``signature`` less the data-parallel size and the world size: what must match for another data-parallel
+    replica's state to be put back on this rank (``trainer.elastic``, ``hpctrain.localckpt.reshard``)."""
+    return _digest(trainer, without_dp=True)
 
 
 def _params(trainer: Any) -> List[torch.nn.Parameter]:
@@ -115,17 +133,20 @@ def capture(trainer: Any) -> RankState:
         out.tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
     out.meta = {"step": int(trainer.step), "cursor": trainer.cursor.state_dict(),
                 "extra": trainer.extra_state(), "scalars": scalars, "on_cpu": on_cpu,
-                "rank": trainer.mesh.world_rank, "signature": signature(trainer)}
+                "rank": trainer.mesh.world_rank, "signature": signature(trainer), "family": family(trainer),
+                "layout": layout(trainer.mesh)}
     return out
 
 
-def restore(trainer: Any, saved: RankState) -> None:
-    """Put ``saved`` back into ``trainer`` (this rank's own state, same layout)."""
+def restore(trainer: Any, saved: RankState, replica: bool = False) -> None:
+    """Put ``saved`` back into ``trainer``: this rank's own state, same layout; with ``replica``, the state of a
+    rank of another data-parallel size with this rank's other coordinates (``family`` must match)."""
     meta, tensors = saved.meta, saved.tensors
     params = _params(trainer)
     buffers = _buffers(trainer.model)
     missing = [f"p{i}" for i in range(len(params)) if f"p{i}" not in tensors]
-    if missing or meta.get("signature") != signature(trainer):
+    matches = meta.get("family") == family(trainer) if replica else meta.get("signature") == signature(trainer)
+    if missing or not matches:
         raise LocalStateError("written by another layout or experiment")
     trainer.cursor.load_state_dict(meta["cursor"])
     state = trainer.optimizer.state

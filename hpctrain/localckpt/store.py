@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import socket
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -53,10 +53,12 @@ def write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(root: str, step: int, holder: int, ranks: List[int], sig: str) -> None:
+def write_manifest(root: str, step: int, holder: int, ranks: List[int], sig: str,
+                   about: Optional[Dict[str, Any]] = None) -> None:
+    """``about``: the writer's ``family`` and ``layout`` (``state.family``, ``state.layout``), for resharding."""
     path = os.path.join(step_dir(root, step), f"holder_{holder:05d}.json")
     write_atomic(path, json.dumps({"step": step, "holder": holder, "ranks": sorted(ranks),
-                                   "signature": sig}).encode())
+                                   "signature": sig, **(about or {})}).encode())
 
 
 def steps(root: str) -> List[int]:
@@ -68,9 +70,10 @@ def steps(root: str) -> List[int]:
     return sorted((int(m.group(1)) for n in names if (m := STEP_RE.match(n))), reverse=True)
 
 
-def held(root: str) -> Dict[int, Dict[str, Set[int]]]:
+def held(root: str, about: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[int, Dict[str, Set[int]]]:
     """``{step: {signature: ranks}}``: the ranks whose complete files this node holds,
-    per step, as its manifests say (a file a manifest names but that is gone is left out)."""
+    per step, as its manifests say (a file a manifest names but that is gone is left out).
+    ``about`` (a dict) receives ``{signature: {"family": ..., "layout": ...}}`` from the manifests."""
     out: Dict[int, Dict[str, Set[int]]] = {}
     for step in steps(root):
         d = step_dir(root, step)
@@ -88,6 +91,8 @@ def held(root: str) -> Dict[int, Dict[str, Set[int]]]:
                 continue
             ranks = {int(r) for r in m.get("ranks", []) if os.path.isfile(rank_file(root, step, int(r)))}
             out.setdefault(step, {}).setdefault(str(m.get("signature")), set()).update(ranks)
+            if about is not None and "family" in m:
+                about[str(m.get("signature"))] = {"family": m["family"], "layout": m.get("layout")}
     return out
 
 

@@ -31,13 +31,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from hpctrain.localckpt import store
-from hpctrain.localckpt.state import LocalStateError, capture, decode, encode, restore, signature
+from hpctrain.localckpt import reshard, store
+from hpctrain.localckpt.state import LocalStateError, capture, decode, encode, family, layout, restore, signature
 from hpctrain.log import get_logger
 
 log = get_logger(__name__)
@@ -89,6 +89,12 @@ class Found:
     """The newest step held only in files another layout or experiment wrote."""
     lost: int = 0
     """Ranks whose own copy is gone at ``step`` (fetched from partners)."""
+    sources: Dict[int, int] = field(default_factory=dict)
+    """rank -> the rank of the writing layout whose state it loads (absent: its own; ``trainer.elastic``)."""
+    resharded_from: Optional[Dict[str, Any]] = None
+    """The layout that wrote ``step`` when it differs from this one in dp only (``hpctrain.localckpt.reshard``)."""
+    refused: Optional[str] = None
+    """With elastic: why the newest step another layout of this experiment wrote cannot be resharded."""
 
 
 class LocalTier:
@@ -122,6 +128,7 @@ class LocalTier:
         self.wait()
         saved = capture(trainer)
         self._sig = saved.meta["signature"]
+        self._about = {"family": saved.meta["family"], "layout": saved.meta["layout"]}
         step = int(trainer.step)
         blocking = time.perf_counter() - t0
         record: Dict[str, float] = {"step": step, "blocking_s": blocking}
@@ -149,7 +156,8 @@ class LocalTier:
         got = self._exchange(data, step)
         for src, blob in got.items():
             store.write_atomic(store.rank_file(self.root, step, src), blob)
-        store.write_manifest(self.root, step, self.rank, [self.rank, *got], str(saved.meta["signature"]))
+        store.write_manifest(self.root, step, self.rank, [self.rank, *got], str(saved.meta["signature"]),
+                             {"family": saved.meta["family"], "layout": saved.meta["layout"]})
         store.prune(self.root, KEEP)
         record.update(write_s=t1 - t0, replicate_s=time.perf_counter() - t1, bytes=float(len(data)))
 
@@ -175,6 +183,11 @@ class LocalTier:
         MPI.Request.Waitall(reqs)
         return got
 
+    @property
+    def busy(self) -> bool:
+        """A save is still being written or replicated in the background."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Block until the save in flight is complete; raise its error."""
         if self._thread is not None:
@@ -191,18 +204,25 @@ class LocalTier:
             self.comm = None
 
     # -- resuming ------------------------------------------------------------------
-    def agree(self, trainer: Any) -> Found:
-        """What the surviving nodes hold, agreed in one allgather (collective)."""
+    def agree(self, trainer: Any, elastic: bool = False) -> Found:
+        """What the surviving nodes hold, agreed in one allgather (collective). ``elastic``: a step another
+        data-parallel size wrote counts too, dealt out over dp (``hpctrain.localckpt.reshard``)."""
         sig = signature(trainer)
-        mine = {step: {s: sorted(r) for s, r in by_sig.items()} for step, by_sig in store.held(self.root).items()}
-        everyone = self.comm.allgather(mine) if self.comm is not None else [mine]
-        return decide(everyone, sig, self.size)
+        about: Dict[str, Dict[str, Any]] = {}
+        mine = {step: {s: sorted(r) for s, r in by_sig.items()}
+                for step, by_sig in store.held(self.root, about).items()}
+        everyone = self.comm.allgather((mine, about)) if self.comm is not None else [(mine, about)]
+        merged: Dict[str, Dict[str, Any]] = {}
+        for _, a in everyone:
+            merged.update(a)
+        replica = Replica(family(trainer), layout(trainer.mesh), merged) if elastic else None
+        return decide([h for h, _ in everyone], sig, self.size, replica)
 
     def load(self, trainer: Any, found: Found) -> None:
         """Fetch what this rank lacks from its holder and restore (collective)."""
         assert found.step is not None
         step = found.step
-        mine = store.rank_file(self.root, step, self.rank)
+        mine = store.rank_file(self.root, step, found.sources.get(self.rank, self.rank))
         data: Optional[bytes] = None
         if self.rank not in found.holders:
             with open(mine, "rb") as f:
@@ -211,7 +231,7 @@ class LocalTier:
             data = self._fetch(found, step, data)
         assert data is not None
         try:
-            restore(trainer, decode(data))
+            restore(trainer, decode(data), replica=found.resharded_from is not None)
         except LocalStateError as e:
             raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
 
@@ -223,7 +243,7 @@ class LocalTier:
         reqs, keep = [], []
         for r, holder in sorted(found.holders.items()):
             if holder == self.rank:
-                with open(store.rank_file(self.root, step, r), "rb") as f:
+                with open(store.rank_file(self.root, step, found.sources.get(r, r)), "rb") as f:
                     buf = np.frombuffer(f.read(), dtype=np.uint8)
                 size = np.array([buf.size], dtype=np.int64)
                 keep += [buf, size]
@@ -247,24 +267,53 @@ class LocalTier:
             store.prune(self.root, KEEP, newer_than=step)
 
 
-def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int) -> Found:
-    """The agreed answer from every rank's ``store.held`` (pure: the same on every rank)."""
-    holders_of: Dict[int, Dict[int, Set[int]]] = {}  # step -> rank -> holders
-    other: Optional[int] = None
+@dataclass
+class Replica:
+    """What ``decide`` needs to deal another data-parallel size's states out (``trainer.elastic``)."""
+
+    family: str
+    """``state.family`` of this run."""
+    layout: Dict[str, Any]
+    """``state.layout`` of this run."""
+    about: Dict[str, Dict[str, Any]]
+    """signature -> the family and layout that wrote it (from the manifests)."""
+
+
+def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int,
+           replica: Optional[Replica] = None) -> Found:
+    """The agreed answer from every rank's ``store.held`` (pure: the same on every rank). With ``replica``,
+    a step another data-parallel size of this experiment wrote is used when it is newer (or when this layout's
+    own files of that step are incomplete)."""
+    holders_of: Dict[int, Dict[str, Dict[int, Set[int]]]] = {}  # step -> signature -> rank -> holders
     for holder, held in enumerate(everyone):
         for step, by_sig in held.items():
             for s, ranks in by_sig.items():
-                if s != sig:
-                    other = max(other or 0, int(step))
-                    continue
                 for r in ranks:
-                    holders_of.setdefault(int(step), {}).setdefault(int(r), set()).add(holder)
+                    holders_of.setdefault(int(step), {}).setdefault(s, {}).setdefault(int(r), set()).add(holder)
+    other: Optional[int] = None  # the newest step held only by other layouts' files
+    refused: Optional[str] = None
     for step in sorted(holders_of, reverse=True):
-        by_rank = holders_of[step]
+        by_rank = holders_of[step].get(sig, {})
         if len(by_rank) == size and all(0 <= r < size for r in by_rank):
             holders = {r: min(h) for r, h in by_rank.items() if r not in h}
-            return Found(step, holders, other if other is not None and other > step else None, len(holders))
-    return Found(None, {}, other)
+            return Found(step, holders, other, len(holders), refused=refused)
+        for s, held_by in sorted(holders_of[step].items()):
+            if s == sig:
+                continue
+            info = replica.about.get(s) if replica is not None else None
+            if replica is None or info is None or info["family"] != replica.family:
+                other = other if other is not None else step
+                continue
+            why = reshard.why_not(info["layout"], replica.layout)
+            dealt = None if why else reshard.deal(info["layout"], replica.layout, held_by)
+            if dealt is None:
+                refused = refused or (f"step {step}: {why}" if why else f"step {step}: not every replica's state "
+                                      "is held")
+                other = other if other is not None else step
+                continue
+            sources, holders = dealt
+            return Found(step, holders, other, len(holders), sources, info["layout"], refused)
+    return Found(None, {}, other, refused=refused)
 
 
 def _threads_ok() -> bool:

@@ -103,9 +103,13 @@ def _blame(r: int, live: Dict[int, RankState], states: Dict[int, RankState], sil
     return roots or None
 
 
-def _describe(s: RankState, now: float, silent: bool) -> str:
+def _describe(s: RankState, now: float, silent: bool, job_step: int = 0) -> str:
     if s.gone == "died":
-        return (f"{_where(s)} died in step {s.step} ({s.phase}): its process ended without finishing (killed, out of "
+        # its last heartbeat can be an interval (many short steps) old; steps are synchronous, so a rank in step
+        # job_step means the dead one finished every collective of job_step - 1: it died in that step or later
+        lo = job_step - 1
+        when = f"step {s.step}" if s.step >= lo else f"step >= {lo} (the job was in step {job_step})"
+        return (f"{_where(s)} died in {when} ({s.phase}): its process ended without finishing (killed, out of "
                 "memory, or crashed; its own output may say why)")
     if s.gone == "unwatched":
         return (f"{_where(s)}, unwatched since its watchdog failed in step {s.step} ({s.phase}), has not come to the "
@@ -140,11 +144,12 @@ def diagnose(states: Dict[int, RankState], now: float, timeout: float) -> Option
             all_in.append(r)
         for m in roots or []:
             waiters.setdefault(m, []).append(r)
+    job_step = max((st.step for st in states.values()), default=0)  # rank 0's own state is current
     culprits = died or silent or sorted(m for m in waiters if any(w in long_waits for w in waiters[m]))
     lines = []
     for m in culprits:
         s = states.get(m) or RankState(m)
-        what = _describe(s, now, m in silent) + f"; its last op: {_op(s.last_op)}"
+        what = _describe(s, now, m in silent, job_step) + f"; its last op: {_op(s.last_op)}"
         if waiters.get(m):
             w = live[waiters[m][0]]
             what += (f"; rank(s) {_ranks(sorted(waiters[m]))} wait for it ({w.waited(now):.0f} s) in "

@@ -232,7 +232,11 @@ class Trainer:
         tier = self.local_tier
         assert tier is not None
         if str(self.cfg.checkpoint.resume) == "auto":
-            found = tier.agree(self)
+            elastic = bool(self.cfg.trainer.elastic)
+            found = tier.agree(self, elastic)
+            if found.refused is not None:
+                log_rank0("local tier (%s): %s; trainer.elastic=true reshards the local tier over dp only, so "
+                          "this step is not used", tier.base, found.refused)
             if found.other_layout is not None:
                 log_rank0("local tier (%s): step %d was written by another layout or experiment; not used, "
                           "falling back to the persistent checkpoint", tier.base, found.other_layout)
@@ -246,6 +250,12 @@ class Trainer:
                 self.resumed_from = "local"
                 log_rank0("resumed from the local tier (%s) at step %d (%d samples consumed); %d rank(s)' state "
                           "fetched from partner nodes", tier.base, self.step, self.cursor.consumed_samples, found.lost)
+                if found.resharded_from is not None:
+                    old = found.resharded_from
+                    log_rank0("local tier: step %d was written at dp(%d) on %d ranks, resharded to dp(%d) on %d "
+                              "(trainer.elastic=true: each rank loads a data-parallel replica's state)", self.step,
+                              int(old["sizes"]["dp"]), int(old["world_size"]), self.mesh.size("dp"),
+                              self.mesh.world_size)
         tier.forget_after(self.step)
 
     def save_checkpoint(self, path: Optional[str] = None) -> Optional[str]:

@@ -1,6 +1,6 @@
 """Smoke run of ``hpctrain-bench ckpt`` on a tiny state (no timing asserted:
 benchmarks are not timed tests). What is checked: every rank finishes, rank 0
-prints the three tables, both formats hold the same tensor bytes (sizes
+prints its tables (the local tier's too), both formats hold the same tensor bytes (sizes
 within 10%: metadata), and only the newest iteration's files are left."""
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def test_ckpt_bench_prints_its_tables_and_keeps_only_the_last_files(world, share
     world.Barrier()
     if world.Get_rank() == 0:
         for row in ("save", "load", "async, overlap", "async, blocking", "sync (for reference)", "hpctrain .h5",
-                    "DCP directory"):
+                    "DCP directory", "local save + replicate", "local load", "training blocked (host copy + wait)",
+                    "Time lost per failure"):
             assert any(line.strip().startswith(row) for line in out.splitlines()), row
         sizes = {line.split()[0] + line.split()[1]: int(line.split()[2].replace(",", ""))
                  for line in out.splitlines() if line.startswith(("hpctrain .h5", "DCP directory"))}

@@ -52,6 +52,13 @@ def test_a_dead_rank_is_named_without_waiting_for_the_timeout():
     assert v.stuck == [1] and "rank 1 (host n1, pid 101) died in step 5" in v.message
 
 
+def test_a_dead_rank_whose_last_heartbeat_is_old_is_not_placed_in_an_earlier_step():
+    states = _job(_rank(0, {"dp": 3}), _rank(1, {"dp": 3}, gone="died"))
+    states[0].step, states[1].step = 6, 1  # rank 0 is in step 6; rank 1's last beat came in step 1
+    v = diagnose(states, NOW, T)
+    assert "rank 1 (host n1, pid 101) died in step >= 5 (the job was in step 6)" in v.message, v.message
+
+
 def test_ranks_that_said_goodbye_are_not_dead():
     states = _job(_rank(0, {"dp": 3}), _rank(1, {"dp": 3}, gone="done", heard=NOW - 100))
     assert diagnose(states, NOW, T) is None
