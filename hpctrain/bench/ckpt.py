@@ -35,10 +35,11 @@ after one real optimizer step: 12 bytes per parameter.
   iterations on the same state: *save + replicate* = ``LocalTier.save`` then
   ``wait`` (each rank's own exact shards to node-local storage, ``--local-dir``,
   default under /dev/shm, sent to its partner on the next node, which writes
-  them too), against the persistent save; *blocked* = the host copy in
-  ``save`` (plus any wait for the previous save) followed, as in training, by
-  stand-in steps until the background write and replication are done,
-  compared to a step (target <= 5% of a step); *load* = ``agree`` + ``load``
+  them too), against the persistent save; *blocked* = ``save`` (the random
+  state and cursor at once, plus any wait for the previous save) and the time
+  each following stand-in step waits in ``before_update`` for the host copy,
+  which runs in the background during the step, as in training, until the
+  background write and replication are done, compared to a step (target <= 5% of a step); *load* = ``agree`` + ``load``
   (one allgather, read, restore). Run it with emulated nodes,
   ``HPCTRAIN_RANKS_PER_NODE=1``, so the partner is another rank.
 
@@ -280,6 +281,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         blocked, steps = tier.save(trainer), 0
         while steps == 0 or tier.busy:
             work()
+            blocked += tier.before_update()  # as the trainer does right before the optimizer step
             steps += 1
         overlapped = time.perf_counter() - t0
         t1 = time.perf_counter()

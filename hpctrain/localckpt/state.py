@@ -108,10 +108,31 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 def capture(trainer: Any) -> RankState:
-    """This rank's state now, copied to host memory (the only part of a save the step waits for)."""
+    """This rank's state now, copied to host memory."""
+    out = capture_meta(trainer)
+    capture_tensors(trainer, out)
+    return out
+
+
+def capture_meta(trainer: Any) -> RankState:
+    """What the next step changes before its optimizer step (random state, data cursor, step), now; the
+    tensors follow with ``capture_tensors``, which may run during that step's forward and backward."""
     out = RankState()
-    scalars: Dict[str, Any] = {}
-    on_cpu: List[str] = []
+    out.tensors["rng/cpu"] = torch.get_rng_state()
+    if trainer.device.type == "cuda":
+        out.tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
+    out.meta = {"step": int(trainer.step), "cursor": trainer.cursor.state_dict(),
+                "extra": trainer.extra_state(), "scalars": {}, "on_cpu": [],
+                "rank": trainer.mesh.world_rank, "signature": signature(trainer), "family": family(trainer),
+                "layout": layout(trainer.mesh)}
+    return out
+
+
+def capture_tensors(trainer: Any, out: RankState) -> None:
+    """Host copies of the parameters, optimizer state and buffers into ``out``: nothing changes them
+    until the optimizer step, so this may overlap the next forward and backward."""
+    scalars: Dict[str, Any] = out.meta["scalars"]
+    on_cpu: List[str] = out.meta["on_cpu"]
     state = trainer.optimizer.state
     for i, p in enumerate(_params(trainer)):
         out.tensors[f"p{i}"] = _host(p)
@@ -128,14 +149,6 @@ def capture(trainer: Any) -> RankState:
                                       "keeps tensors and numbers only")
     for i, b in enumerate(_buffers(trainer.model)):
         out.tensors[f"b{i}"] = _host(b)
-    out.tensors["rng/cpu"] = torch.get_rng_state()
-    if trainer.device.type == "cuda":
-        out.tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    out.meta = {"step": int(trainer.step), "cursor": trainer.cursor.state_dict(),
-                "extra": trainer.extra_state(), "scalars": scalars, "on_cpu": on_cpu,
-                "rank": trainer.mesh.world_rank, "signature": signature(trainer), "family": family(trainer),
-                "layout": layout(trainer.mesh)}
-    return out
 
 
 def restore(trainer: Any, saved: RankState, replica: bool = False) -> None:

@@ -2,9 +2,13 @@
 storage with copies on partner nodes, and resume from the newest step that
 the surviving nodes hold in full.
 
-Save (``save``, at the step boundary): the state is copied to host memory
-(``state.capture``: all the step waits for); a background thread encodes
-it, writes this rank's file, sends it to its partners and receives its
+Save (``save``, at the step boundary): what the next step changes before
+its optimizer step (random state, cursor, step) is taken at once
+(``state.capture_meta``); a background thread copies the parameters,
+optimizer state and buffers to host memory while the next forward and
+backward run (``state.capture_tensors``; ``before_update``, which the trainer
+calls right before the optimizer step, waits for that copy: all the step
+ever waits for), then encodes the state, writes this rank's file, sends it to its partners and receives its
 sources' copies (MPI point-to-point on the tier's own duplicate of the
 world communicator; mpi4py runs MPI with ``MPI_THREAD_MULTIPLE``, and below
 that level the thread's work runs in the call instead), writes its manifest
@@ -37,7 +41,17 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import numpy as np
 
 from hpctrain.localckpt import reshard, store
-from hpctrain.localckpt.state import LocalStateError, capture, decode, encode, family, layout, restore, signature
+from hpctrain.localckpt.state import (
+    LocalStateError,
+    capture_meta,
+    capture_tensors,
+    decode,
+    encode,
+    family,
+    layout,
+    restore,
+    signature,
+)
 from hpctrain.log import get_logger
 
 log = get_logger(__name__)
@@ -113,6 +127,10 @@ class LocalTier:
                         (partners(nodes, r, self.replicas) if self.replicas else [])]
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._staged = threading.Event()
+        """Set once the save in flight has its tensors on the host (set when none is in flight)."""
+        self._staged.set()
+        self._hooked: List[Any] = []
         self.stats: List[Dict[str, float]] = []
         """Per save: blocking_s (in the step), write_s (file), replicate_s (sends and receives), bytes."""
         self._sig: Optional[str] = None
@@ -123,26 +141,57 @@ class LocalTier:
         return self.every > 0 and step % self.every == 0
 
     def save(self, trainer: Any) -> float:
-        """Start saving ``trainer``'s state now; returns the seconds the step was blocked."""
+        """Start saving ``trainer``'s state now; returns the seconds the step was blocked (the
+        host copy's remainder, if any, is waited for in ``before_update``)."""
         t0 = time.perf_counter()
         self.wait()
-        saved = capture(trainer)
+        saved = capture_meta(trainer)
         self._sig = saved.meta["signature"]
         self._about = {"family": saved.meta["family"], "layout": saved.meta["layout"]}
         step = int(trainer.step)
-        blocking = time.perf_counter() - t0
-        record: Dict[str, float] = {"step": step, "blocking_s": blocking}
+        record: Dict[str, float] = {"step": step}
         self.stats.append(record)
         if self.threads:
-            self._thread = threading.Thread(target=self._guarded, args=(saved, step, record),
+            self._hook(trainer.optimizer)
+            self._staged.clear()
+            self._thread = threading.Thread(target=self._guarded, args=(trainer, saved, step, record),
                                             name="hpctrain-localckpt", daemon=True)
             self._thread.start()
         else:
+            capture_tensors(trainer, saved)
             self._write(saved, step, record)
-        return blocking
+        record["blocking_s"] = time.perf_counter() - t0
+        return record["blocking_s"]
 
-    def _guarded(self, saved: Any, step: int, record: Dict[str, float]) -> None:
+    def before_update(self) -> float:
+        """Right before the optimizer step: wait until the save in flight has its tensors on the host
+        (at once when it has); the seconds waited."""
+        if self._staged.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._staged.wait()
+        waited = time.perf_counter() - t0
+        if self.stats:
+            self.stats[-1]["blocking_s"] = self.stats[-1].get("blocking_s", 0.0) + waited
+        return waited
+
+    def _hook(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` itself wait for the host copy, so no update can tear a save
+        (torch optimizers; the trainer also calls ``before_update``)."""
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is not None and not any(o is optimizer for o in self._hooked):
+            def pre_step(*_: Any) -> None:  # (a step pre-hook returns None or new arguments)
+                self.before_update()
+
+            register(pre_step)
+            self._hooked.append(optimizer)
+
+    def _guarded(self, trainer: Any, saved: Any, step: int, record: Dict[str, float]) -> None:
         try:
+            try:
+                capture_tensors(trainer, saved)
+            finally:
+                self._staged.set()
             self._write(saved, step, record)
         except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
             log.error("rank %d: local checkpoint of step %d failed: %s", self.rank, step, e)

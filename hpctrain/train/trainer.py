@@ -298,6 +298,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
         scaler = self.loss_scale
+        local_wait = 0.0
         scale = scaler.scale if scaler is not None else None
         with objective_scale(scale):
             result = as_step_result(self.schedule.run(self.model, microbatches, self.data, self.autocast),
@@ -331,6 +332,8 @@ class Trainer:
             before_update = getattr(self.checkpointer, "before_update", None)
             if before_update is not None:
                 before_update()
+            if self.local_tier is not None:  # and the local tier's copy of the last save
+                local_wait = self.local_tier.before_update()
             self.optimizer.step()
             self.faults.after_update(self.step + 1, self.params)
             self.pm.hook.hpctrain_after_optimizer_step(trainer=self, step=self.step + 1)
@@ -358,6 +361,8 @@ class Trainer:
         }
         if self.guard.skipped:
             self.metrics["skipped_steps"] = self.guard.skipped
+        if local_wait:
+            self.metrics["local_ckpt_wait_s"] = local_wait
         outer_steps = getattr(self.optimizer, "outer_steps", None)
         if outer_steps is not None:
             self.metrics["outer_steps"] = outer_steps
