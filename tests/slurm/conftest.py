@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,17 @@ class Slurm:
             time.sleep(1.0)
         self.cancel(job_name)
         pytest.fail(f"job {job_id} did not end in {timeout or self.timeout:.0f} s (cancelled); last seen:\n{info}")
+
+    def run_printed(self, command: str, job_name: str, run_dir, cwd) -> subprocess.CompletedProcess:
+        """Run a command line a tool printed (``srun ... hpctrain-train ...``) exactly as printed, with
+        ``run_dir`` as its run directory; on timeout cancel ``job_name`` and fail."""
+        env = dict(self.env, SLURM_JOB_NAME=job_name, SLURM_TIMELIMIT="5", HPCTRAIN_RUN_DIR=str(run_dir))
+        try:
+            return subprocess.run(shlex.split(command), env=env, cwd=cwd, capture_output=True, text=True,
+                                  timeout=self.timeout)
+        except subprocess.TimeoutExpired as e:
+            self.cancel(job_name)
+            pytest.fail(f"{command} did not finish in {self.timeout:.0f} s:\n{e.stdout or ''}\n{e.stderr or ''}")
 
     def cancel(self, job_name: str) -> None:
         subprocess.run(["scancel", f"--name={job_name}"], env=self.env, capture_output=True, timeout=30)

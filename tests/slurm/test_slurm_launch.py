@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -192,13 +191,7 @@ def test_the_planners_command_for_eight_cpu_ranks_runs_as_printed(slurm, job_nam
     assert math.prod(layout.values()) == 8, command
 
     run_dir = tmp_path / "run"
-    env = dict(slurm.env, SLURM_JOB_NAME=job_name, SLURM_TIMELIMIT="5", HPCTRAIN_RUN_DIR=str(run_dir))
-    try:
-        proc = subprocess.run(shlex.split(command), env=env, cwd=tmp_path, capture_output=True, text=True,
-                              timeout=slurm.timeout)
-    except subprocess.TimeoutExpired as e:
-        slurm.cancel(job_name)
-        pytest.fail(f"{command} did not finish in {slurm.timeout:.0f} s:\n{e.stdout or ''}\n{e.stderr or ''}")
+    proc = slurm.run_printed(command, job_name, run_dir, tmp_path)
     assert proc.returncode == 0, _show(proc)
     _check_training(run_dir, steps=3, world=layout["dp"])
     log = (run_dir / "train.log").read_text()

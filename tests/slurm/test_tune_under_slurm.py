@@ -5,8 +5,6 @@ tests/slurm/conftest.py."""
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 
 import pytest
 
@@ -35,13 +33,7 @@ def test_the_tuners_command_runs_as_printed(slurm, job_name, tmp_path):
     assert command.startswith("srun --nodes=1 --ntasks-per-node=4 --mpi=pmix hpctrain-train model=tiny "), command
 
     run_dir = tmp_path / "run"
-    env = dict(slurm.env, SLURM_JOB_NAME=job_name, SLURM_TIMELIMIT="5", HPCTRAIN_RUN_DIR=str(run_dir))
-    try:
-        train = subprocess.run(shlex.split(command), env=env, cwd=tmp_path, capture_output=True, text=True,
-                               timeout=slurm.timeout)
-    except subprocess.TimeoutExpired as e:
-        slurm.cancel(job_name)
-        pytest.fail(f"{command} did not finish in {slurm.timeout:.0f} s:\n{e.stdout or ''}\n{e.stderr or ''}")
+    train = slurm.run_printed(command, job_name, run_dir, tmp_path)
     assert train.returncode == 0, _show(train)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in rows] == [1, 2], rows
