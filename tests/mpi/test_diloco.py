@@ -21,15 +21,19 @@
 
 Tolerances (fp32): the runs differ only in where fp32 sums run (cp's ring
 attention and all-reduce, the all-reduce of deltas against a sum in one
-process, tp's split sums): losses 1e-5 relative against the simulation
+process, tp's split sums): losses 5e-5 relative against the simulation
 (AdamW at lr 1e-2 from step 1, then the outer step's 0.7 x (1 + 0.9) on
-the delta, magnify fp32 reassociation to ~6e-6 with tp; a wrong average or
-clipping norm is off by 5e-4 or more), 1e-6 against plain dp with an SGD
-inner step (no AdamW to magnify anything); weights 1e-5 relative plus 2e-2 of the
+the delta, magnify fp32 reassociation: ~6e-6 with tp on the machine this
+was written on, 1.1e-5 at tp 2 x pp 2 on another CPU, whose matrix kernels
+round differently, which is why the bound is 5e-5 and not 1e-5; a wrong
+average or clipping norm is off by 5e-4 or more, 10x the bound), 1e-6 against plain dp with an SGD
+inner step (no AdamW to magnify anything); weights 1e-5 relative plus 5e-2 of the
 inner learning rate (AdamW turns a rounding difference in a gradient near
-its epsilon into an update difference of up to ~1e-2 of lr, as
-``parity.ADAM_DRIFT`` explains for gradients; a missing, doubled or
-misplaced average is off by whole updates, ~lr, on most elements).
+its epsilon into an update difference of up to ~1e-2 of lr per inner step, as
+``parity.ADAM_DRIFT`` explains for gradients, and three inner steps with an
+outer step's 1.33x between them add up: 2.4e-2 of lr measured on one element
+at tp 2 x pp 2 on the second CPU; a missing, doubled or misplaced average is
+off by whole updates, ~lr, on most elements, 20x the bound).
 """
 from __future__ import annotations
 
@@ -47,6 +51,11 @@ BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.se
         "reliability.weight_check_every=0", "optim.warmup_steps=1", f"optim.lr={LR}")
 OUTER = ("optim.outer=diloco", "optim.outer.lr=0.7", "optim.outer.momentum=0.9")
 RTOL = 1e-6
+
+LOSS_RTOL = 5e-5
+"""Losses against the simulation (the module docstring: measured 1.1e-5 at most; a wrong average 5e-4)."""
+ADAM_DRIFT_LR = 5e-2
+"""Weights against the simulation, in units of the inner lr (the module docstring: measured 2.4e-2)."""
 
 
 def replica_weights(trainer) -> Dict[int, Dict[str, torch.Tensor]]:
@@ -106,7 +115,7 @@ def _close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: st
     """Weights within the module docstring's tolerance (``adam=False``: an SGD inner step, no AdamW drift)."""
     assert set(got) == set(want)
     for name, ref in want.items():
-        atol = 2e-2 * LR if adam else RTOL * float(ref.abs().max())
+        atol = ADAM_DRIFT_LR * LR if adam else RTOL * float(ref.abs().max())
         torch.testing.assert_close(got[name], ref, rtol=1e-5 if adam else RTOL, atol=atol,
                                    msg=lambda m, name=name: f"{what}, {name}: {m}")
 
@@ -123,7 +132,7 @@ def test_replicas_train_like_a_one_process_simulation(world, pm, layout, every):
     got = [trainer.train_step() for _ in range(steps)]
     want_losses, want_weights = simulate(BASE, replicas, every, steps, 0.7, 0.9)
     for step, (m, w) in enumerate(zip(got, want_losses), start=1):
-        assert abs(m["loss"] - w) <= 1e-5 * abs(w), (step, m["loss"], w)
+        assert abs(m["loss"] - w) <= LOSS_RTOL * abs(w), (step, m["loss"], w)
         assert m["outer_steps"] == step // every
     weights = replica_weights(trainer)
     assert sorted(weights) == list(range(replicas))
