@@ -42,7 +42,7 @@ rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 sizes="2 4 8"; [ $quick = 1 ] && sizes="2"
 for n in $sizes; do
   section "multi-rank tests, $n ranks"
-  timeout 900 mpiexec.openmpi -n "$n" python scripts/mpi_pytest.py "$LOGDIR" -q -p no:cacheprovider tests/mpi
+  timeout 1500 mpiexec.openmpi -n "$n" python scripts/mpi_pytest.py "$LOGDIR" -q -p no:cacheprovider tests/mpi
   rc=$?
   if [ $rc -eq 5 ]; then echo "(no multi-rank tests need $n ranks)"; rc=0; fi
   if [ $rc -ne 0 ]; then
