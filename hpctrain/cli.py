@@ -48,10 +48,10 @@ def _print_plugins() -> int:
     return 0
 
 
-def _fail(message: str, rank: int, code: int, prefix: str = "error") -> int:
+def _fail(message: str, rank: int, code: int, prefix: str = "error", program: str = "hpctrain") -> int:
     if rank == 0:
         for line in message.splitlines():
-            sys.stderr.write(f"hpctrain: {prefix}: {line}\n")
+            sys.stderr.write(f"{program}: {prefix}: {line}\n")
         sys.stderr.flush()
     return code
 

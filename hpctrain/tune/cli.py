@@ -187,7 +187,7 @@ def tune(args: argparse.Namespace, rt: Any, pm) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from hpctrain.bootstrap import init_runtime, shutdown
-    from hpctrain.cli import crash
+    from hpctrain.cli import _fail, crash
     from hpctrain.plugins import get_manager
     from hpctrain.train.watchdog import JobStopped
 
@@ -195,20 +195,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         rt = init_runtime()
     except HpctrainError as e:
-        sys.stderr.write(f"hpctrain-tune: error: {e}\n")
-        return 2
+        return _fail(str(e), 0, 2, program="hpctrain-tune")
     try:
         return tune(args, rt, get_manager())
     except JobStopped as e:
         return e.exit_code  # the watchdog's line already says which rank and operation
     except HpctrainError as e:
-        if rt.is_main:
-            for line in str(e).splitlines():
-                sys.stderr.write(f"hpctrain-tune: error: {line}\n")
-            sys.stderr.flush()
+        code = _fail(str(e), rt.world_rank, e.exit_code, program="hpctrain-tune")
         if rt.world_size > 1:
             rt.mpi_comm.Barrier()  # rank 0's line is out before any rank exits
-        return e.exit_code
+        return code
     except Exception:  # noqa: BLE001 - a traceback and an MPI abort, never a hang
         return crash(rt)
     finally:
