@@ -10,7 +10,11 @@ hold.
 Verification costs no extra pass: the boxes all ranks read are merged into
 a Plan (as for saving), one rank is designated per distinct box, each sums
 the checksum of the boxes designated to it, and one Allreduce completes
-every dataset's checksum. Datasets that the loading layout does not read
+every dataset's checksum. Boxes read independently are read in blocks of
+about ``_HOT_BLOCK_BYTES`` and each block is summed (and checked for
+non-finite values, where asked) right after it is read, while it is still
+in the CPU's cache: a second pass over the whole box would read it from
+memory again (docs/benchmarks.md, "Checkpoint load"). Datasets that the loading layout does not read
 completely (another world size's RNG rows, tensors nobody holds) are read
 whole, in blocks, by one rank each, round robin. Every problem (a missing
 dataset, a shape that differs from the model's, an unreadable dataset, a
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import h5py
 import numpy as np
@@ -40,10 +44,13 @@ from mpi4py import MPI
 
 from hpctrain_h5ckpt import checksum, h5io
 from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.finite import all_finite
 from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, box_shape, build_plan, full_box
 from hpctrain_h5ckpt.options import IOOptions
+from hpctrain_h5ckpt.snapshot import from_numpy
 
 _BLOCK_BYTES = 64 << 20  # bound on memory when a dataset is verified whole
+_HOT_BLOCK_BYTES = 4 << 20  # a block read, then summed while it is still in the last-level cache
 
 
 @dataclass
@@ -81,14 +88,14 @@ class _Arena:
 
     _ALIGN = 64
 
-    def __init__(self, boxes: Mapping[str, Tuple[str, Sequence[Tuple[int, ...]]]]):
+    def __init__(self, boxes: Mapping[Tuple[str, int], Tuple[str, Tuple[int, ...]]]):
+        """``boxes``: (path, k) -> (dtype, shape) of each array wanted."""
         self.views: Dict[Tuple[str, int], Tuple[int, Tuple[int, ...], np.dtype]] = {}
         at = 0
-        for path, (dtype, shapes) in boxes.items():
+        for key, (dtype, shape) in boxes.items():
             dt = np.dtype(dtype)
-            for k, shape in enumerate(shapes):
-                self.views[(path, k)] = (at, shape, dt)
-                at += -(-math.prod(shape) * dt.itemsize // self._ALIGN) * self._ALIGN
+            self.views[key] = (at, shape, dt)
+            at += -(-math.prod(shape) * dt.itemsize // self._ALIGN) * self._ALIGN
         self.memory = np.empty(at, dtype=np.uint8)
 
     def take(self, path: str, k: int) -> np.ndarray:
@@ -195,11 +202,18 @@ class CheckpointReader:
 
     # -- reading -------------------------------------------------------------
     def read(self, wants: Mapping[str, Sequence[Box]], shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
+             finite: Sequence[str] = (), into: Optional[Mapping[str, Sequence[Optional[np.ndarray]]]] = None,
              ) -> Dict[str, List[np.ndarray]]:
         """This rank's boxes of each wanted dataset (collective over the comm).
 
         ``shapes`` gives the logical shape the caller expects for a path; a
-        different shape in the file is an error naming both.
+        different shape in the file is an error naming both. Floating-point
+        datasets whose path starts with one of ``finite`` are checked for
+        NaN and infinity as they are read: those holding any are in
+        ``self.nonfinite`` afterwards (this rank's boxes only). ``into``
+        gives, per path and box, a C-contiguous array of the dataset's dtype
+        and the box's shape to read into (None: host memory of the reader's);
+        the returned arrays are then those.
         """
         errors: List[str] = []
         for p in wants:
@@ -220,21 +234,35 @@ class CheckpointReader:
         # makes the same one.
         rounds = {p: max(len(w.get(p, ())) for _, w, _ in per_rank) for p in plan.owners
                   if not all(contiguous(b, self.index[p].shape) for b, _ in plan.owners[p])}
-        out, errors = self._read_boxes(wants, rounds)
+        inspect = _Inspector(self.index, plan, self.comm.Get_rank(), self.opts.verify, tuple(finite))
+        out, errors = self._read_boxes(wants, rounds, inspect, into or {})
         if self.opts.verify:
-            errors += self._verify(wants, out, plan)
+            errors += self._verify(inspect.sums, plan)
+        self.nonfinite = inspect.nonfinite
         errors = _agree(self.comm, errors)
         if errors:
             raise CheckpointError("\n".join(errors))
         return out
 
-    def _read_boxes(self, wants: Mapping[str, Sequence[Box]], rounds: Mapping[str, int]
+    def _read_boxes(self, wants: Mapping[str, Sequence[Box]], rounds: Mapping[str, int], inspect: "_Inspector",
+                    into: Mapping[str, Sequence[Optional[np.ndarray]]],
                     ) -> Tuple[Dict[str, List[np.ndarray]], List[str]]:
         out: Dict[str, List[np.ndarray]] = {}
         errors: List[str] = []
         collective = self.opts.parallel
         dxpl = h5io.collective_dxpl() if collective else None
-        arena = _Arena({p: (self.index[p].dtype, [box_shape(b) for b in wants[p]]) for p in wants})
+        given: Dict[Tuple[str, int], np.ndarray] = {}
+        for p, destinations in into.items():
+            for k, arr in enumerate(destinations):
+                if arr is not None and arr.dtype == np.dtype(self.index[p].dtype) and arr.flags.c_contiguous \
+                        and tuple(arr.shape) == box_shape(wants[p][k]):
+                    given[(p, k)] = arr
+        arena = _Arena({(p, k): (self.index[p].dtype, box_shape(b)) for p in wants for k, b in enumerate(wants[p])
+                        if (p, k) not in given})
+
+        def take(p: str, k: int) -> np.ndarray:
+            return given[(p, k)] if (p, k) in given else arena.take(p, k)
+
         for p in sorted(self.index):  # same order on every rank: collective calls must match
             mine = list(wants.get(p, ()))
             try:
@@ -243,43 +271,60 @@ class CheckpointReader:
                     arrays = []
                     for k in range(rounds.get(p, 0)):
                         if k < len(mine):
-                            arrays.append(h5io.read_box(dset, mine[k], dxpl, arena.take(p, k)))
+                            arrays.append(h5io.read_box(dset, mine[k], dxpl, take(p, k)))
+                            inspect(p, mine[k], arrays[-1], inspect.start(p, mine[k]))
                         else:
                             h5io.read_none(dset, dxpl)
                 else:
-                    arrays = [h5io.read_box(dset, b, None, arena.take(p, k)) for k, b in enumerate(mine)]
+                    arrays = [self._read_hot(dset, p, b, take(p, k), inspect) for k, b in enumerate(mine)]
                 if mine:
                     out[p] = arrays
             except Exception as e:  # noqa: BLE001 - named in the errors every rank agrees on
                 errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
         return out, errors
 
-    def _verify(self, wants: Mapping[str, Sequence[Box]], got: Mapping[str, List[np.ndarray]], plan: Any) -> List[str]:
+    def _read_hot(self, dset: h5py.Dataset, path: str, box: Box, out: np.ndarray, inspect: "_Inspector"
+                  ) -> np.ndarray:
+        """``box`` into ``out`` in blocks along its first dim, each inspected while in cache."""
+        summed = inspect.start(path, box)
+        if not box or out.size == 0:
+            h5io.read_box(dset, box, None, out)
+            inspect(path, box, out, summed)
+            return out
+        (a, b), rest = box[0], tuple(box[1:])
+        rows = max(1, _HOT_BLOCK_BYTES // max(1, out.nbytes // (b - a)))
+        for r in range(a, b, rows):
+            part = ((r, min(b, r + rows)),) + rest
+            block = out[r - a:min(b, r + rows) - a]
+            h5io.read_box(dset, part, None, block)
+            inspect(path, part, block, summed)
+        return out
+
+    def _verify(self, sums: Mapping[str, np.ndarray], plan: Any) -> List[str]:
+        """Compare each dataset's checksum, this rank's parts (``sums``) added
+        over the ranks, with the stored one; datasets the loading layout does
+        not cover are summed whole here, round robin."""
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         paths = sorted(self.index)
-        sums = np.zeros((len(paths), 2), dtype=np.uint32)
+        total = np.zeros((len(paths), 2), dtype=np.uint32)
         errors: List[str] = []
         whole = {p: k for k, p in enumerate(p for p in paths if not plan.covered.get(p, False))}
         for i, p in enumerate(paths):
-            info = self.index[p]
             try:
                 if p in whole:
                     if whole[p] % size == rank:
-                        sums[i] = self._checksum_whole(p)
-                    continue
-                mine = list(wants.get(p, ()))
-                for box, owner in plan.owners[p]:
-                    if owner == rank and p in got:
-                        sums[i] = checksum.add(sums[i], checksum.partial(got[p][mine.index(box)], info.shape, box))
+                        total[i] = self._checksum_whole(p)
+                elif p in sums:
+                    total[i] = sums[p]
             except Exception as e:  # noqa: BLE001 - named in the errors every rank agrees on
                 errors.append(f"checkpoint {self.path}: dataset {p} is unreadable ({type(e).__name__}: {e})")
-        self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
         for i, p in enumerate(paths):
             stored = self.index[p].stored_checksum
             assert stored is not None  # _format_problem refused files without
-            if not np.array_equal(stored, sums[i]):
+            if not np.array_equal(stored, total[i]):
                 errors.append(f"checkpoint {self.path}: dataset {p}: checksum mismatch (stored {checksum.fmt(stored)}, "
-                              f"computed {checksum.fmt(sums[i])}); the data is corrupt")
+                              f"computed {checksum.fmt(total[i])}); the data is corrupt")
         return errors
 
     def _checksum_whole(self, p: str) -> np.ndarray:
@@ -293,3 +338,33 @@ class CheckpointReader:
             box = ((r0, min(info.shape[0], r0 + step)),) + full_box(info.shape[1:])
             acc = checksum.add(acc, checksum.partial(h5io.read_box(dset, box), info.shape, box))
         return acc
+
+
+class _Inspector:
+    """What is checked of each block as it is read: this rank's part of the
+    dataset's checksum (for the boxes the plan designates to this rank) and,
+    for the datasets asked for, whether every value is finite."""
+
+    def __init__(self, index: Mapping[str, DatasetInfo], plan: Any, rank: int, verify: bool, finite: Tuple[str, ...]):
+        self.index, self.verify, self.finite = index, verify, finite
+        self.owned = {p: {b for b, owner in pairs if owner == rank} for p, pairs in plan.owners.items()}
+        self.sums: Dict[str, np.ndarray] = {}
+        self.nonfinite: Set[str] = set()
+
+    def start(self, path: str, box: Box) -> bool:
+        """Whether this rank sums ``box`` of ``path`` (once, however often it reads it)."""
+        if not self.verify or box not in self.owned.get(path, ()):
+            return False
+        self.owned[path].discard(box)
+        return True
+
+    def __call__(self, path: str, part: Box, arr: np.ndarray, summed: bool) -> None:
+        """``arr`` holds ``part`` of ``path``, a block of a box that this rank sums if ``summed``."""
+        info = self.index[path]
+        if summed:
+            part_sum = checksum.partial(arr, info.shape, part)
+            self.sums[path] = checksum.add(self.sums.get(path, checksum.zero()), part_sum)
+        if self.finite and path.startswith(self.finite) and path not in self.nonfinite:
+            dtype = info.attrs.get("torch_dtype", "")
+            if dtype and not all_finite(from_numpy(arr, dtype)):
+                self.nonfinite.add(path)

@@ -5,9 +5,15 @@ Every rank asks the reader for exactly its boxes by its own ShardSpecs
 optimizer state tensor it holds (a state's spec comes from the optimizer's
 ``state_spec`` when it shards state, else it is the parameter's), the
 optimizer's scalar states, its own RNG row when the world size is
-unchanged. Everything is read and verified into host buffers first and only
-then copied into the model and optimizer, so a corrupt file leaves the
-trainer untouched and ``resume=auto`` can fall back to an older checkpoint.
+unchanged. Boxes that are contiguous host memory of the trainer (every
+tensor on CPU under dp, ZeRO and FSDP's dim-0 splits) are read straight into
+it and verified as they are read (``CheckpointReader.read``), the others
+into host buffers and copied after verification: a load does one pass over
+the bytes. A file that fails verification may therefore leave some of the
+trainer's tensors overwritten: the load raises ``CheckpointError``, with
+``resume=auto`` the next older checkpoint (of the same model: every tensor
+read again) is loaded over them, and otherwise the run stops. The model
+check, the batch-size check and the cursor come before any tensor is read.
 
 Where state goes: into the existing tensor when there is one (in place: its
 device and dtype are kept, so state an optimizer keeps on the host stays
@@ -16,7 +22,7 @@ creates its state at the first step) is made on the parameter's device.
 Positions a rank holds no piece for (padding of a padded split) are set to zero. Scalar optimizer states
 (Adam's ``step``) go back as CPU tensors, as torch keeps them.
 
-Two refusals come before anything of the trainer changes, on every rank
+Two refusals come before any tensor of the trainer changes, on every rank
 alike, as a ConfigError (status 2), never as a CheckpointError:
 
 - A checkpoint whose tensors do not fit this model (other shapes, tensors
@@ -27,8 +33,7 @@ alike, as a ConfigError (status 2), never as a CheckpointError:
   fall back to an older checkpoint: every checkpoint of one directory was
   written by the same experiment and has the same shapes, and trying each
   would only repeat the message per file.
-- A checkpoint saved with another ``trainer.global_batch_size``, once the
-  file is verified: the plugin only supplies the saved value (the saved
+- A checkpoint saved with another ``trainer.global_batch_size``: the plugin only supplies the saved value (the saved
   cursor state holds it; files from before it did: ``/meta/config``); the rule (refuse unless
   ``checkpoint.allow_batch_change``, else log how the sample stream
   continues) is the core cursor's ``load_state_dict``, so every checkpoint
@@ -50,7 +55,6 @@ from hpctrain.log import get_logger, log_rank0
 from hpctrain.shard import Piece
 
 from hpctrain_h5ckpt.errors import CheckpointError
-from hpctrain_h5ckpt.finite import all_finite
 from hpctrain_h5ckpt.layout import Box
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.snapshot import (
@@ -143,8 +147,6 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
     if problem:  # the index is the same on every rank: every rank raises
         raise ConfigError(f"checkpoint {reader.path}: {problem}")
     _refuse_another_model(trainer, reader, shapes)
-    data = reader.read(wants, shapes)
-    _refuse_nonfinite(reader, index, data)
     cursor_state = json.loads(meta["data_cursor"]) if "data_cursor" in meta else {}  # older files: no blend state
     cursor_state["consumed_samples"] = int(meta["consumed_samples"])
     if "global_batch_size" not in cursor_state:  # files before the cursor saved it: from the config
@@ -155,6 +157,8 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
         trainer.cursor.load_state_dict(cursor_state)
     except ConfigError as e:
         raise ConfigError(f"checkpoint {reader.path}: {e}") from None
+    data = reader.read(wants, shapes, finite=("/model/", "/optim/"), into=_destinations(targets))
+    _refuse_nonfinite(reader)
 
     held_names = set().union(*reader.comm.allgather({h.spec.logical_name for _, h in params}))
     unused = sorted(p for p in index if p.startswith("/model/") and p[len("/model/"):] not in held_names)
@@ -172,7 +176,10 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             if sum(math.prod(box_shape(p.box)) for p in pieces) < held.tensor.numel():
                 held.tensor.zero_()  # padding (or nothing held): zeros, as after materialize
             for piece, arr in zip(pieces, data.get(held.path, [])):
-                _copy_in(piece.take(held.tensor), from_numpy(arr, dtype_name_).view(box_shape(piece.box)))
+                dst = piece.take(held.tensor)
+                if dst.device.type == "cpu" and dst.is_contiguous() and arr.ctypes.data == dst.data_ptr():
+                    continue  # read in place
+                _copy_in(dst, from_numpy(arr, dtype_name_).view(box_shape(piece.box)))
         for p, held in params:
             restored: Dict[str, Any] = {}
             for key, opath in optim.get(held.spec.logical_name, []):
@@ -200,6 +207,22 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
         torch.cuda.set_rng_state(cuda_state, trainer.device)
     log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, trainer.step,
               trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
+
+
+def _destinations(targets: List[Tuple[Held, List[Piece]]]) -> Dict[str, List[Any]]:
+    """Where the reader may read each box straight into the trainer: the
+    piece's own memory when it is a contiguous host view (the reader checks
+    dtype and shape, and falls back to its own buffer otherwise). Tensors
+    with padding (not covered by their pieces) are zeroed first and read
+    through the reader's buffer."""
+    into: Dict[str, List[Any]] = {}
+    for held, pieces in targets:
+        t = held.tensor.detach()
+        if t.device.type != "cpu" or sum(math.prod(box_shape(p.box)) for p in pieces) < t.numel():
+            continue
+        views = [p.take(t) for p in pieces]
+        into[held.path] = [as_numpy(v) if v.is_contiguous() else None for v in views]
+    return into
 
 
 def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -305,21 +328,12 @@ def _model_differences(saved_cfg: Any, cfg: Any, limit: int = 4) -> str:
     return ", ".join(shown) + (f", and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _refuse_nonfinite(reader: CheckpointReader, index: Any, data: Dict[str, Any]) -> None:
+def _refuse_nonfinite(reader: CheckpointReader) -> None:
     """A checkpoint holding NaN or infinite weights or optimizer state is
     unusable (resume=auto then falls back to an older one): agreed over the
-    ranks before anything of the trainer is touched."""
-    bad = []
-    for path, arrays in data.items():
-        if not path.startswith(("/model/", "/optim/")) or path not in index:
-            continue
-        dtype = index[path].attrs.get("torch_dtype", "")
-        for arr in arrays:
-            t = from_numpy(arr, dtype)
-            if not all_finite(t):
-                bad.append(path)
-                break
-    everyone = sorted(set().union(*reader.comm.allgather(set(bad))))
+    ranks before anything of the trainer is touched. The reader checked each
+    block of ``/model`` and ``/optim`` as it read it."""
+    everyone = sorted(set().union(*reader.comm.allgather(reader.nonfinite)))
     if everyone:
         raise CheckpointError(f"{reader.path}: non-finite values (NaN or inf) in {len(everyone)} tensor(s): "
                               + ", ".join(everyone[:5]) + (", ..." if len(everyone) > 5 else ""))
