@@ -93,12 +93,12 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
         from torch._dynamo import lookup_backend
-        from torch._dynamo.exc import TorchDynamoException
+        from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
         self.stats.graphs += 1
         try:
             return lookup_backend(self.name)(gm, example_inputs)
-        except TorchDynamoException:  # dynamo's own control flow (restart the analysis, skip the frame)
+        except (RestartAnalysis, SkipFrame):  # dynamo's own control flow, not a failure
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the compiler: the graph runs eagerly, reported
             text = str(e).strip()
