@@ -46,11 +46,11 @@ def test_report_names_regions_graphs_and_the_selective_recomputation_break(pm, c
     assert breaks >= 1
 
 
-def test_inductor_without_a_cxx_compiler_warns_once_and_trains_eagerly(pm, capsys, monkeypatch, eager_losses):
+def test_inductor_without_a_cxx_compiler_warns_once_and_trains_eagerly(pm, capsys, eager_losses):
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
-    trainer, losses = _losses(pm, "trainer.compile=true", "trainer.compile_backend=inductor")
+    with inductor_config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):  # the compilers inductor looks for
+        trainer, losses = _losses(pm, "trainer.compile=true", "trainer.compile_backend=inductor")
     assert trainer.parallel.compiled is None
     assert all(b.compiled_forward is None for b in trainer.model.modules() if isinstance(b, Block))
     assert losses == eager_losses
@@ -76,3 +76,28 @@ def test_a_graph_that_fails_to_compile_runs_eagerly_with_one_warning(pm, capsys,
     assert len(lines) == 1, err
     assert "failed to compile and run eagerly (RuntimeError: no kernels today)" in lines[0]
     assert "trainer.compile=false" in lines[0]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_inductor_follows_trainer_deterministic(pm, deterministic):
+    """``trainer.deterministic`` sets inductor's own deterministic mode (nothing compiles until a call)."""
+    import torch._inductor.config as inductor_config
+
+    from hpctrain.model.build import build_model
+    from hpctrain.model.compile import compile_regions
+
+    model = build_model(compose_resolved(BASE, pm), pm)
+    with inductor_config.patch(deterministic=not deterministic):  # (restored afterwards)
+        regions = compile_regions(model, "inductor", deterministic, True)
+        assert regions is not None and regions.blocks == 2 and regions.losses == 1
+        assert inductor_config.deterministic is deterministic
+
+
+def test_compile_table_compares_each_compiled_contender_with_itself_eager():
+    from hpctrain.bench.common import COMPILED, compile_table
+
+    samples = {"tp[mpi]": [0.2, 0.4, 0.3], "tp[mpi]" + COMPILED: [0.1, 0.1, 0.3], "torch-TP": [1.0, 1.0, 1.0]}
+    table = compile_table(samples, {"tp[mpi]": 5.0, "tp[mpi]" + COMPILED: 5.0, "torch-TP": 5.0}, "inductor")
+    assert len(table.rows) == 1
+    # medians 300 and 100 ms; per round 0.5, 0.25, 1.0
+    assert table.rows[0][:5] == ["tp[mpi]", "300.0", "100.0", "0.333", "0.500"]
