@@ -6,7 +6,8 @@ compiled code on the block (dynamo's cache entries of ``Block._forward``).
 
 Backends. dp and tp (with sequence parallelism and selective recomputation)
 run inductor, the backend a user gets: generated C++ kernels, fused
-differently from eager. pp, cp, ep and the 8-rank 3D layout run aot_eager
+differently from eager. pp (with full recomputation), cp, ep, ZeRO-3 and
+the 8-rank 3D layout (tp 2 x pp 2 x dp 2, ZeRO-1) run aot_eager
 (dynamo's tracing, the graph breaks at our collectives and AOTAutograd's
 joint graph, without code generation): what these axes add to compilation
 is where the graphs break and how backward is replayed, not the kernels,
@@ -41,6 +42,7 @@ TWO_RANKS = {
                       "aot_eager"),
     "cp2-ring": ((), ("parallel.cp=2", "parallel.cp_impl=ring"), "aot_eager"),
     "ep2-moe": (MOE, ("parallel.ep=2",), "aot_eager"),
+    "dp2-zero3": ((), ("parallel.dp=2", "parallel.zero.stage=3"), "aot_eager"),
 }
 # 8 ranks, 2 steps (test_layouts' references)
 EIGHT_RANKS = {
