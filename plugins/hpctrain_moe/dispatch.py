@@ -8,27 +8,34 @@ micro-batch and MoE block:
    one small all-to-all of the per-expert counts tells every rank how many
    rows it gets from each source for each of its experts (the splits of the
    next two exchanges, so no rank ever waits on a shape it does not know).
-2. ``dispatch``: the rows go out in one uneven all-to-all (counts may be 0:
-   a rank that receives nothing works, with empty tensors). They arrive
-   source-major: from each source, its rows for each local expert.
+2. ``dispatch``: the rows for this rank's own experts never leave it:
+   they are gathered straight into the front of the experts' input; the
+   others go out in one uneven all-to-all with a zero count for this rank
+   (counts may be 0: a rank that receives nothing works, with empty
+   tensors), and arrive behind them, source-major: from each other source,
+   its rows for each local expert.
 3. the local experts run on those runs (``DispatchPlan.segments``) where
    they lie, so the rows are never regrouped by expert (two copies of
    every row saved).
-4. ``combine``: the results go back through the reverse all-to-all in the
-   same order, and are summed into their tokens with the router weights.
+4. ``combine``: the results for other ranks go back through the reverse
+   all-to-all in the same order; they and this rank's own results (read
+   where the experts wrote them) are summed into their tokens with the
+   router weights.
 
-Both exchanges are ``all_to_all`` from the core's differentiable
-collectives: backward sends the gradients the opposite way. With ep = 1
+At ep = e, a rank's own experts get about 1/e of its rows: that share
+costs neither the exchange nor a copy in it. Backward of each step sends
+the gradients the opposite way through the same two exchanges. With ep = 1
 the same code runs without the exchanges: that is the one-process model.
 
 Costs on the token path (docs/benchmarks.md, "hpctrain-bench moe"): one
 stable sort of the assignments gives both the send order and each row's
-token; the rows to send are gathered with one ``index_select`` into a
-buffer kept per shape (the exchange copies it out before returning, and
-nothing saves it for backward, so it is reused from call to call instead
-of being new, cold memory every time); the combine is one autograd
-Function (``_Combine``) summing in place, whose backward gathers each
-row's token gradient once for both gradients.
+token, and runs while the counts are exchanged; the rows to send are
+gathered with one ``index_select`` into a buffer kept per shape (the
+exchange copies it out before returning, and nothing saves it for
+backward, so it is reused from call to call instead of being new, cold
+memory every time); the combine is one autograd Function (``_Combine``)
+summing in place, whose backward gathers each row's token gradient once
+for both gradients.
 
 Under ``trainer.compile`` the plan, the dispatch and the combine are eager
 islands (``hpctrain.eager``): their shapes follow the routing and the send
@@ -42,7 +49,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.comm.differentiable import all_to_all
 from hpctrain.eager import eager
 from hpctrain.mesh import Group
 
@@ -58,10 +64,30 @@ class DispatchPlan:
     recv_splits: List[int]
     """Rows received from each ep rank."""
     segments: List[Tuple[int, int]]
-    """The received rows as consecutive runs of (local expert, rows): source-major,
-    then by expert (one run per expert when ep = 1). Runs may be empty."""
+    """The experts' input rows as consecutive runs of (local expert, rows): this rank's own
+    rows first, then the other sources' in rank order, each by expert (one run per expert
+    when ep = 1). Runs may be empty."""
     exchange: bool = False
     """Whether rows cross ranks (ep > 1)."""
+    rank: int = 0
+    """This rank in the ep group."""
+
+    @property
+    def own(self) -> Tuple[int, int]:
+        """The rows of ``token`` that go to this rank's own experts: ``token[own[0]:own[1]]``."""
+        a = sum(self.send_splits[:self.rank])
+        return a, a + self.send_splits[self.rank]
+
+    @property
+    def own_rows(self) -> int:
+        """Rows this rank's own experts compute of its own tokens."""
+        return self.send_splits[self.rank]
+
+    def remote_splits(self) -> Tuple[List[int], List[int]]:
+        """(send, receive) splits of the exchange, with zero rows for this rank itself."""
+        send, recv = list(self.send_splits), list(self.recv_splits)
+        send[self.rank] = recv[self.rank] = 0
+        return send, recv
 
 
 @eager
@@ -76,22 +102,28 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     if keep is not None:
         slot = slot[keep.reshape(-1)]
         flat_e = flat_e[slot]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    exchange = group is not None and group.size > 1
+    if exchange:  # the counts travel while this rank sorts
+        assert group is not None
+        received = torch.empty_like(counts)
+        work = group.communicator().all_to_all(received, counts, async_op=True)  # E/ep counts to each rank
     order = torch.argsort(flat_e, stable=True)  # the one sort: rows by expert, then by token
     slot = slot[order]
     tok, flat_w = torch.div(slot, k, rounding_mode="floor"), flat_w[slot]
-    counts = torch.bincount(flat_e, minlength=num_experts)
-    if group is None or group.size == 1:
+    if not exchange:
         sent = [int(slot.numel())]
         return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())))
-    ep = group.size
+    assert group is not None
+    work.wait()
+    ep, me = group.size, group.rank
     local = num_experts // ep
-    received = torch.empty_like(counts)
-    group.communicator().all_to_all(received, counts)  # equal parts: E/ep counts to each rank
     from_src = received.view(ep, local).tolist()  # [source][local expert]
     send_splits = counts.view(ep, local).sum(dim=1).tolist()
     recv_splits = [sum(row) for row in from_src]
-    segments = [(e, from_src[s][e]) for s in range(ep) for e in range(local)]
-    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True)
+    sources = [me] + [s for s in range(ep) if s != me]  # own rows first, as dispatch lays them out
+    segments = [(e, from_src[s][e]) for s in sources for e in range(local)]
+    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True, rank=me)
 
 
 _send_buffers: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
@@ -109,30 +141,54 @@ def _send_buffer(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-class _GatherToSend(torch.autograd.Function):
-    """fwd ``tokens[index]`` into a reused buffer; bwd each token's summed row gradients.
+def _remote(t: torch.Tensor, own: Tuple[int, int]) -> torch.Tensor:
+    """``t`` without the rows ``own`` (the rows other ranks' experts compute, in send order)."""
+    a, b = own
+    return t[b:] if a == 0 else t[:a] if b == t.shape[0] else torch.cat([t[:a], t[b:]])
 
-    Only for rows that go straight into an exchange: the exchange copies the
-    buffer before returning and keeps nothing of it, so the next call may
-    overwrite it."""
+
+def _rowdot(rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each row's dot product with the same row of ``g``."""
+    return torch.bmm(rows.unsqueeze(1), g.unsqueeze(2)).view(-1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """fwd the experts' input rows: ``tokens[own tokens]`` gathered in place at the
+    front, the rows of other ranks received behind them; bwd the tokens' gradients
+    (the other ranks' part sent back through the reverse exchange)."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.n = tokens.shape[0]
-        buf = _send_buffer((index.numel(),) + tuple(tokens.shape[1:]), tokens)
-        return torch.index_select(tokens, 0, index, out=buf)
+    def forward(ctx, tokens: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
+        own, (send, recv) = plan.own, plan.remote_splits()
+        mine, theirs = plan.token[own[0]:own[1]], _remote(plan.token, own)
+        ctx.plan, ctx.group, ctx.n = plan, group, tokens.shape[0]
+        ctx.save_for_backward(mine, theirs)
+        out = torch.empty((plan.own_rows + sum(recv),) + tuple(tokens.shape[1:]), dtype=tokens.dtype,
+                          device=tokens.device)
+        torch.index_select(tokens, 0, mine, out=out[:plan.own_rows])
+        outgoing = torch.index_select(tokens, 0, theirs, out=_send_buffer((theirs.numel(),) + tuple(tokens.shape[1:]),
+                                                                          tokens))
+        group.communicator().all_to_all(out[plan.own_rows:], outgoing, recv, send)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
+        mine, theirs = ctx.saved_tensors
+        plan = ctx.plan
+        send, recv = plan.remote_splits()
+        grad = grad.contiguous()
+        back = torch.empty((theirs.numel(),) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        ctx.group.communicator().all_to_all(back, grad[plan.own_rows:], send, recv)
         out = torch.zeros((ctx.n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        return out.index_add_(0, index, grad), None
+        out.index_add_(0, mine, grad[:plan.own_rows])
+        return out.index_add_(0, theirs, back), None, None
 
 
 class _Combine(torch.autograd.Function):
-    """fwd ``out[t] = sum of weight[i] * rows[i] over the rows i of token t``; bwd the
-    rows' and the weights' gradients.
+    """fwd ``out[t] = sum of weight[i] * rows[i] over the rows i of token t``, where
+    ``rows`` are this rank's own rows (read where its experts wrote them) and the
+    rows other ranks' experts computed (received through the reverse exchange);
+    bwd the expert outputs' gradients (the other ranks' sent back) and the weights'.
 
     One Function instead of autograd's multiply, zero fill and out-of-place
     index_add: forward sums in place into the output; backward gathers each
@@ -140,18 +196,50 @@ class _Combine(torch.autograd.Function):
     sparse CSR product, tried for the forward, was slower on one core.)"""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
-        ctx.save_for_backward(rows, weight, token)
-        out = torch.zeros((n, rows.shape[-1]), dtype=rows.dtype, device=rows.device)
-        return out.index_add_(0, token, rows * weight.unsqueeze(-1))
+    def forward(ctx, expert_rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan,
+                group: Optional[Group], n: int) -> torch.Tensor:
+        out = torch.zeros((n, expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)
+        if not plan.exchange:
+            ctx.save_for_backward(expert_rows, weight, plan.token)
+            ctx.plan, ctx.group = plan, group
+            return out.index_add_(0, plan.token, expert_rows * weight.unsqueeze(-1))
+        assert group is not None
+        own, (send, recv) = plan.own, plan.remote_splits()
+        mine_rows = expert_rows[:plan.own_rows]
+        back = torch.empty((sum(send), expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)
+        group.communicator().all_to_all(back, expert_rows[plan.own_rows:].contiguous(), send, recv)
+        mine_w, theirs_w = weight[own[0]:own[1]], _remote(weight, own)
+        mine_t, theirs_t = plan.token[own[0]:own[1]], _remote(plan.token, own)
+        out.index_add_(0, mine_t, mine_rows * mine_w.unsqueeze(-1))
+        out.index_add_(0, theirs_t, back * theirs_w.unsqueeze(-1))
+        ctx.save_for_backward(mine_rows, back, mine_w, theirs_w, mine_t, theirs_t)
+        ctx.plan, ctx.group = plan, group
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows, weight, token = ctx.saved_tensors
-        g = grad.index_select(0, token)  # each row's token's gradient
-        grad_weight = torch.bmm(rows.unsqueeze(1), g.unsqueeze(2)).view(-1) if ctx.needs_input_grad[1] else None
-        grad_rows = g.mul_(weight.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
-        return grad_rows, grad_weight, None, None
+        plan = ctx.plan
+        if not plan.exchange:
+            rows, weight, token = ctx.saved_tensors
+            g = grad.index_select(0, token)  # each row's token's gradient
+            grad_weight = _rowdot(rows, g) if ctx.needs_input_grad[1] else None
+            grad_rows = g.mul_(weight.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
+            return grad_rows, grad_weight, None, None, None
+        mine_rows, back, mine_w, theirs_w, mine_t, theirs_t = ctx.saved_tensors
+        g_mine, g_theirs = grad.index_select(0, mine_t), grad.index_select(0, theirs_t)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            a, b = plan.own  # the weights are in send order, this rank's own rows in the middle
+            theirs_dot = _rowdot(back, g_theirs)
+            grad_weight = torch.cat([theirs_dot[:a], _rowdot(mine_rows, g_mine), theirs_dot[a:]])
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            send, recv = plan.remote_splits()
+            grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+            torch.mul(g_mine, mine_w.unsqueeze(-1), out=grad_rows[:plan.own_rows])
+            ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g_theirs.mul_(theirs_w.unsqueeze(-1)),
+                                                recv, send)
+        return grad_rows, grad_weight, None, None, None
 
 
 @eager
@@ -160,14 +248,11 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -
     if not plan.exchange:
         return tokens[plan.token]  # the experts keep these rows for backward: new memory
     assert group is not None  # rows cross ranks of the ep group
-    return all_to_all(_GatherToSend.apply(tokens, plan.token), group, plan.recv_splits, plan.send_splits)
+    return _Dispatch.apply(tokens, plan, group)
 
 
 @eager
 def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Optional[Group], n_tokens: int) -> torch.Tensor:
     """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
     sum of its experts' outputs times their router weights."""
-    if plan.exchange:
-        assert group is not None  # rows cross ranks of the ep group
-        expert_rows = all_to_all(expert_rows, group, plan.send_splits, plan.recv_splits)
-    return _Combine.apply(expert_rows, plan.weight.to(expert_rows.dtype), plan.token, n_tokens)
+    return _Combine.apply(expert_rows, plan.weight.to(expert_rows.dtype), plan, group, n_tokens)
