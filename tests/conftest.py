@@ -69,6 +69,10 @@ def make_config(pm):
 
 
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+# one inductor cache for every test process and session (trainer.compile): compiled kernels are
+# reused across ranks, sessions and runs of the suite instead of compiled again (build/ is not tracked)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "build", "inductor-cache"))
 
 #: from this world size on, tests written for fewer ranks run only when marked ``every_size``
 LARGE_WORLD = 8

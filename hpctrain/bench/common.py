@@ -25,7 +25,7 @@ import socket
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -198,6 +198,28 @@ def _cell(fmt: str, value: Any) -> str:
     if isinstance(value, float) and value != value:  # NaN
         return "n/a"
     return fmt.format(value)
+
+
+COMPILED = " +compile"
+"""Label suffix of a ``--compile`` contender: the same Trainer with ``trainer.compile=true``."""
+
+
+def compile_table(samples: Dict[str, List[float]], losses: Dict[str, Optional[float]], backend: str) -> "Table":
+    """``--compile`` of the dp and tp benches: each compiled contender (label ending in ``COMPILED``) against
+    the same contender eager (the label without it): medians, their ratio and the median of per-round ratios
+    (< 1: compiled is faster), and both last losses, which must agree closely (same model and data)."""
+    table = Table([Column("contender", "{}", "<"), Column("eager (ms)", "{:.1f}"),
+                   Column(f"{backend} (ms)", "{:.1f}"), Column("compiled / eager", "{:.3f}"),
+                   Column("paired", "{:.3f}"), Column("eager loss", "{:.6f}"), Column("compiled loss", "{:.6f}")])
+    for label in samples:
+        if not label.endswith(COMPILED):
+            continue
+        eager = label[:-len(COMPILED)]
+        a, b = samples[label], samples[eager]
+        table.add(eager, statistics.median(b) * 1e3, statistics.median(a) * 1e3,
+                  statistics.median(a) / statistics.median(b), statistics.median(x / y for x, y in zip(a, b)),
+                  losses[eager], losses[label])
+    return table
 
 
 def print_rank0(mpi_comm: Any, *lines: str) -> None:

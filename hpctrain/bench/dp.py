@@ -19,7 +19,10 @@ Only the gradient synchronisation differs:
 - ``local (no comm)``: the bare model, no communication: the compute floor,
   so ``step - floor`` is what synchronising costs.
 ``--trainer`` adds, per backend, the full ``Trainer.train_step()`` (the core's
-clipping and metrics included), for reference.
+clipping and metrics included), for reference. ``--compile`` adds those rows
+and, per backend, the same Trainer with ``trainer.compile=true``
+(``--compile-backend``, default inductor), and a second table: compiled
+against eager step time (compilation happens in the warm-up steps).
 
 Contenders run round-robin, one step each in turn
 (``common.time_interleaved``), so they share the machine's load; each step
@@ -42,8 +45,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from hpctrain.bench.common import (
+    COMPILED,
     Column,
     Table,
+    compile_table,
     loss_reader,
     machine_summary,
     metric_reader,
@@ -167,12 +172,15 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
         out.append((f"hpctrain[{name}]", loop.step, loss_reader(loop)))
     ddp, local = StepLoop(cfg, rt, pm, "ddp"), StepLoop(cfg, rt, pm, "local")
     out += [("torch DDP", ddp.step, lambda: ddp.last_loss), ("local (no comm)", local.step, lambda: local.last_loss)]
-    if args.trainer:
+    if args.trainer or args.compile:
         for name in comms:
-            c = copy.deepcopy(cfg)
-            c.comm.backend = name
-            tr = Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
-            out.append((f"Trainer[{name}]", tr.train_step, metric_reader(tr, "loss")))
+            for compiled in ([False, True] if args.compile else [False]):
+                c = copy.deepcopy(cfg)
+                c.comm.backend = name
+                c.trainer.compile, c.trainer.compile_backend = compiled, args.compile_backend
+                tr = Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
+                out.append((f"Trainer[{name}]" + (COMPILED if compiled else ""), tr.train_step,
+                            metric_reader(tr, "loss")))
     return out, notes
 
 
@@ -204,6 +212,10 @@ def run(args, cfg, rt, pm) -> Table:
         table.add(label, med[label] * 1e3, min(samples[label]) * 1e3, med[label] / ddp, paired,
                   (med[label] - floor) * 1e3, loss())
     print_rank0(world, "", f"## data-parallel step time ({rt.world_size} ranks)", table.render(args.markdown))
+    if args.compile:
+        compiled = compile_table(samples, {label: loss() for label, _, loss in runners}, args.compile_backend)
+        print_rank0(world, "", f"## trainer.compile: compiled vs eager ({rt.world_size} ranks)",
+                    compiled.render(args.markdown))
     return table
 
 
@@ -215,6 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
     p.add_argument("--trainer", action="store_true", help="also time the full Trainer.train_step() per backend")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the Trainer with trainer.compile=true against it eager, per backend")
+    p.add_argument("--compile-backend", default="inductor", help="trainer.compile_backend with --compile")
     p.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     return p
 

@@ -15,6 +15,11 @@ accumulation, clipping, AdamW and the schedule, ``bench.torch_peer``):
   world size and sequence parallelism, on the mpi backend and on torch
   (gloo: the transport torch-TP uses here).
 
+``--compile`` adds ``tp[<backend>] +compile``: the same Trainer with
+``trainer.compile=true`` (``--compile-backend``, default inductor), and a
+second table of compiled against eager step time (compilation happens in
+the warm-up steps).
+
 Contenders run round-robin, one step each in turn
 (``common.time_interleaved``); each step counts as its slowest rank's; the
 table gives medians, the ratio to torch-TP (of medians, and the median of
@@ -27,7 +32,16 @@ import argparse
 import statistics
 from typing import Any, Callable, List, Optional, Tuple
 
-from hpctrain.bench.common import Column, Table, machine_summary, metric_reader, print_rank0, time_interleaved
+from hpctrain.bench.common import (
+    COMPILED,
+    Column,
+    Table,
+    compile_table,
+    machine_summary,
+    metric_reader,
+    print_rank0,
+    time_interleaved,
+)
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 
 DEFAULT_OVERRIDES = (  # the dp/zero benches' 3.3M-parameter model, one micro-batch of 8 per step
@@ -78,7 +92,7 @@ class TorchTpLoop(PeerLoop):
         super().__init__(cfg, model, 0, 1, loss_context=loss_parallel)
 
 
-def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str):
+def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str, compile_backend: Optional[str] = None):
     import copy
 
     from hpctrain.run import build_mesh
@@ -86,6 +100,8 @@ def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str):
 
     c = copy.deepcopy(cfg)
     c.comm.backend = backend
+    if compile_backend is not None:
+        c.trainer.compile, c.trainer.compile_backend = True, compile_backend
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
 
 
@@ -97,9 +113,10 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
     loop = TorchTpLoop(cfg, rt, pm)
     out: List[Contender] = [("torch-TP", loop.step, lambda: loop.last_loss, lambda: float("nan"))]
     for backend in args.backends:
-        tr = _our_trainer(cfg, rt, pm, backend)
-        out.append((f"tp[{backend}]", tr.train_step, metric_reader(tr, "loss"),
-                    metric_reader(tr, "comm_bytes.tp")))
+        for compiled in ([None, args.compile_backend] if args.compile else [None]):
+            tr = _our_trainer(cfg, rt, pm, backend, compiled)
+            out.append((f"tp[{backend}]" + (COMPILED if compiled else ""), tr.train_step, metric_reader(tr, "loss"),
+                        metric_reader(tr, "comm_bytes.tp")))
     return out
 
 
@@ -123,6 +140,10 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
         paired = statistics.median(a / b for a, b in zip(samples[label], samples["torch-TP"]))
         table.add(label, med[label] * 1e3, med[label] / med["torch-TP"], paired, wire() / 1e6, loss())
     print_rank0(world, "", f"## step time ({rt.world_size} ranks)", table.render(args.markdown))
+    if args.compile:
+        compiled = compile_table(samples, {label: loss() for label, _, loss, _ in runners}, args.compile_backend)
+        print_rank0(world, "", f"## trainer.compile: compiled vs eager ({rt.world_size} ranks)",
+                    compiled.render(args.markdown))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="comm.backend of our contenders (default mpi,torch)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each contender of ours with trainer.compile=true against it eager")
+    p.add_argument("--compile-backend", default="inductor", help="trainer.compile_backend with --compile")
     p.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     return p
 

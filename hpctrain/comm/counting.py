@@ -22,6 +22,9 @@ a call that raises before anything moves is not counted.
 The wrapper also numbers each collective and records on the mesh's
 ``OpBoard`` when this rank blocks in one (``hpctrain.comm.watch``), which
 is what the hang watchdog reads.
+
+Every operation is an eager island under ``trainer.compile``
+(``hpctrain.eager``): a graph break, never traced.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator
 from hpctrain.comm.watch import OpBoard, Waiting, WatchedWork
+from hpctrain.eager import eager
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 
@@ -108,22 +112,26 @@ class CountingCommunicator(WrappedCommunicator):
         with board.blocked(name, self.group_name, None, (self.members[peer],) if self.members else ()):
             return call()
 
+    @eager
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, async_op: bool = False) -> Work:
         work = self._run("all_reduce", lambda: self._all_reduce(tensor, op, async_op), async_op)
         self.counter.add(_AR, self._ring2 * tensor.nbytes)
         return work
 
+    @eager
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         work = self._run("all_gather", lambda: self._all_gather(output, input, async_op), async_op)
         self.counter.add(_AG, self._ring * output.nbytes)
         return work
 
+    @eager
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                        async_op: bool = False) -> Work:
         work = self._run("reduce_scatter", lambda: self._reduce_scatter(output, input, op, async_op), async_op)
         self.counter.add(_RS, self._ring * input.nbytes)
         return work
 
+    @eager
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Optional[Sequence[int]] = None,
                    input_splits: Optional[Sequence[int]] = None, async_op: bool = False) -> Work:
         work = self._run("all_to_all", lambda: self.inner.all_to_all(output, input, output_splits, input_splits,
@@ -138,18 +146,22 @@ class CountingCommunicator(WrappedCommunicator):
         self.counter.add(_A2A, sent)
         return work
 
+    @eager
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work:
         work = self._run("broadcast", lambda: self.inner.broadcast(tensor, src, async_op), async_op)
         self.counter.add(_BC, tensor.nbytes)
         return work
 
+    @eager
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self._p2p("send", dst, lambda: self.inner.send(tensor, dst, tag))
         self.counter.add(_SEND, tensor.nbytes)
 
+    @eager
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         self._p2p("recv", src, lambda: self.inner.recv(tensor, src, tag))
 
+    @eager
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> List[Work]:
         works = self.inner.batch_isend_irecv(ops)
         sent = sum(op.tensor.nbytes for op in ops if op.kind == "send")
@@ -161,6 +173,7 @@ class CountingCommunicator(WrappedCommunicator):
         return [WatchedWork(w, self.board, op.kind, self.group_name, None, (self.members[op.peer],))
                 for w, op in zip(works, ops)]
 
+    @eager
     def barrier(self) -> None:
         self._run("barrier", self.inner.barrier, False)
 

@@ -14,6 +14,9 @@ are in group-rank order and equal in size (``scatter_*`` and
 ``all_to_all`` moves dim-0 rows with per-rank counts (uneven splits).
 Reductions are sums (a mean is the caller's division: the gradient of a
 mean over ranks is not a collective's business).
+
+Under ``trainer.compile`` every public function here is an eager island
+(``hpctrain.eager``): a graph break, its Function never traced.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import List, Optional, Sequence, Type
 import torch
 
 from hpctrain.comm.protocol import P2POp, ReduceOp
+from hpctrain.eager import eager
 from hpctrain.errors import CommError
 from hpctrain.mesh import Group
 
@@ -149,52 +153,62 @@ class _RingShift(torch.autograd.Function):
 
 
 # -- plain collectives for plugins' own autograd Functions ---------------------------
+@eager
 def all_gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """The ranks' ``x`` joined along ``dim`` (not differentiable; contiguous)."""
     return x.contiguous() if group.size == 1 else _all_gather(x, group, dim).contiguous()
 
 
+@eager
 def reduce_scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """This rank's chunk of ``dim`` of the ranks' summed ``x`` (not differentiable)."""
     return x if group.size == 1 else _reduce_scatter(x, group, dim)
 
 
 # -- the public wrappers -----------------------------------------------------------
+@eager
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes with the same ``x``: fwd identity, bwd all-reduce (sum)."""
     return x if group.size == 1 else _CopyToRegion.apply(x, group)
 
 
+@eager
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a region of partial sums: fwd all-reduce (sum), bwd identity."""
     return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
 
 
+@eager
 def scatter_to_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of ``dim``: fwd split (own chunk), bwd all-gather along ``dim``."""
     return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
 
 
+@eager
 def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Join the ranks' chunks of ``dim``: fwd all-gather along ``dim``, bwd split (own chunk)."""
     return x if group.size == 1 else _GatherFromRegion.apply(x, group, dim)
 
 
+@eager
 def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Enter sequence parallelism: fwd split the sequence ``dim`` (own chunk), bwd all-gather along it."""
     return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
 
 
+@eager
 def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Before a column-parallel layer: fwd all-gather the sequence ``dim``, bwd reduce-scatter (sum) along it."""
     return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group, dim)
 
 
+@eager
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """After a row-parallel layer: fwd reduce-scatter (sum) along the sequence ``dim``, bwd all-gather along it."""
     return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group, dim)
 
 
+@eager
 def all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[int]] = None,
                input_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Exchange dim-0 rows (``input_splits[j]`` rows to rank j, ``output_splits[j]`` from it): fwd all-to-all,
@@ -215,11 +229,13 @@ def all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[i
     return _AllToAll.apply(x, group, out, inp)
 
 
+@eager
 def ring_shift(x: torch.Tensor, group: Group, shift: int = 1) -> torch.Tensor:
     """Pass ``x`` around the ring: fwd send to rank r+shift and receive from r-shift, bwd the reverse."""
     return x if group.size == 1 or shift % group.size == 0 else _RingShift.apply(x, group, shift)
 
 
+@eager
 def exchange_counts(counts: Sequence[int], group: Group, device: Optional[torch.device] = None) -> List[int]:
     """What every rank will send this one, from what this one sends each
     (``counts[j]`` to rank j): the ``output_splits`` of an uneven

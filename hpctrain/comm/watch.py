@@ -23,6 +23,8 @@ import contextlib
 import time
 from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
+from hpctrain.eager import eager
+
 
 class Waiting(NamedTuple):
     """One blocked call of this rank (a tuple: made on every blocking call)."""
@@ -84,6 +86,7 @@ class WatchedWork:
     def __init__(self, inner, board: OpBoard, op: str, group: str, seq: Optional[int], members: Tuple[int, ...]):
         self.inner, self.board, self.op, self.group, self.seq, self.members = inner, board, op, group, seq, members
 
+    @eager
     def wait(self) -> None:
         board = self.board
         outer = board.waiting
@@ -93,5 +96,6 @@ class WatchedWork:
         finally:
             board.waiting = outer
 
+    @eager
     def is_completed(self) -> bool:
         return self.inner.is_completed()

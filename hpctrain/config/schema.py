@@ -313,7 +313,17 @@ class TrainerConfig:
     progress: str = "auto"
     """Rank-0 progress bar: auto (when a terminal is attached), on, off."""
     deterministic: bool = True
-    """Use deterministic torch algorithms (needed for the equivalence tests)."""
+    """Use deterministic torch algorithms (needed for the equivalence tests); with compile, inductor's own
+    deterministic mode too (no kernel choice by timing)."""
+    compile: bool = False
+    """Regional torch.compile: each transformer block's forward and the loss are compiled (inside activation
+    recomputation's checkpoint), under every parallel axis; collectives run eagerly between graphs (graph
+    breaks, counted in one log line after the first step). Where the backend cannot compile, the run goes on
+    eagerly with one warning (hpctrain/model/compile.py)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend with trainer.compile: inductor (generated code: C++ on CPU, needs a C++ compiler;
+    Triton on GPU), aot_eager (dynamo and AOTAutograd without code generation: checks tracing, no speed-up),
+    or another backend torch._dynamo.list_backends() names."""
     max_time: Optional[str] = None
     """Wall-clock budget of this launch: seconds or SLURM's [D-]HH:MM:SS; the run saves a checkpoint and stops
     (exit status 75; under SLURM the job is requeued) when less than max_time_margin_s plus one step is

@@ -178,6 +178,11 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
+    if t.compile_backend != "inductor":  # (the default needs no look-up: listing backends imports dynamo)
+        from hpctrain.model.compile import backends
+        if t.compile_backend not in backends():
+            problems.append(f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "
+                            f"use inductor or aot_eager (or one of {', '.join(backends())})")
     from hpctrain.train.stopping import parse_duration
     try:
         if (parse_duration(t.max_time) or 0) < 0:

@@ -24,6 +24,7 @@ from typing import Any, Callable, cast
 import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from hpctrain.eager import eager
 from hpctrain.model.aux import collecting, replaying
 
 RECOMPUTE = ("none", "selective", "full")
@@ -36,9 +37,15 @@ def recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
+@eager
 def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, keeping only ``args`` for backward (``fn`` runs again there).
-    Without gradients (inference) it is a plain call."""
+    Without gradients (inference) it is a plain call.
+
+    Never traced by torch.compile (``trainer.compile``): its call count and
+    context variables must run each time, not once at tracing; inside a
+    compiled block (selective recomputation) it is a graph break, and ``fn``
+    itself may be compiled (full recomputation of a compiled block)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     collected = collecting()

@@ -206,11 +206,14 @@ class Block(nn.Module):
         self.ffn = ffn
         self.recompute = False
         """Full recomputation: the block keeps only its inputs for backward."""
+        self.compiled_forward: Optional[Callable[..., torch.Tensor]] = None
+        """``_forward`` compiled (``trainer.compile``, ``hpctrain.model.compile``); None: eager."""
 
     def forward(self, x, cos, sin, segments=None):
-        if self.recompute:
-            return recomputed(self._forward, x, cos, sin, segments)
-        return self._forward(x, cos, sin, segments)
+        body = self._forward if self.compiled_forward is None else self.compiled_forward
+        if self.recompute:  # checkpoint outside, compiled region inside: recomputation replays the compiled graph
+            return recomputed(body, x, cos, sin, segments)
+        return body(x, cos, sin, segments)
 
     def _forward(self, x, cos, sin, segments=None):
         h = self.attn_norm(x)

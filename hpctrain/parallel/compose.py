@@ -11,6 +11,8 @@ weights real, then the optimizer and the step schedule:
 4. **pipeline** (``pp``): keep this rank's stage(s); the pipeline's handle
    gives the step schedule;
 5. **recomputation** (``model.recompute``): on the blocks this rank runs;
+   then **compilation** (``trainer.compile``): each block's forward and the
+   loss, inside the recomputation's checkpoint (``hpctrain.model.compile``);
 6. **data** (``dp``, standing for the data axes ``cp x ep x dp``): how
    gradients are reduced (plain data parallelism, ZeRO, or a third party's);
 7. **weights**: allocate this rank's pieces and fill them from the
@@ -45,6 +47,7 @@ from hpctrain.errors import PluginError
 from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
+from hpctrain.model.compile import Regions, compile_regions
 from hpctrain.model.recompute import set_recompute
 from hpctrain.optimizers.build import build_optimizer
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
@@ -69,6 +72,8 @@ class Parallelized:
     """Parameters of the whole logical model (before a pipeline keeps a stage)."""
     handles: Dict[str, AxisHandle] = field(default_factory=dict)
     """Every axis implementation of this layout, by axis."""
+    compiled: Optional[Regions] = None
+    """The compiled regions (``trainer.compile``), None when eager."""
 
 
 def _apply(axis: str, model: nn.Module, cfg: Any, mesh: Mesh, pm: Any,
@@ -139,6 +144,8 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     model = _apply("ep", model, cfg, mesh, pm, handles)   # 3. expert
     model = _apply("pp", model, cfg, mesh, pm, handles)   # 4. pipeline split
     set_recompute(model, cfg.model.recompute)             # 5. recomputation
+    compiled = (compile_regions(model, str(cfg.trainer.compile_backend), bool(cfg.trainer.deterministic),
+                                mesh.world_rank == 0) if cfg.trainer.compile else None)  # and compilation
     model = _apply("dp", model, cfg, mesh, pm, handles)   # 6. data axes
     if tied_parameters(model, mesh):
         mesh.pp_ends()  # made now: no group is created once the mesh is sealed
@@ -172,4 +179,4 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device) -> Parallel
     if pipeline is not None and not isinstance(pipeline, PipelineHandle):
         raise PluginError(f"the pipeline plugin returned a {type(pipeline).__name__}, not a PipelineHandle")
     schedule = pipeline.step_schedule() if pipeline is not None else GradAccumulation()   # and schedule
-    return Parallelized(model, params, data, optimizer, schedule, logical, handles)
+    return Parallelized(model, params, data, optimizer, schedule, logical, handles, compiled)

@@ -50,6 +50,7 @@ from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.aux import objective_scale
+from hpctrain.model.compile import report_once
 from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.compose import parallelize
 from hpctrain.parallel.finalize import finalize_grads
@@ -304,6 +305,7 @@ class Trainer:
             result = as_step_result(self.schedule.run(self.model, microbatches, self.data, self.autocast),
                                     microbatches)
         self.forward_clock.take()  # this step's forwards join the straggler check's window
+        report_once(self.parallel.compiled)  # the first step compiled the regions (trainer.compile)
         finalize_grads(self.model, self.data, mesh)
         pairs = gradient_pairs(self.params, self.optimizer)
         if scale is not None and pairs:

@@ -36,6 +36,11 @@ backward, so it is reused from call to call instead of being new, cold
 memory every time); the combine is one autograd Function (``_Combine``)
 summing in place, whose backward gathers each row's token gradient once
 for both gradients.
+
+Under ``trainer.compile`` the plan, the dispatch and the combine are eager
+islands (``hpctrain.eager``): their shapes follow the routing and the send
+buffer is reused across calls, nothing a graph should capture; the router
+and the experts' matrix products stay in the block's compiled graphs.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from hpctrain.eager import eager
 from hpctrain.mesh import Group
 
 
@@ -84,6 +90,7 @@ class DispatchPlan:
         return send, recv
 
 
+@eager
 def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int,
                   group: Optional[Group]) -> DispatchPlan:
     """The plan for (N, k) ``experts`` and ``weights``, ``keep`` (N, k) the
@@ -235,6 +242,7 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_weight, None, None, None
 
 
+@eager
 def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -> torch.Tensor:
     """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``)."""
     if not plan.exchange:
@@ -243,6 +251,7 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -
     return _Dispatch.apply(tokens, plan, group)
 
 
+@eager
 def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Optional[Group], n_tokens: int) -> torch.Tensor:
     """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
     sum of its experts' outputs times their router weights."""
