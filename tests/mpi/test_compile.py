@@ -80,17 +80,14 @@ def _check(pm, layouts, name, steps):
     return trainer
 
 
+LAYOUTS = {**{name: (2, TWO_RANKS, 3) for name in TWO_RANKS}, **{name: (8, EIGHT_RANKS, 2) for name in EIGHT_RANKS}}
+"""name: (world size it is written for, its table, steps)."""
+
+
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", list(TWO_RANKS))
-def test_compiled_axis_trains_like_one_process(world, pm, name):
-    if world.Get_size() != 2:
-        pytest.skip("written for 2 ranks (the 8-rank 3D layout is below)")
-    _check(pm, TWO_RANKS, name, 3)
-
-
-@pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("name", list(EIGHT_RANKS))
-def test_compiled_3d_layout_trains_like_one_process(world, pm, name):
-    if world.Get_size() != 8:
-        pytest.skip("the layout is for 8 ranks")
-    _check(pm, EIGHT_RANKS, name, 2)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_compiled_layout_trains_like_one_process(world, pm, name):
+    size, layouts, steps = LAYOUTS[name]
+    if world.Get_size() != size:
+        pytest.skip(f"written for {size} ranks")
+    _check(pm, layouts, name, steps)
