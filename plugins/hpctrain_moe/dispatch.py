@@ -45,6 +45,7 @@ and the experts' matrix products stay in the block's compiled graphs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -72,9 +73,10 @@ class DispatchPlan:
     rank: int = 0
     """This rank in the ep group."""
 
-    @property
+    @cached_property
     def own(self) -> Tuple[int, int]:
-        """The rows of ``token`` that go to this rank's own experts: ``token[own[0]:own[1]]``."""
+        """The rows of ``token`` that go to this rank's own experts: ``token[own[0]:own[1]]``
+        (all of them when ep = 1)."""
         a = sum(self.send_splits[:self.rank])
         return a, a + self.send_splits[self.rank]
 
@@ -83,11 +85,27 @@ class DispatchPlan:
         """Rows this rank's own experts compute of its own tokens."""
         return self.send_splits[self.rank]
 
+    @cached_property
     def remote_splits(self) -> Tuple[List[int], List[int]]:
         """(send, receive) splits of the exchange, with zero rows for this rank itself."""
         send, recv = list(self.send_splits), list(self.recv_splits)
         send[self.rank] = recv[self.rank] = 0
         return send, recv
+
+    @cached_property
+    def own_token(self) -> torch.Tensor:
+        """The tokens of the rows this rank's own experts compute."""
+        return self.token[self.own[0]:self.own[1]]
+
+    @cached_property
+    def remote_token(self) -> torch.Tensor:
+        """The tokens of the rows other ranks' experts compute, in send order."""
+        return self.remote(self.token)
+
+    def remote(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (one entry per row of ``token``) without this rank's own rows."""
+        a, b = self.own
+        return t[b:] if a == 0 else t[:a] if b == t.shape[0] else torch.cat([t[:a], t[b:]])
 
 
 @eager
@@ -141,12 +159,6 @@ def _send_buffer(shape: Tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return buf
 
 
-def _remote(t: torch.Tensor, own: Tuple[int, int]) -> torch.Tensor:
-    """``t`` without the rows ``own`` (the rows other ranks' experts compute, in send order)."""
-    a, b = own
-    return t[b:] if a == 0 else t[:a] if b == t.shape[0] else torch.cat([t[:a], t[b:]])
-
-
 def _rowdot(rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Each row's dot product with the same row of ``g``."""
     return torch.bmm(rows.unsqueeze(1), g.unsqueeze(2)).view(-1)
@@ -159,36 +171,35 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
-        own, (send, recv) = plan.own, plan.remote_splits()
-        mine, theirs = plan.token[own[0]:own[1]], _remote(plan.token, own)
+        send, recv = plan.remote_splits
         ctx.plan, ctx.group, ctx.n = plan, group, tokens.shape[0]
-        ctx.save_for_backward(mine, theirs)
-        out = torch.empty((plan.own_rows + sum(recv),) + tuple(tokens.shape[1:]), dtype=tokens.dtype,
-                          device=tokens.device)
-        torch.index_select(tokens, 0, mine, out=out[:plan.own_rows])
-        outgoing = torch.index_select(tokens, 0, theirs, out=_send_buffer((theirs.numel(),) + tuple(tokens.shape[1:]),
-                                                                          tokens))
+        row = tuple(tokens.shape[1:])
+        out = torch.empty((plan.own_rows + sum(recv),) + row, dtype=tokens.dtype, device=tokens.device)
+        torch.index_select(tokens, 0, plan.own_token, out=out[:plan.own_rows])
+        outgoing = torch.index_select(tokens, 0, plan.remote_token,
+                                      out=_send_buffer((plan.remote_token.numel(),) + row, tokens))
         group.communicator().all_to_all(out[plan.own_rows:], outgoing, recv, send)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mine, theirs = ctx.saved_tensors
         plan = ctx.plan
-        send, recv = plan.remote_splits()
+        send, recv = plan.remote_splits
         grad = grad.contiguous()
-        back = torch.empty((theirs.numel(),) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        back = torch.empty((plan.remote_token.numel(),) + tuple(grad.shape[1:]), dtype=grad.dtype,
+                           device=grad.device)
         ctx.group.communicator().all_to_all(back, grad[plan.own_rows:], send, recv)
         out = torch.zeros((ctx.n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        out.index_add_(0, mine, grad[:plan.own_rows])
-        return out.index_add_(0, theirs, back), None, None
+        out.index_add_(0, plan.own_token, grad[:plan.own_rows])
+        return out.index_add_(0, plan.remote_token, back), None, None
 
 
 class _Combine(torch.autograd.Function):
     """fwd ``out[t] = sum of weight[i] * rows[i] over the rows i of token t``, where
     ``rows`` are this rank's own rows (read where its experts wrote them) and the
-    rows other ranks' experts computed (received through the reverse exchange);
-    bwd the expert outputs' gradients (the other ranks' sent back) and the weights'.
+    rows other ranks' experts computed (received through the reverse exchange; none
+    when ep = 1); bwd the expert outputs' gradients (the other ranks' sent back) and
+    the weights'.
 
     One Function instead of autograd's multiply, zero fill and out-of-place
     index_add: forward sums in place into the output; backward gathers each
@@ -198,47 +209,40 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan,
                 group: Optional[Group], n: int) -> torch.Tensor:
-        out = torch.zeros((n, expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)
-        if not plan.exchange:
-            ctx.save_for_backward(expert_rows, weight, plan.token)
-            ctx.plan, ctx.group = plan, group
-            return out.index_add_(0, plan.token, expert_rows * weight.unsqueeze(-1))
-        assert group is not None
-        own, (send, recv) = plan.own, plan.remote_splits()
+        send, recv = plan.remote_splits
+        width = expert_rows.shape[-1]
         mine_rows = expert_rows[:plan.own_rows]
-        back = torch.empty((sum(send), expert_rows.shape[-1]), dtype=expert_rows.dtype, device=expert_rows.device)
-        group.communicator().all_to_all(back, expert_rows[plan.own_rows:].contiguous(), send, recv)
-        mine_w, theirs_w = weight[own[0]:own[1]], _remote(weight, own)
-        mine_t, theirs_t = plan.token[own[0]:own[1]], _remote(plan.token, own)
-        out.index_add_(0, mine_t, mine_rows * mine_w.unsqueeze(-1))
-        out.index_add_(0, theirs_t, back * theirs_w.unsqueeze(-1))
-        ctx.save_for_backward(mine_rows, back, mine_w, theirs_w, mine_t, theirs_t)
+        back = torch.empty((sum(send), width), dtype=expert_rows.dtype, device=expert_rows.device)
+        if plan.exchange:
+            assert group is not None  # rows cross ranks of the ep group
+            group.communicator().all_to_all(back, expert_rows[plan.own_rows:], send, recv)
+        a, b = plan.own
+        mine_w, theirs_w = weight[a:b], plan.remote(weight)
+        out = torch.zeros((n, width), dtype=expert_rows.dtype, device=expert_rows.device)
+        out.index_add_(0, plan.own_token, mine_rows * mine_w.unsqueeze(-1))
+        out.index_add_(0, plan.remote_token, back * theirs_w.unsqueeze(-1))
+        ctx.save_for_backward(mine_rows, back, mine_w, theirs_w)
         ctx.plan, ctx.group = plan, group
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         plan = ctx.plan
-        if not plan.exchange:
-            rows, weight, token = ctx.saved_tensors
-            g = grad.index_select(0, token)  # each row's token's gradient
-            grad_weight = _rowdot(rows, g) if ctx.needs_input_grad[1] else None
-            grad_rows = g.mul_(weight.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
-            return grad_rows, grad_weight, None, None, None
-        mine_rows, back, mine_w, theirs_w, mine_t, theirs_t = ctx.saved_tensors
-        g_mine, g_theirs = grad.index_select(0, mine_t), grad.index_select(0, theirs_t)
+        mine_rows, back, mine_w, theirs_w = ctx.saved_tensors
+        g_mine, g_theirs = grad.index_select(0, plan.own_token), grad.index_select(0, plan.remote_token)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            a, b = plan.own  # the weights are in send order, this rank's own rows in the middle
+            a, _ = plan.own  # the weights are in send order, this rank's own rows in the middle
             theirs_dot = _rowdot(back, g_theirs)
             grad_weight = torch.cat([theirs_dot[:a], _rowdot(mine_rows, g_mine), theirs_dot[a:]])
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            send, recv = plan.remote_splits()
+            send, recv = plan.remote_splits
             grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype, device=grad.device)
             torch.mul(g_mine, mine_w.unsqueeze(-1), out=grad_rows[:plan.own_rows])
-            ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g_theirs.mul_(theirs_w.unsqueeze(-1)),
-                                                recv, send)
+            if plan.exchange:
+                ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g_theirs.mul_(theirs_w.unsqueeze(-1)),
+                                                    recv, send)
         return grad_rows, grad_weight, None, None, None
 
 
