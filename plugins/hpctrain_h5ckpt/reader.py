@@ -14,9 +14,10 @@ every dataset's checksum. Boxes read independently are read in blocks of
 about ``_HOT_BLOCK_BYTES`` and each block is summed (and checked for
 non-finite values, where asked) right after it is read, while it is still
 in the CPU's cache: a second pass over the whole box would read it from
-memory again (docs/benchmarks.md, "Checkpoint load"). Datasets that the loading layout does not read
-completely (another world size's RNG rows, tensors nobody holds) are read
-whole, in blocks, by one rank each, round robin. Every problem (a missing
+memory again (docs/checkpointing.md, "Measured"). Datasets that the
+loading layout does not read completely (another world size's RNG rows,
+tensors nobody holds) are read whole, in blocks, by one rank each, round
+robin. Every problem (a missing
 dataset, a shape that differs from the model's, an unreadable dataset, a
 checksum mismatch) is gathered from all ranks and raised as one
 ``CheckpointError`` on every rank, naming the file and the datasets.

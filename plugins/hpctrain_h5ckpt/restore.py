@@ -177,8 +177,8 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
                 held.tensor.zero_()  # padding (or nothing held): zeros, as after materialize
             for piece, arr in zip(pieces, data.get(held.path, [])):
                 dst = piece.take(held.tensor)
-                if dst.device.type == "cpu" and dst.is_contiguous() and arr.ctypes.data == dst.data_ptr():
-                    continue  # read in place
+                if arr.ctypes.data == dst.data_ptr():
+                    continue  # read in place (``_destinations``)
                 _copy_in(dst, from_numpy(arr, dtype_name_).view(box_shape(piece.box)))
         for p, held in params:
             restored: Dict[str, Any] = {}
