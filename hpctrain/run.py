@@ -44,6 +44,9 @@ def configure_torch(cfg: Any, rt: Runtime) -> None:
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # torch would then fill every new tensor with NaN (so that a read of memory never
+        # written shows): one more write of every activation and buffer, off unless asked for
+        torch.utils.deterministic.fill_uninitialized_memory = bool(cfg.debug.fill_uninitialized)
 
 
 def resolve_backend_name(name: str, device: torch.device, pm) -> str:

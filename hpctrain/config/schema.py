@@ -442,7 +442,7 @@ FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow"
 
 @dataclass
 class DebugConfig:
-    """Fault injection, to test how a job fails (hpctrain/train/faults.py)."""
+    """Fault injection, to test how a job fails (hpctrain/train/faults.py), and checks that cost speed."""
 
     fault: str = "none"
     """What happens to rank fault_rank: die (killed by SIGKILL), stall (its training thread stops; the process
@@ -466,6 +466,10 @@ class DebugConfig:
     hpctrain-tune's tests use it to show a measured slow axis changes the ranking."""
     comm_delay_ms: float = 0.0
     """Milliseconds each operation on comm_delay_axis's groups waits; 0 with an axis named is refused."""
+    fill_uninitialized: bool = False
+    """With trainer.deterministic, fill every new tensor with NaN (torch's fill_uninitialized_memory), so that
+    code reading memory it never wrote shows NaN instead of whatever was there. Off by default: it writes
+    every activation and buffer once more (on a CPU, the MoE token path took twice as long with it)."""
 
 
 @dataclass

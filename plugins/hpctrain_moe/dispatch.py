@@ -44,11 +44,12 @@ and the experts' matrix products stay in the block's compiled graphs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from hpctrain.eager import eager
 from hpctrain.mesh import Group
@@ -72,6 +73,7 @@ class DispatchPlan:
     """Whether rows cross ranks (ep > 1)."""
     rank: int = 0
     """This rank in the ep group."""
+    _bags: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @cached_property
     def own(self) -> Tuple[int, int]:
@@ -101,6 +103,30 @@ class DispatchPlan:
     def remote_token(self) -> torch.Tensor:
         """The tokens of the rows other ranks' experts compute, in send order."""
         return self.remote(self.token)
+
+    @cached_property
+    def combine_order(self) -> torch.Tensor:
+        """The combine's rows (own rows first, then the received ones) as indices of ``token``."""
+        a, b = self.own
+        every = torch.arange(self.token.numel(), device=self.token.device)
+        return every if not self.exchange else torch.cat([every[a:b], self.remote(every)])
+
+    @cached_property
+    def combine_token(self) -> torch.Tensor:
+        """The token of each of the combine's rows."""
+        return self.token if not self.exchange else torch.cat([self.own_token, self.remote_token])
+
+    def bags(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, offsets) of the combine's ``embedding_bag`` over ``n`` tokens: the
+        combine's rows grouped by token (stable), and where each token's group starts
+        (n + 1 entries; a token with no kept row has an empty group)."""
+        if self._bags is None or self._bags[1].numel() != n + 1:
+            t = self.combine_token
+            rows = torch.argsort(t, stable=True)
+            offsets = torch.zeros(n + 1, dtype=torch.long, device=t.device)
+            torch.cumsum(torch.bincount(t, minlength=n), 0, out=offsets[1:])
+            self._bags = (rows, offsets)
+        return self._bags
 
     def remote(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (one entry per row of ``token``) without this rank's own rows."""
@@ -201,48 +227,52 @@ class _Combine(torch.autograd.Function):
     when ep = 1); bwd the expert outputs' gradients (the other ranks' sent back) and
     the weights'.
 
-    One Function instead of autograd's multiply, zero fill and out-of-place
-    index_add: forward sums in place into the output; backward gathers each
-    row's token gradient once and derives both gradients from it. (torch's
-    sparse CSR product, tried for the forward, was slower on one core.)"""
+    The forward is one weighted ``embedding_bag`` over the rows (own rows first,
+    received rows behind them: ``DispatchPlan.combine_token``), one bag per token:
+    gather, multiply and sum in one pass that writes each token once, instead of a
+    product per row, a zero fill and a scattered add. The backward gathers each row's
+    token gradient once and derives both gradients from it."""
 
     @staticmethod
     def forward(ctx, expert_rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan,
                 group: Optional[Group], n: int) -> torch.Tensor:
         send, recv = plan.remote_splits
-        width = expert_rows.shape[-1]
-        mine_rows = expert_rows[:plan.own_rows]
-        back = torch.empty((sum(send), width), dtype=expert_rows.dtype, device=expert_rows.device)
         if plan.exchange:
             assert group is not None  # rows cross ranks of the ep group
-            group.communicator().all_to_all(back, expert_rows[plan.own_rows:], send, recv)
-        a, b = plan.own
-        mine_w, theirs_w = weight[a:b], plan.remote(weight)
-        out = torch.zeros((n, width), dtype=expert_rows.dtype, device=expert_rows.device)
-        out.index_add_(0, plan.own_token, mine_rows * mine_w.unsqueeze(-1))
-        out.index_add_(0, plan.remote_token, back * theirs_w.unsqueeze(-1))
-        ctx.save_for_backward(mine_rows, back, mine_w, theirs_w)
+            rows = torch.empty((plan.own_rows + sum(send), expert_rows.shape[-1]), dtype=expert_rows.dtype,
+                               device=expert_rows.device)
+            rows[:plan.own_rows].copy_(expert_rows[:plan.own_rows])
+            group.communicator().all_to_all(rows[plan.own_rows:], expert_rows[plan.own_rows:], send, recv)
+        else:
+            rows = expert_rows  # every row is this rank's own, already in combine order
+        row_weight = weight[plan.combine_order]
+        bag_rows, offsets = plan.bags(n)
+        with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype is the output's
+            out = F.embedding_bag(bag_rows, rows, offsets, mode="sum", per_sample_weights=row_weight[bag_rows],
+                                  include_last_offset=True)
+        ctx.save_for_backward(rows, row_weight)
         ctx.plan, ctx.group = plan, group
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         plan = ctx.plan
-        mine_rows, back, mine_w, theirs_w = ctx.saved_tensors
-        g_mine, g_theirs = grad.index_select(0, plan.own_token), grad.index_select(0, plan.remote_token)
+        rows, row_weight = ctx.saved_tensors
+        g = grad.index_select(0, plan.combine_token)  # each row's token gradient, once
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            a, _ = plan.own  # the weights are in send order, this rank's own rows in the middle
-            theirs_dot = _rowdot(back, g_theirs)
-            grad_weight = torch.cat([theirs_dot[:a], _rowdot(mine_rows, g_mine), theirs_dot[a:]])
+            grad_weight = torch.empty_like(row_weight).index_copy_(0, plan.combine_order, _rowdot(rows, g))
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            send, recv = plan.remote_splits
-            grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype, device=grad.device)
-            torch.mul(g_mine, mine_w.unsqueeze(-1), out=grad_rows[:plan.own_rows])
+            g.mul_(row_weight.unsqueeze(-1))
             if plan.exchange:
-                ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g_theirs.mul_(theirs_w.unsqueeze(-1)),
-                                                    recv, send)
+                send, recv = plan.remote_splits
+                grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype,
+                                        device=grad.device)
+                grad_rows[:plan.own_rows].copy_(g[:plan.own_rows])
+                ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g[plan.own_rows:], recv, send)
+            else:
+                grad_rows = g
         return grad_rows, grad_weight, None, None, None
 
 

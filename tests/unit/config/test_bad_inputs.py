@@ -170,6 +170,7 @@ BAD = [
     ("trainer.steps=1.5", "trainer.steps=1.5: must be an integer (int), e.g. trainer.steps=40"),
     ("trainer.deterministic=maybe", "trainer.deterministic='maybe': must be true or false (bool)"),
     ("trainer.compile=maybe", "trainer.compile='maybe': must be true or false (bool)"),
+    ("debug.fill_uninitialized=maybe", "debug.fill_uninitialized='maybe': must be true or false (bool)"),
     ("checkpoint.allow_batch_change=sometimes", "checkpoint.allow_batch_change='sometimes': must be true or false"),
     ("model.vocab_size=abc", "model.vocab_size='abc': must be an integer >= 2, or auto"),
     ("data.prefetch=maybe", "data.prefetch='maybe': must be true or false (bool)"),
