@@ -46,7 +46,7 @@ def configure_torch(cfg: Any, rt: Runtime) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         # torch would then fill every new tensor with NaN (so that a read of memory never
         # written shows): one more write of every activation and buffer, off unless asked for
-        torch.utils.deterministic.fill_uninitialized_memory = bool(cfg.debug.fill_uninitialized)
+        torch.utils.deterministic.fill_uninitialized_memory = bool(cfg.debug.fill_uninitialized)  # type: ignore[attr-defined]
 
 
 def resolve_backend_name(name: str, device: torch.device, pm) -> str:

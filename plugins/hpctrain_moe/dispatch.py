@@ -18,9 +18,9 @@ micro-batch and MoE block:
    they lie, so the rows are never regrouped by expert (two copies of
    every row saved).
 4. ``combine``: the results for other ranks go back through the reverse
-   all-to-all in the same order; they and this rank's own results (read
-   where the experts wrote them) are summed into their tokens with the
-   router weights.
+   all-to-all in the same order, behind a copy of this rank's own results;
+   one weighted ``embedding_bag`` over those rows, one bag per token, sums
+   them into their tokens with the router weights.
 
 At ep = e, a rank's own experts get about 1/e of its rows: that share
 costs neither the exchange nor a copy in it. Backward of each step sends
@@ -28,14 +28,16 @@ the gradients the opposite way through the same two exchanges. With ep = 1
 the same code runs without the exchanges: that is the one-process model.
 
 Costs on the token path (docs/benchmarks.md, "hpctrain-bench moe"): one
-stable sort of the assignments gives both the send order and each row's
-token, and runs while the counts are exchanged; the rows to send are
-gathered with one ``index_select`` into a buffer kept per shape (the
-exchange copies it out before returning, and nothing saves it for
-backward, so it is reused from call to call instead of being new, cold
-memory every time); the combine is one autograd Function (``_Combine``)
-summing in place, whose backward gathers each row's token gradient once
-for both gradients.
+stable sort of the assignments gives the send order, each row's token and
+its place in (token, choice) order (from which the combine's bags follow
+without a second sort), and runs while the counts are exchanged (through
+kept buffers); the rows to send are gathered with one ``index_select``
+into a buffer kept per shape (the exchange copies it out before returning,
+and nothing saves it for backward, so it is reused from call to call); the
+combine is one autograd Function (``_Combine``) whose forward gathers,
+weights and sums in one pass, reading the router's weights in their own
+(token, choice) order, and whose backward gathers each row's token
+gradient once for both gradients.
 
 Under ``trainer.compile`` the plan, the dispatch and the combine are eager
 islands (``hpctrain.eager``): their shapes follow the routing and the send
@@ -44,7 +46,7 @@ and the experts' matrix products stay in the block's compiled graphs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Tuple
 
@@ -59,8 +61,9 @@ from hpctrain.mesh import Group
 class DispatchPlan:
     token: torch.Tensor
     """(A,) the source token of each row sent, rows grouped by expert in ascending order."""
-    weight: torch.Tensor
-    """(A,) each row's router weight (fp32, differentiable)."""
+    kept_weight: torch.Tensor
+    """(A,) the router weight of each kept assignment in (token, choice) order (fp32,
+    differentiable; with nothing dropped, the router's weights themselves, flattened)."""
     send_splits: List[int]
     """Rows sent to each ep rank."""
     recv_splits: List[int]
@@ -69,11 +72,15 @@ class DispatchPlan:
     """The experts' input rows as consecutive runs of (local expert, rows): this rank's own
     rows first, then the other sources' in rank order, each by expert (one run per expert
     when ep = 1). Runs may be empty."""
+    kept_position: torch.Tensor
+    """(A,) each row's place among the kept assignments in (token, choice) order."""
+    offsets: torch.Tensor
+    """(N + 1,) where each token's kept assignments start in that order (the last entry: A):
+    token t's are ``kept_weight[offsets[t]:offsets[t + 1]]``."""
     exchange: bool = False
     """Whether rows cross ranks (ep > 1)."""
     rank: int = 0
     """This rank in the ep group."""
-    _bags: Optional[Tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @cached_property
     def own(self) -> Tuple[int, int]:
@@ -105,28 +112,31 @@ class DispatchPlan:
         return self.remote(self.token)
 
     @cached_property
-    def combine_order(self) -> torch.Tensor:
-        """The combine's rows (own rows first, then the received ones) as indices of ``token``."""
+    def weight(self) -> torch.Tensor:
+        """(A,) each row's router weight, in send order (differentiable)."""
+        return self.kept_weight.index_select(0, self.kept_position)
+
+    @cached_property
+    def combine_position(self) -> torch.Tensor:
+        """The combine's rows (own rows first, then the received ones) as places in
+        (token, choice) order."""
+        if not self.exchange:
+            return self.kept_position
         a, b = self.own
-        every = torch.arange(self.token.numel(), device=self.token.device)
-        return every if not self.exchange else torch.cat([every[a:b], self.remote(every)])
+        return torch.cat([self.kept_position[a:b], self.remote(self.kept_position)])
 
     @cached_property
     def combine_token(self) -> torch.Tensor:
         """The token of each of the combine's rows."""
         return self.token if not self.exchange else torch.cat([self.own_token, self.remote_token])
 
-    def bags(self, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(rows, offsets) of the combine's ``embedding_bag`` over ``n`` tokens: the
-        combine's rows grouped by token (stable), and where each token's group starts
-        (n + 1 entries; a token with no kept row has an empty group)."""
-        if self._bags is None or self._bags[1].numel() != n + 1:
-            t = self.combine_token
-            rows = torch.argsort(t, stable=True)
-            offsets = torch.zeros(n + 1, dtype=torch.long, device=t.device)
-            torch.cumsum(torch.bincount(t, minlength=n), 0, out=offsets[1:])
-            self._bags = (rows, offsets)
-        return self._bags
+    @cached_property
+    def bag_rows(self) -> torch.Tensor:
+        """The combine's rows in (token, choice) order: token t's rows are
+        ``bag_rows[offsets[t]:offsets[t + 1]]`` (the bags of its ``embedding_bag``)."""
+        rows = torch.empty_like(self.combine_position)
+        rows[self.combine_position] = torch.arange(rows.numel(), device=rows.device)
+        return rows
 
     def remote(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (one entry per row of ``token``) without this rank's own rows."""
@@ -141,23 +151,28 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     assignments within capacity (None: all). Collective over ``group`` (the
     ep group; None or size 1: no exchange)."""
     n, k = experts.shape
-    slot = torch.arange(n * k, device=experts.device)  # flat (token, choice) index
     flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
-    if keep is not None:
-        slot = slot[keep.reshape(-1)]
-        flat_e = flat_e[slot]
+    kept: Optional[torch.Tensor] = None  # the kept (token, choice) slots, ascending
+    if keep is None:
+        offsets = torch.arange(0, n * k + 1, k, device=experts.device)
+    else:
+        kept = keep.reshape(-1).nonzero().squeeze(1)
+        flat_e, flat_w = flat_e.index_select(0, kept), flat_w.index_select(0, kept)
+        offsets = torch.zeros(n + 1, dtype=torch.long, device=experts.device)
+        torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
     counts = torch.bincount(flat_e, minlength=num_experts)
     exchange = group is not None and group.size > 1
     if exchange:  # the counts travel while this rank sorts
         assert group is not None
-        received = torch.empty_like(counts)
-        work = group.communicator().all_to_all(received, counts, async_op=True)  # E/ep counts to each rank
+        mine, received = _counts_buffers(num_experts, counts.device)
+        mine.copy_(counts)  # (kept tensors: the communicator's remembered-pair path)
+        work = group.communicator().all_to_all(received, mine, async_op=True)  # E/ep counts to each rank
     order = torch.argsort(flat_e, stable=True)  # the one sort: rows by expert, then by token
-    slot = slot[order]
-    tok, flat_w = torch.div(slot, k, rounding_mode="floor"), flat_w[slot]
+    slot = order if kept is None else kept.index_select(0, order)
+    tok = torch.div(slot, k, rounding_mode="floor")
     if not exchange:
-        sent = [int(slot.numel())]
-        return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())))
+        sent = [int(order.numel())]
+        return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())), order, offsets)
     assert group is not None
     work.wait()
     ep, me = group.size, group.rank
@@ -167,7 +182,20 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     recv_splits = [sum(row) for row in from_src]
     sources = [me] + [s for s in range(ep) if s != me]  # own rows first, as dispatch lays them out
     segments = [(e, from_src[s][e]) for s in sources for e in range(local)]
-    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, exchange=True, rank=me)
+    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, order, offsets, exchange=True, rank=me)
+
+
+_counts: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _counts_buffers(num_experts: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(sent, received) per-expert counts, kept per size: the plan copies its counts in and
+    reads the others' out before it returns, so one pair serves every plan."""
+    key = (num_experts, device)
+    if key not in _counts:
+        _counts[key] = (torch.empty(num_experts, dtype=torch.long, device=device),
+                        torch.empty(num_experts, dtype=torch.long, device=device))
+    return _counts[key]
 
 
 _send_buffers: Dict[Tuple[Tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
@@ -228,14 +256,15 @@ class _Combine(torch.autograd.Function):
     the weights'.
 
     The forward is one weighted ``embedding_bag`` over the rows (own rows first,
-    received rows behind them: ``DispatchPlan.combine_token``), one bag per token:
-    gather, multiply and sum in one pass that writes each token once, instead of a
-    product per row, a zero fill and a scattered add. The backward gathers each row's
-    token gradient once and derives both gradients from it."""
+    received rows behind them), one bag per token in (token, choice) order, so the
+    router's weights are its per-row weights as they are: gather, multiply and sum
+    in one pass that writes each token once, instead of a product per row, a zero
+    fill and a scattered add. The backward gathers each row's token gradient once
+    and derives both gradients from it."""
 
     @staticmethod
-    def forward(ctx, expert_rows: torch.Tensor, weight: torch.Tensor, plan: DispatchPlan,
-                group: Optional[Group], n: int) -> torch.Tensor:
+    def forward(ctx, expert_rows: torch.Tensor, kept_weight: torch.Tensor, plan: DispatchPlan,
+                group: Optional[Group]) -> torch.Tensor:
         send, recv = plan.remote_splits
         if plan.exchange:
             assert group is not None  # rows cross ranks of the ep group
@@ -245,26 +274,24 @@ class _Combine(torch.autograd.Function):
             group.communicator().all_to_all(rows[plan.own_rows:], expert_rows[plan.own_rows:], send, recv)
         else:
             rows = expert_rows  # every row is this rank's own, already in combine order
-        row_weight = weight[plan.combine_order]
-        bag_rows, offsets = plan.bags(n)
         with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype is the output's
-            out = F.embedding_bag(bag_rows, rows, offsets, mode="sum", per_sample_weights=row_weight[bag_rows],
+            out = F.embedding_bag(plan.bag_rows, rows, plan.offsets, mode="sum", per_sample_weights=kept_weight,
                                   include_last_offset=True)
-        ctx.save_for_backward(rows, row_weight)
+        ctx.save_for_backward(rows, kept_weight)
         ctx.plan, ctx.group = plan, group
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         plan = ctx.plan
-        rows, row_weight = ctx.saved_tensors
+        rows, kept_weight = ctx.saved_tensors
         g = grad.index_select(0, plan.combine_token)  # each row's token gradient, once
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.empty_like(row_weight).index_copy_(0, plan.combine_order, _rowdot(rows, g))
+            grad_weight = _rowdot(rows, g).index_select(0, plan.bag_rows)
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            g.mul_(row_weight.unsqueeze(-1))
+            g.mul_(kept_weight.index_select(0, plan.combine_position).unsqueeze(-1))
             if plan.exchange:
                 send, recv = plan.remote_splits
                 grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype,
@@ -273,7 +300,7 @@ class _Combine(torch.autograd.Function):
                 ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g[plan.own_rows:], recv, send)
             else:
                 grad_rows = g
-        return grad_rows, grad_weight, None, None, None
+        return grad_rows, grad_weight, None, None
 
 
 @eager
@@ -289,4 +316,6 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -
 def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Optional[Group], n_tokens: int) -> torch.Tensor:
     """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
     sum of its experts' outputs times their router weights."""
-    return _Combine.apply(expert_rows, plan.weight.to(expert_rows.dtype), plan, group, n_tokens)
+    if plan.offsets.numel() != n_tokens + 1:
+        raise ValueError(f"combine: the plan routes {plan.offsets.numel() - 1} tokens, not {n_tokens}")
+    return _Combine.apply(expert_rows, plan.kept_weight.to(expert_rows.dtype), plan, group)
