@@ -19,12 +19,11 @@ overrides (the model's ``model.moe.*``, ``trainer.micro_batch_size`` and
      (gloo) backends;
    - ``ours[<backend>]``: the two exchanges as the layer runs them, the
      core's differentiable ``all_to_all``, whose outputs are new tensors
-     every call (on a CPU, new memory is cold: it costs its first touch and
-     cache misses that raw's reused buffers do not);
+     every call (autograd keeps them), where raw reuses its buffers;
    - ``dispatch+combine[<backend>]``: what the layer really runs: the
      counts exchange and sort (``plan_dispatch``), gathering the rows,
-     both exchanges, the regrouping by expert and the weighted sum back
-     into tokens (identity experts).
+     both exchanges and the weighted sum back into tokens (identity
+     experts).
 
    Bus bandwidth: bytes this rank sends to others in both exchanges (the
    nccl-tests all-to-all convention, what ``comm_bytes.ep`` counts) over
