@@ -18,6 +18,7 @@ waits for the slowest rank, a wait the step's own all-reduce has anyway.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -70,7 +71,10 @@ def _one(cfg, rt, pm, warmup: int):
     periods = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
     per_step = (logged[-1] - logged[warmup]) / max(1, len(periods))
     values = (statistics.median(periods), per_step, start)
-    return comm.bcast(values, root=0) if comm is not None else values
+    values = comm.bcast(values, root=0) if comm is not None else values  # (every rank is done with the run)
+    if run_dir is not None and rt.world_rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the run's logs and metrics: only its times are wanted
+    return values
 
 
 def main(argv: Optional[List[str]] = None) -> int:

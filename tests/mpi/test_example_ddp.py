@@ -10,6 +10,7 @@ first update).
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,9 @@ def ddp_pm():
         yield pm
     finally:
         sys.path.remove(target)
+        world.Barrier()  # (every rank has imported what it needs from the target)
+        if world.Get_rank() == 0:
+            shutil.rmtree(target, ignore_errors=True)
 
 
 @pytest.mark.mpi(min_size=4)
