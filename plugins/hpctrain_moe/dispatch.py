@@ -291,15 +291,15 @@ class _Combine(torch.autograd.Function):
             grad_weight = _rowdot(rows, g).index_select(0, plan.bag_rows)
         grad_rows = None
         if ctx.needs_input_grad[0]:
-            g.mul_(kept_weight.index_select(0, plan.combine_position).unsqueeze(-1))
+            row_weight = kept_weight.index_select(0, plan.combine_position).unsqueeze(-1)
             if plan.exchange:
                 send, recv = plan.remote_splits
-                grad_rows = torch.empty((plan.own_rows + sum(recv), grad.shape[-1]), dtype=grad.dtype,
-                                        device=grad.device)
-                grad_rows[:plan.own_rows].copy_(g[:plan.own_rows])
-                ctx.group.communicator().all_to_all(grad_rows[plan.own_rows:], g[plan.own_rows:], recv, send)
+                own = plan.own_rows
+                grad_rows = torch.empty((own + sum(recv), grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+                torch.mul(g[:own], row_weight[:own], out=grad_rows[:own])  # own rows straight into place
+                ctx.group.communicator().all_to_all(grad_rows[own:], g[own:].mul_(row_weight[own:]), recv, send)
             else:
-                grad_rows = g
+                grad_rows = g.mul_(row_weight)
         return grad_rows, grad_weight, None, None
 
 
