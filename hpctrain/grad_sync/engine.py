@@ -12,14 +12,19 @@ expert weights (split on ``ep``) over ``cp x dp``. Parameters reduced over
 different groups never share a bucket.
 
 Gradients live *in* the buckets. Each bucket is one flat buffer and every
-parameter's ``.grad`` is a view into it, attached when a step starts (the
-trainer's ``zero_grad(set_to_none=True)`` drops the views, so they are
-re-attached and the buffer zeroed). Autograd then accumulates into the
-existing ``.grad`` in place, so a bucket is ready to send the moment its last
-parameter's post-accumulate-grad hook fires, and the averaged result is
+parameter's ``.grad`` is a view into it. A step starts with no gradients
+(the trainer's ``zero_grad(set_to_none=True)`` drops the views): autograd
+hands each parameter's first gradient over as a new tensor, and its hook
+copies it into the view and makes the view the ``.grad``, so later
+micro-batches accumulate into the bucket in place. The buffer is never
+zeroed first: a zero fill and an add would be two passes over it where one
+copy does (docs/benchmarks.md, "hpctrain-bench dp"); the views this rank gives no gradient are zeroed when
+their bucket is launched. A bucket is therefore ready to send the moment its
+last parameter's post-accumulate-grad hook fires, and the averaged result is
 already where the optimizer reads it. (A gradient that autograd replaces
 instead of accumulating, e.g. under ``create_graph=True``, is copied into its
-view by the hook.)
+view by the hook the same way; gradients already present when a step starts
+are copied into their views then.)
 
 Per step:
 - a step starts at ``begin_microbatch(0, n)``, or at the first gradient hook
@@ -186,7 +191,7 @@ class GradSync:
         self._ids: Tuple[int, ...] = ()
         self._handles: List[Any] = []  # torch RemovableHandles of the gradient hooks
         self._where: Dict[int, Tuple[int, int]] = {}  # id(param) -> (bucket, slot)
-        self._armed = False     # inside a step: views attached, hooks active
+        self._armed = False     # inside a step: hooks active
         self._announced = False  # micro-batches are announced this step (begin_microbatch)
         self._sync = False      # the current backward syncs
         self._no_sync = 0       # depth of no_sync() blocks
@@ -276,22 +281,21 @@ class GradSync:
         return self._sync if self._announced else self._no_sync == 0
 
     def _start_step(self, num_microbatches: int) -> None:
-        """Reset per-step state; views mode: attach the gradient views and
-        zero them unless a gradient is already there."""
+        """Reset per-step state. Views mode: with no gradient yet (the usual
+        ``zero_grad(set_to_none=True)``), nothing: each first gradient is copied
+        into its view by its hook (the bucket is not zeroed and then added to);
+        with gradients already there, attach every view, holding them or zeros."""
         for bucket in self.buckets:
             grads = [p.grad for p in bucket.params]
             if bucket.keep_grads:
-                if all(g is None for g in grads):
-                    assert bucket.buffer is not None  # kept buckets are allocated at construction
-                    bucket.buffer.zero_()
-                else:
+                if any(g is not None for g in grads):
                     for view, g in zip(bucket.views, grads):
                         if g is None:
                             view.zero_()
                         elif g.data_ptr() != view.data_ptr():
                             view.copy_(g)
-                for p, view in zip(bucket.params, bucket.views):
-                    p.grad = view
+                    for p, view in zip(bucket.params, bucket.views):
+                        p.grad = view
             elif bucket.buffer is not None:  # copy-in, kept between steps
                 bucket.buffer.zero_()
             bucket.used = [g is not None for g in grads]
@@ -375,6 +379,10 @@ class GradSync:
     def _launch(self, in_backward: bool) -> None:
         bucket = self.buckets[self._next]
         bucket.allocate()  # copy-in: a bucket this rank has no gradient for sends zeros
+        if bucket.keep_grads:  # views no gradient was written into this step hold the last step's
+            for s, used in enumerate(bucket.used):
+                if not used:
+                    bucket.views[s].zero_()
         assert bucket.flags is not None and bucket.reduction is not None  # made by allocate()
         bucket.flags.copy_(torch.tensor(bucket.used, dtype=bucket.flags.dtype))
         # Non-blocking only while there is backward work left to hide it behind:
@@ -426,8 +434,8 @@ class GradSync:
             if not bucket.keep_grads:
                 continue
             for s, p in enumerate(bucket.params):
-                if not bucket.used_anywhere[s]:
-                    p.grad = None  # no rank produced it: as in one process
+                # no rank produced it: None, as in one process; another rank did: the average
+                p.grad = bucket.views[s] if bucket.used_anywhere[s] else None
         self._armed = self._sync = self._announced = False
 
 

@@ -218,11 +218,91 @@ def test_mark_ready_launches_a_gradient_written_by_hand():
     engine.begin_microbatch(0, 1)
     _loss(model, _batch(0)).backward()
     assert engine.trace.launches == []  # bucket 0 (``extra``) blocks the launch order
-    extra.grad.add_(torch.arange(5.0))  # .grad is the engine's view since the step started
+    assert extra.grad is None  # no gradient yet: a weight pass assigns or adds, as autograd would
+    extra.grad = torch.arange(5.0)
     engine.mark_ready(extra)
     assert [x.bucket for x in engine.trace.launches] == list(range(len(params)))
     engine.finish()
     assert torch.equal(extra.grad, torch.arange(5.0))
+
+
+class RecordingComm(MirrorComm):
+    """A mirror that also keeps a copy of each all-reduced buffer as it was sent."""
+
+    def __init__(self, size: int = 2):
+        super().__init__(size)
+        self.sent: List[torch.Tensor] = []
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        self.sent.append(tensor.clone())
+        return super().all_reduce(tensor, op, async_op)
+
+
+def test_a_step_without_a_gradient_sends_zeros_not_the_last_steps_gradient():
+    """Buckets are not zeroed when a step starts (each first gradient is copied
+    into its view): a parameter this rank gives no gradient must still go out
+    as zeros with its flag 0, not as what its view held from the step before."""
+    model, comm = _model(), RecordingComm()
+    spare = nn.Parameter(torch.ones(3))
+    params = list(model.parameters()) + [spare]
+    engine = GradSync(comm, SyncConfig(cap_bytes=1 << 20)).attach(params)  # one bucket for everything
+    (bucket,) = engine.buckets
+    slot = {id(q): i for i, q in enumerate(bucket.params)}
+    s = slot[id(spare)]
+    offset = bucket.plan.offsets[s]
+    for use_spare in (True, False):
+        model.zero_grad(set_to_none=True)
+        spare.grad = None
+        engine.begin_microbatch(0, 1)
+        loss = _loss(model, _batch(0)) + (spare.sum() * 2.0 if use_spare else 0.0)
+        loss.backward()
+        engine.finish()
+    first, second = comm.sent
+    assert torch.equal(first[offset:offset + 3], torch.full((3,), 2.0))
+    assert torch.equal(second[offset:offset + 3], torch.zeros(3))  # not the first step's 2s
+    assert second[bucket.grads_numel + s] == 0  # "not used on this rank"
+    assert spare.grad is None  # and no replica used it: as in one process
+    for p, ref in zip(model.parameters(), _reference_grads(1)):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-6, atol=1e-7)
+        assert p.grad.data_ptr() == bucket.views[slot[id(p)]].data_ptr()
+
+
+class PeerComm(MirrorComm):
+    """Two ranks: this one and a peer whose all-reduce input the test sets (``peer``)."""
+
+    def __init__(self):
+        super().__init__(2)
+        self.peer: torch.Tensor = torch.empty(0)
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        self.calls.append(("all_reduce", tensor.numel(), tensor.dtype))
+        tensor.add_(self.peer)
+        if ReduceOp(op) == ReduceOp.AVG:
+            tensor.div_(2)
+        return CompletedWork()
+
+
+def test_a_parameter_only_another_rank_used_gets_the_average_as_its_grad():
+    """This rank produced no gradient for ``spare`` (its ``.grad`` stayed None
+    all step); the peer did: after ``finish`` its ``.grad`` is the bucket's
+    view holding the average, as on the peer."""
+    model, comm = _model(), PeerComm()
+    spare = nn.Parameter(torch.ones(3))
+    params = list(model.parameters()) + [spare]
+    engine = GradSync(comm, SyncConfig(cap_bytes=1 << 20)).attach(params)
+    (bucket,) = engine.buckets
+    s = [id(q) for q in bucket.params].index(id(spare))
+    offset = bucket.plan.offsets[s]
+    comm.peer = torch.zeros_like(bucket.buffer)
+    comm.peer[offset:offset + 3] = 4.0  # the peer's gradient of ``spare``
+    comm.peer[bucket.grads_numel + s] = 1.0  # and its "used" flag
+    model.zero_grad(set_to_none=True)
+    spare.grad = None
+    engine.begin_microbatch(0, 1)
+    _loss(model, _batch(0)).backward()
+    engine.finish()
+    assert spare.grad is not None and spare.grad.data_ptr() == bucket.views[s].data_ptr()
+    assert torch.equal(spare.grad, torch.full((3,), 2.0))  # (0 + 4) / 2
 
 
 def test_reduce_scatter_mode_keeps_this_ranks_shard_of_each_bucket():
