@@ -29,9 +29,12 @@ Contenders run round-robin, one step each in turn
 counts as its slowest rank's time. Reported: median step, hpctrain / DDP as the
 ratio of medians and as the median of per-round ratios (each round's steps
 are adjacent in time, so this one drifts less with a shared machine's load;
-< 1 is faster), cost over the floor, and the last loss, which must agree
-across the contenders (same model, same data) as a check that they do the
-same work.
+< 1 is faster), cost over the floor, as milliseconds and as the per-round
+ratio to it, and the last loss, which must agree across the contenders (same
+model, same data) as a check that they do the same work. ``--phases`` adds
+where the time goes: per phase of the step (forward, the first, middle and
+last micro-batches' backwards, the sync after backward, clip and optimizer,
+the loss average), the floor's median and each contender's difference to it.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import contextlib
 import copy
 import statistics
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -116,6 +120,8 @@ class StepLoop:
             self.cursor = DataCursor(order, t.global_batch_size, t.micro_batch_size, rt.world_rank, rt.world_size)
         self.step_count = 0
         self.last_loss: Optional[float] = None
+        self.phases: List[Dict[str, float]] = []
+        """Per step (warm-up included): seconds spent in each of ``PHASES``."""
 
     def step(self) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -124,23 +130,29 @@ class StepLoop:
         from hpctrain.train.optim import lr_at, set_lr
 
         cfg = self.cfg
+        clock = PhaseClock()
         micro = self.cursor.next_step()
         set_lr(self.optimizer, lr_at(self.step_count, cfg.optim, cfg.trainer.steps))
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()
+        clock.mark(PHASES[0])
         n, total = len(micro), None
         for i, (x, y, *_) in enumerate(micro):
             ddp = self.model if isinstance(self.model, DistributedDataParallel) else None  # sync == "ddp"
             quiet = ddp.no_sync() if ddp is not None and i < n - 1 else contextlib.nullcontext()
             with quiet:
                 loss = self.model(x, y)
+                clock.mark(PHASES[1])
                 self.data.before_backward(i, n)
                 (loss / n).backward()
+                clock.mark(PHASES[4] if i == n - 1 else PHASES[2] if i == 0 else PHASES[3])
             total = loss.detach() if total is None else total + loss.detach()
         self.data.reduce_gradients()
+        clock.mark(PHASES[5])
         if cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip, foreach=True)
         self.optimizer.step()
+        clock.mark(PHASES[6])
         assert total is not None  # a step has micro-batches
         loss = total / n
         if self.sync == "ddp":
@@ -149,11 +161,32 @@ class StepLoop:
         elif self.sync == "hpctrain":
             assert self.mesh is not None  # given with sync="hpctrain"
             self.mesh.group("dp").communicator().all_reduce(loss, ReduceOp.AVG)
+        clock.mark(PHASES[7])
+        self.phases.append(clock.spent)
         self.step_count += 1
         self.last_loss = float(loss) if self.sync != "local" else None  # local saw other samples
 
 
-Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]]]
+PHASES = ("set-up", "forward", "backward: first micro-batch", "backward: middle micro-batches",
+          "backward: last micro-batch", "after backward (reduce_gradients)", "clip + optimizer", "loss average")
+"""What ``StepLoop`` times within each step (the forwards of all micro-batches add up in one)."""
+
+
+class PhaseClock:
+    """Seconds spent per phase of one step: each ``mark(phase)`` adds the time since the last mark."""
+
+    def __init__(self) -> None:
+        self.spent: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] += now - self._last
+        self._last = now
+
+
+Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]], Optional[List[Dict[str, float]]]]
+"""(label, one step, its last loss, its per-step phases: ``StepLoop.phases``, None for the Trainer rows)."""
 
 
 def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
@@ -169,9 +202,10 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
         c = copy.deepcopy(cfg)
         c.comm.backend = name
         loop = StepLoop(c, rt, pm, "hpctrain", build_mesh(c, rt, pm))
-        out.append((f"hpctrain[{name}]", loop.step, loss_reader(loop)))
+        out.append((f"hpctrain[{name}]", loop.step, loss_reader(loop), loop.phases))
     ddp, local = StepLoop(cfg, rt, pm, "ddp"), StepLoop(cfg, rt, pm, "local")
-    out += [("torch DDP", ddp.step, lambda: ddp.last_loss), ("local (no comm)", local.step, lambda: local.last_loss)]
+    out += [("torch DDP", ddp.step, lambda: ddp.last_loss, ddp.phases),
+            (FLOOR, local.step, lambda: local.last_loss, local.phases)]
     if args.trainer or args.compile:
         for name in comms:
             for compiled in ([False, True] if args.compile else [False]):
@@ -180,7 +214,7 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
                 c.trainer.compile, c.trainer.compile_backend = compiled, args.compile_backend
                 tr = Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
                 out.append((f"Trainer[{name}]" + (COMPILED if compiled else ""), tr.train_step,
-                            metric_reader(tr, "loss")))
+                            metric_reader(tr, "loss"), None))
     return out, notes
 
 
@@ -198,24 +232,57 @@ def run(args, cfg, rt, pm) -> Table:
                 f"comm.dp.compress={cfg.comm.dp.compress}, comm.dp.overlap={cfg.comm.dp.overlap}",
                 f"# {args.warmup} warm-up steps, median of {args.steps} (round-robin)",
                 *[f"# {n}" for n in notes])
-    timings = time_interleaved([step for _, step, _ in runners], world, args.warmup, args.steps)
-    samples: Dict[str, List[float]] = {label: t.samples for (label, _, _), t in zip(runners, timings)}
+    timings = time_interleaved([step for _, step, _, _ in runners], world, args.warmup, args.steps)
+    samples: Dict[str, List[float]] = {label: t.samples for (label, _, _, _), t in zip(runners, timings)}
     med = {label: statistics.median(s) for label, s in samples.items()}
-    ddp, floor = med["torch DDP"], med["local (no comm)"]
+    ddp, floor = med["torch DDP"], med[FLOOR]
     table = Table([Column("contender", "{}", "<"), Column("step (ms)", "{:.1f}"), Column("min (ms)", "{:.1f}"),
                    Column("vs DDP", "{:.3f}"), Column("paired vs DDP", "{:.3f}"), Column("over floor (ms)", "{:+.1f}"),
-                   Column("last loss", "{:.6f}")])
-    for label, _, loss in runners:
-        # ratio of the two steps of the same round (adjacent in time), median over rounds:
-        # steadier than the ratio of medians when the machine's load drifts
-        paired = statistics.median(a / b for a, b in zip(samples[label], samples["torch DDP"]))
-        table.add(label, med[label] * 1e3, min(samples[label]) * 1e3, med[label] / ddp, paired,
-                  (med[label] - floor) * 1e3, loss())
+                   Column("paired vs floor", "{:.3f}"), Column("last loss", "{:.6f}")])
+    for label, _, loss, _ in runners:
+        table.add(label, med[label] * 1e3, min(samples[label]) * 1e3, med[label] / ddp,
+                  paired_ratio(samples[label], samples["torch DDP"]), (med[label] - floor) * 1e3,
+                  paired_ratio(samples[label], samples[FLOOR]), loss())
     print_rank0(world, "", f"## data-parallel step time ({rt.world_size} ranks)", table.render(args.markdown))
+    if args.phases:
+        phases = phase_table(runners, world, args.warmup)
+        print_rank0(world, "", "## where the time goes: each phase's median per step, and over the floor's",
+                    phases.render(args.markdown))
     if args.compile:
-        compiled = compile_table(samples, {label: loss() for label, _, loss in runners}, args.compile_backend)
+        compiled = compile_table(samples, {label: loss() for label, _, loss, _ in runners}, args.compile_backend)
         print_rank0(world, "", f"## trainer.compile: compiled vs eager ({rt.world_size} ranks)",
                     compiled.render(args.markdown))
+    return table
+
+
+FLOOR = "local (no comm)"
+
+
+def paired_ratio(samples: List[float], base: List[float]) -> float:
+    """The median over rounds of this contender's step over ``base``'s step of the
+    same round: the two are adjacent in time, so this drifts less with a shared
+    machine's load than the ratio of medians."""
+    return statistics.median(a / b for a, b in zip(samples, base))
+
+
+def phase_table(runners: List[Contender], world: Any, warmup: int) -> Table:
+    """Per phase of the step (``PHASES``): the floor's median milliseconds per step
+    and each contender's difference to it. Each phase's time of a step is the
+    slowest rank's; the warm-up steps are left out. Collective."""
+    timed = [(label, phases) for label, _, _, phases in runners if phases is not None]
+    everyone = world.allgather([phases[warmup:] for _, phases in timed])
+
+    def per_step(i: int, phase: str) -> List[float]:
+        return [max(rank[i][k][phase] for rank in everyone) for k in range(len(everyone[0][i]))]
+
+    labels = [label for label, _ in timed]
+    f = labels.index(FLOOR)
+    others = [i for i in range(len(labels)) if i != f]
+    table = Table([Column("phase", "{}", "<"), Column("floor (ms)", "{:.2f}"),
+                   *[Column(f"{labels[i]} - floor", "{:+.2f}") for i in others]])
+    for phase in PHASES:
+        base = statistics.median(per_step(f, phase))
+        table.add(phase, base * 1e3, *[(statistics.median(per_step(i, phase)) - base) * 1e3 for i in others])
     return table
 
 
@@ -230,6 +297,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="also time the Trainer with trainer.compile=true against it eager, per backend")
     p.add_argument("--compile-backend", default="inductor", help="trainer.compile_backend with --compile")
+    p.add_argument("--phases", action="store_true",
+                   help="also print where each step's time goes (forward, each backward, the sync after it, "
+                        "clip and optimizer, the loss average), each contender against the floor")
     p.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     return p
 
