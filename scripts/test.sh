@@ -34,9 +34,15 @@ else
   echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
 fi
 
-section "unit and launcher tests"
-# (2100 s: about 16 minutes on a quiet 2-core machine; the limit only catches a hang)
-timeout 2100 python -m pytest -q -p no:cacheprovider tests/unit tests/launch --junitxml="$LOGDIR/unit.xml"
+# (the limits only catch a hang: about 3 and 17 minutes on a quiet 2-core machine)
+section "unit tests (one process each, two at a time)"
+timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --junitxml="$LOGDIR/unit.xml"
+rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
+
+# one at a time: each starts MPI jobs of up to 8 ranks, and several time a
+# running job from outside (a second run while the first trains, a hang, a stop)
+section "launcher tests"
+timeout 2100 python -m pytest -q -p no:cacheprovider tests/launch --junitxml="$LOGDIR/launch.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
 sizes="2 4 8"; [ $quick = 1 ] && sizes="2"

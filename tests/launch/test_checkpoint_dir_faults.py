@@ -87,9 +87,10 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes(tm
     ck = tmp_path / "ck"
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    # the first run's steps take a while (rank 1 slowed), so the second starts while it trains
+    # the first run's steps take a while (rank 1 slowed: 12 steps of 0.6 s after step 4), so the
+    # second starts while it trains, even on a loaded machine where starting takes seconds
     first = _job(["trainer.steps=16", "checkpoint.every=4", f"checkpoint.dir={ck}", "debug.fault=slow",
-                  "debug.fault_rank=1", "debug.fault_step=1", "debug.slow_s=0.3"], tmp_path / "first", n=2)
+                  "debug.fault_rank=1", "debug.fault_step=1", "debug.slow_s=0.6"], tmp_path / "first", n=2)
     lines = []
     for line in first.stdout:
         lines.append(line)
