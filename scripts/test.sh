@@ -2,8 +2,8 @@
 # The whole test suite, from a fresh clone: set-up (idempotent), then
 #   0. lint: ruff and mypy (pyproject.toml); a report fails the suite like a
 #      failed test (lint::ruff, lint::mypy in the summary),
-#   1. unit and launcher tests (one pytest process; the launcher tests start
-#      mpirun themselves),
+#   1. unit tests (two pytest workers, one per core), then the launcher
+#      tests one at a time (each starts mpirun itself),
 #   2. multi-rank tests under mpiexec at 2, 4 and 8 ranks (oversubscribed),
 #   3. SLURM tests on a throwaway single-node SLURM started here.
 # Per-rank output of the multi-rank sessions goes to build/test-logs; a
