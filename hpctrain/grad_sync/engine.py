@@ -18,13 +18,14 @@ hands each parameter's first gradient over as a new tensor, and its hook
 copies it into the view and makes the view the ``.grad``, so later
 micro-batches accumulate into the bucket in place. The buffer is never
 zeroed first: a zero fill and an add would be two passes over it where one
-copy does (docs/benchmarks.md, "hpctrain-bench dp"); the views this rank gives no gradient are zeroed when
-their bucket is launched. A bucket is therefore ready to send the moment its
-last parameter's post-accumulate-grad hook fires, and the averaged result is
-already where the optimizer reads it. (A gradient that autograd replaces
-instead of accumulating, e.g. under ``create_graph=True``, is copied into its
-view by the hook the same way; gradients already present when a step starts
-are copied into their views then.)
+copy does (docs/benchmarks.md, "hpctrain-bench dp"); the views this rank
+gives no gradient are zeroed when their bucket is launched. A bucket is
+therefore ready to send the moment its last parameter's post-accumulate-grad
+hook fires, and the averaged result is already where the optimizer reads it.
+(A gradient that autograd replaces instead of accumulating, e.g. under
+``create_graph=True``, is copied into its view by the hook the same way;
+gradients already present when a step starts are copied into their views
+then.)
 
 Per step:
 - a step starts at ``begin_microbatch(0, n)``, or at the first gradient hook
