@@ -22,10 +22,10 @@ copy does (docs/benchmarks.md, "hpctrain-bench dp"); the views this rank
 gives no gradient are zeroed when their bucket is launched. A bucket is
 therefore ready to send the moment its last parameter's post-accumulate-grad
 hook fires, and the averaged result is already where the optimizer reads it.
-(A gradient that autograd replaces instead of accumulating, e.g. under
-``create_graph=True``, is copied into its view by the hook the same way;
-gradients already present when a step starts are copied into their views
-then.)
+(A later gradient that autograd hands over as a new tensor instead of adding
+it in place is copied into its view by the hook the same way, a sparse one
+summed into zeros; gradients already present when a step starts are copied
+into their views then.)
 
 Per step:
 - a step starts at ``begin_microbatch(0, n)``, or at the first gradient hook
@@ -318,9 +318,13 @@ class GradSync:
             self._start_step(1)  # a step whose micro-batches are not announced
         bucket = self.buckets[b]
         if bucket.keep_grads:
-            view = bucket.views[s]
-            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)  # autograd replaced the grad instead of accumulating
+            view, grad = bucket.views[s], param.grad
+            if grad is None:  # marked ready by hand with no gradient written: zeros, sent as such
+                param.grad = view.zero_()
+            elif grad.is_sparse:  # (a sparse embedding's; no storage to compare) summed into zeros
+                param.grad = view.zero_().add_(grad)
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)  # the step's first gradient, or one autograd replaced
                 param.grad = view
         elif param.grad is not None:  # copy-in: the buffer holds it from now on
             if bucket.buffer is None:

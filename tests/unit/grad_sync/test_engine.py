@@ -305,6 +305,45 @@ def test_a_parameter_only_another_rank_used_gets_the_average_as_its_grad():
     assert torch.equal(spare.grad, torch.full((3,), 2.0))  # (0 + 4) / 2
 
 
+def test_mark_ready_without_a_gradient_sends_zeros():
+    """A parameter marked ready with ``.grad`` still None counts as a zero
+    gradient: its view is zeroed, not sent with the step before's values."""
+    model, comm = _model(), RecordingComm()
+    extra = nn.Parameter(torch.zeros(4))
+    engine = GradSync(comm, SyncConfig(cap_bytes=1 << 20)).attach(list(model.parameters()) + [extra])
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        extra.grad = None
+        engine.begin_microbatch(0, 1)
+        if step == 0:
+            extra.grad = torch.full((4,), 7.0)
+        _loss(model, _batch(0)).backward()
+        engine.mark_ready(extra)
+        engine.finish()
+    assert torch.equal(extra.grad, torch.zeros(4))
+
+
+def test_sparse_gradients_are_summed_into_their_views():
+    """A sparse embedding's gradient has no storage to compare or copy: the
+    hook sums it into the zeroed view, and later micro-batches add to it."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    ref = nn.Embedding(10, 4)
+    ref.weight.data.copy_(emb.weight.data)
+    engine = GradSync(MirrorComm(), SyncConfig(cap_bytes=1 << 20)).attach([emb.weight])
+    batches = [torch.tensor([1, 2, 2]), torch.tensor([2, 7])]
+    for _ in range(2):  # the second step starts from set_to_none again
+        emb.zero_grad(set_to_none=True)
+        for i, ids in enumerate(batches):
+            engine.begin_microbatch(i, len(batches))
+            emb(ids).pow(2).sum().backward()
+        engine.finish()
+    for ids in batches:
+        ref(ids).pow(2).sum().backward()
+    assert not emb.weight.grad.is_sparse
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_reduce_scatter_mode_keeps_this_ranks_shard_of_each_bucket():
     model, comm = _model(), MirrorComm(size=3)  # 3 divides no bucket: exercises the padding
     engine = GradSync(comm, SyncConfig(cap_bytes=400, reduce_scatter=True)).attach(list(model.parameters()))
