@@ -64,7 +64,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, max_over_ranks, print_rank0, timed_call
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    machine_summary,
+    max_over_ranks,
+    paired_ratio,
+    print_rank0,
+    timed_call,
+)
 
 
 def _shapes(d: int, layers: int, vocab: int) -> List[Tuple[str, Tuple[int, int]]]:
@@ -304,9 +312,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Both contenders run back to back in each iteration, so the machine's load
     # affects both alike there: the median of per-iteration ratios is steadier
     # than the ratio of medians on a shared machine.
-    ratio = {op: statistics.median(d / h for d, h in zip(t[f"dcp {op}"], t[f"h5 {op}"])) for op in ("save", "load")}
-    ratio["load unverified"] = statistics.median(d / h for d, h in zip(t["dcp load"], t["h5 load unverified"]))
-    block = {m: statistics.median(b / s for b, s in zip(t[f"{m} blocked"], t["h5 save"])) for m in modes}
+    ratio = {op: paired_ratio(t[f"dcp {op}"], t[f"h5 {op}"]) for op in ("save", "load")}
+    ratio["load unverified"] = paired_ratio(t["dcp load"], t["h5 load unverified"])
+    block = {m: paired_ratio(t[f"{m} blocked"], t["h5 save"]) for m in modes}
     mb = state_bytes / 1e6
     h5_size, dcp_size = comm.bcast((_dir_size(h5_path), _dir_size(dcp_path)) if rank == 0 else None, root=0)
 
@@ -326,7 +334,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 med[f"{m} added"] / med["h5 save"], med[f"{m} committed"])
     asy.add("sync (for reference)", med["h5 save"], 1.0, 0, med["h5 save"], 1.0, med["h5 save"])
     step_s = med["work alone"]
-    local_ratio = statistics.median(h / s for h, s in zip(t["h5 save"], t["local save"]))
+    local_ratio = paired_ratio(t["h5 save"], t["local save"])
     loc = Table([Column("local tier vs persistent", align="<"), Column("s", "{:.3f}"), Column("MB/s", "{:,.0f}"),
                  Column("speed x persistent (same operation)", "{:.2f}x")])
     loc.add("persistent save (hdf5, sync)", med["h5 save"], mb / med["h5 save"], 1.0)
@@ -334,12 +342,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             local_ratio)
     loc.add("persistent load (hdf5)", med["h5 load"], mb / med["h5 load"], 1.0)
     loc.add("local load (agree + read + restore)", med["local load"], mb / med["local load"],
-            statistics.median(h / s for h, s in zip(t["h5 load"], t["local load"])))
+            paired_ratio(t["h5 load"], t["local load"]))
     blk = Table([Column("local tier, one save in training", align="<"), Column("s", "{:.3f}"),
                  Column("x step", "{:.3f}")])
     blk.add("step (stand-in forward/backward)", step_s, 1.0)
     blk.add("training blocked (host copy + wait)", med["local blocked"],
-            statistics.median(b / w for b, w in zip(t["local blocked"], t["work alone"])))
+            paired_ratio(t["local blocked"], t["work alone"]))
     blk.add(f"step time added over {med['local steps']:.0f} step(s) until written and replicated",
             med["local added"], med["local added"] / step_s)
     # a failure at a uniformly random step recomputes half an interval on average, plus the load

@@ -47,6 +47,7 @@ from hpctrain.bench.common import (
     Table,
     format_size,
     machine_summary,
+    paired_ratio,
     parse_size,
     print_rank0,
     size_ladder,
@@ -241,7 +242,7 @@ def run(args, rt, pm) -> Dict[str, Table]:
                 if peer in busbw:
                     ratio = busbw[label] / busbw[peer]
                     # per round: the peer's time over ours, the two calls adjacent in time
-                    paired = statistics.median(p / o for p, o in zip(timings[peer].samples, timings[label].samples))
+                    paired = paired_ratio(timings[peer].samples, timings[label].samples)
                     ratios.setdefault((op, label), []).append((b.nbytes, ratio, paired))
                 table.add(format_size(b.nbytes), label, t * 1e6, alg, busbw[label], ratio, paired)
             del b
@@ -251,9 +252,9 @@ def run(args, rt, pm) -> Dict[str, Table]:
     for (op, label), found in ratios.items():
         big = [(r, p) for nbytes, r, p in found if nbytes >= args.summary_from]
         if big:
-            plain, paired = [r for r, _ in big], [p for _, p in big]
+            plain, per_round = [r for r, _ in big], [p for _, p in big]
             print_rank0(world, f"{op:<15} {label:<12} min {min(plain):.2f}  median {statistics.median(plain):.2f}  "
-                               f"paired min {min(paired):.2f}  median {statistics.median(paired):.2f}  "
+                               f"paired min {min(per_round):.2f}  median {statistics.median(per_round):.2f}  "
                                f"({len(big)} sizes)")
     return tables
 

@@ -217,9 +217,16 @@ def compile_table(samples: Dict[str, List[float]], losses: Dict[str, Optional[fl
         eager = label[:-len(COMPILED)]
         a, b = samples[label], samples[eager]
         table.add(eager, statistics.median(b) * 1e3, statistics.median(a) * 1e3,
-                  statistics.median(a) / statistics.median(b), statistics.median(x / y for x, y in zip(a, b)),
+                  statistics.median(a) / statistics.median(b), paired_ratio(a, b),
                   losses[eager], losses[label])
     return table
+
+
+def paired_ratio(samples: Sequence[float], base: Sequence[float]) -> float:
+    """The median over rounds of ``samples[k] / base[k]``: two contenders' calls of
+    the same round are adjacent in time, so this drifts less with a shared
+    machine's load than the ratio of medians."""
+    return statistics.median(a / b for a, b in zip(samples, base))
 
 
 def print_rank0(mpi_comm: Any, *lines: str) -> None:

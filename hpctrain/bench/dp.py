@@ -56,6 +56,7 @@ from hpctrain.bench.common import (
     loss_reader,
     machine_summary,
     metric_reader,
+    paired_ratio,
     print_rank0,
     time_interleaved,
 )
@@ -256,13 +257,6 @@ def run(args, cfg, rt, pm) -> Table:
 
 
 FLOOR = "local (no comm)"
-
-
-def paired_ratio(samples: List[float], base: List[float]) -> float:
-    """The median over rounds of this contender's step over ``base``'s step of the
-    same round: the two are adjacent in time, so this drifts less with a shared
-    machine's load than the ratio of medians."""
-    return statistics.median(a / b for a, b in zip(samples, base))
 
 
 def phase_table(runners: List[Contender], world: Any, warmup: int) -> Table:

@@ -39,6 +39,7 @@ from hpctrain.bench.common import (
     compile_table,
     machine_summary,
     metric_reader,
+    paired_ratio,
     print_rank0,
     time_interleaved,
 )
@@ -137,8 +138,8 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
     table = Table([Column("contender", "{}", "<"), Column("step (ms)", "{:.1f}"), Column("vs torch-TP", "{:.3f}"),
                    Column("paired", "{:.3f}"), Column("tp MB/step", "{:.2f}"), Column("last loss", "{:.6f}")])
     for label, _, loss, wire in runners:
-        paired = statistics.median(a / b for a, b in zip(samples[label], samples["torch-TP"]))
-        table.add(label, med[label] * 1e3, med[label] / med["torch-TP"], paired, wire() / 1e6, loss())
+        table.add(label, med[label] * 1e3, med[label] / med["torch-TP"],
+                  paired_ratio(samples[label], samples["torch-TP"]), wire() / 1e6, loss())
     print_rank0(world, "", f"## step time ({rt.world_size} ranks)", table.render(args.markdown))
     if args.compile:
         compiled = compile_table(samples, {label: loss() for label, _, loss, _ in runners}, args.compile_backend)

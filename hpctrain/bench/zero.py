@@ -55,6 +55,7 @@ from hpctrain.bench.common import (
     loss_reader,
     machine_summary,
     metric_reader,
+    paired_ratio,
     print_rank0,
     time_interleaved,
 )
@@ -186,7 +187,7 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any, overrides: List[str]) -> None:
                    Column("paired", "{:.3f}"), Column("wire MB/step", "{:.2f}"), Column("wire vs zero-0", "{:.3f}"),
                    Column("last loss", "{:.6f}")])
     for label, _, loss, _ in runners:
-        paired = statistics.median(a / b for a, b in zip(samples[label], samples["FSDP2"])) if "FSDP2" in samples \
+        paired = paired_ratio(samples[label], samples["FSDP2"]) if "FSDP2" in samples \
             else float("nan")
         table.add(label, med[label] * 1e3, med[label] / med.get("FSDP2", float("nan")), paired, wire[label] / 1e6,
                   wire[label] / base if base else float("nan"), loss())

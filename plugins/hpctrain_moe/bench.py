@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, ca
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_interleaved
+from hpctrain.bench.common import Column, Table, machine_summary, paired_ratio, print_rank0, time_interleaved
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Group
@@ -165,7 +165,7 @@ def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Tuple[Table, float]
     base = statistics.median(samples["raw-mpi4py"])
     for label, _ in contenders:
         med = statistics.median(samples[label])
-        paired = statistics.median(b / a for a, b in zip(samples[label], samples["raw-mpi4py"]))
+        paired = paired_ratio(samples["raw-mpi4py"], samples[label])
         table.add(label, med * 1e3, sent_bytes / med / 1e9, base / med, paired)
     return table, sent_bytes
 
