@@ -22,8 +22,11 @@ overrides (the model's ``model.moe.*``, ``trainer.micro_batch_size`` and
      every call (autograd keeps them), where raw reuses its buffers;
    - ``dispatch+combine[<backend>]``: what the layer really runs: the
      counts exchange and sort (``plan_dispatch``), gathering the rows,
-     both exchanges and the weighted sum back into tokens (identity
-     experts).
+     both exchanges and the weighted sum back into tokens, with identity
+     experts: computing in place, their results are the dispatched rows,
+     so those are laid out where the layer's experts write their results
+     (``dispatch(experts_in_place=True)``: room behind them for the rows
+     coming back).
 
    Bus bandwidth: bytes this rank sends to others in both exchanges (the
    nccl-tests all-to-all convention, what ``comm_bytes.ep`` counts) over
@@ -156,7 +159,7 @@ def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Tuple[Table, float]
         def whole(g=group, lay=layer, rr=r):
             with torch.no_grad():
                 p = plan_dispatch(rr.experts, rr.weights, None, lay.cfg.num_experts, g)
-                combine(dispatch(x, p, g), p, g, x.shape[0])
+                combine(dispatch(x, p, g, experts_in_place=True), p, g, x.shape[0])
         contenders += [(f"ours[{backend}]", exchange), (f"dispatch+combine[{backend}]", whole)]
     timings = time_interleaved([fn for _, fn in contenders], world, args.warmup, args.iters)
     samples = {label: tm.samples for (label, _), tm in zip(contenders, timings)}

@@ -8,19 +8,21 @@ micro-batch and MoE block:
    one small all-to-all of the per-expert counts tells every rank how many
    rows it gets from each source for each of its experts (the splits of the
    next two exchanges, so no rank ever waits on a shape it does not know).
-2. ``dispatch``: the rows for this rank's own experts never leave it:
-   they are gathered straight into the front of the experts' input; the
-   others go out in one uneven all-to-all with a zero count for this rank
-   (counts may be 0: a rank that receives nothing works, with empty
-   tensors), and arrive behind them, source-major: from each other source,
-   its rows for each local expert.
+2. ``dispatch``: the rows for other ranks' experts go out in one uneven
+   all-to-all with a zero count for this rank (counts may be 0: a rank that
+   receives nothing works, with empty tensors); the rows arriving form the
+   front of the experts' input, source-major (from each other source, its
+   rows for each local expert), and the rows for this rank's own experts,
+   which never leave it, are gathered straight in behind them.
 3. the local experts run on those runs (``DispatchPlan.segments``) where
    they lie, so the rows are never regrouped by expert (two copies of
-   every row saved).
-4. ``combine``: the results for other ranks go back through the reverse
-   all-to-all in the same order, behind a copy of this rank's own results;
-   one weighted ``embedding_bag`` over those rows, one bag per token, sums
-   them into their tokens with the router weights.
+   every row saved), and hand their results over run by run.
+4. ``combine``: the runs are joined into a buffer with room behind them;
+   the results for other ranks (its front) go back through the reverse
+   all-to-all, and the results other ranks computed for this one arrive in
+   the room, right behind this rank's own, so one weighted
+   ``embedding_bag`` over the back of the buffer, one bag per token, sums
+   them into their tokens with the router weights where they lie.
 
 At ep = e, a rank's own experts get about 1/e of its rows: that share
 costs neither the exchange nor a copy in it. Backward of each step sends
@@ -29,15 +31,16 @@ the same code runs without the exchanges: that is the one-process model.
 
 Costs on the token path (docs/benchmarks.md, "hpctrain-bench moe"): one
 stable sort of the assignments gives the send order, each row's token and
-its place in (token, choice) order (from which the combine's bags follow
-without a second sort), and runs while the counts are exchanged (through
-kept buffers); the rows to send are gathered with one ``index_select``
-into a buffer kept per shape (the exchange copies it out before returning,
-and nothing saves it for backward, so it is reused from call to call); the
-combine is one autograd Function (``_Combine``) whose forward gathers,
-weights and sums in one pass, reading the router's weights in their own
-(token, choice) order, and whose backward gathers each row's token
-gradient once for both gradients.
+the combine's bags (each row's place in (token, choice) order, so no
+second sort), and runs while the counts are exchanged (through kept
+buffers); on CPU this integer work is numpy's (``_on_host``). The rows to
+send are gathered with one ``index_select`` into a buffer kept per shape
+(the exchange copies it out before returning, and nothing saves it for
+backward, so it is reused from call to call); the combine is one autograd
+Function (``_Combine``) whose forward joins the runs (the copy the experts'
+concatenation made before) and gathers, weights and sums in one pass,
+reading the router's weights in their own (token, choice) order, and whose
+backward gathers each row's token gradient once for both gradients.
 
 Under ``trainer.compile`` the plan, the dispatch and the combine are eager
 islands (``hpctrain.eager``): their shapes follow the routing and the send
@@ -48,8 +51,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -69,11 +73,15 @@ class DispatchPlan:
     recv_splits: List[int]
     """Rows received from each ep rank."""
     segments: List[Tuple[int, int]]
-    """The experts' input rows as consecutive runs of (local expert, rows): this rank's own
-    rows first, then the other sources' in rank order, each by expert (one run per expert
-    when ep = 1). Runs may be empty."""
+    """The experts' input rows as consecutive runs of (local expert, rows): the rows
+    received from the other sources first, in rank order, each by expert, then this
+    rank's own rows by expert (one run per expert when ep = 1). Runs may be empty."""
     kept_position: torch.Tensor
     """(A,) each row's place among the kept assignments in (token, choice) order."""
+    bag_rows: torch.Tensor
+    """(A,) the combine's rows (this rank's own results first, then those received back,
+    in send order) in (token, choice) order: token t's rows are
+    ``bag_rows[offsets[t]:offsets[t + 1]]`` (the bags of its ``embedding_bag``)."""
     offsets: torch.Tensor
     """(N + 1,) where each token's kept assignments start in that order (the last entry: A):
     token t's are ``kept_weight[offsets[t]:offsets[t + 1]]``."""
@@ -81,6 +89,9 @@ class DispatchPlan:
     """Whether rows cross ranks (ep > 1)."""
     rank: int = 0
     """This rank in the ep group."""
+    rows_buffer: Optional[torch.Tensor] = None
+    """Set by ``dispatch(experts_in_place=True)``: the experts' rows with room behind them
+    for the results other ranks send back (see ``combine``)."""
 
     @cached_property
     def own(self) -> Tuple[int, int]:
@@ -100,6 +111,16 @@ class DispatchPlan:
         send, recv = list(self.send_splits), list(self.recv_splits)
         send[self.rank] = recv[self.rank] = 0
         return send, recv
+
+    @property
+    def received_rows(self) -> int:
+        """Rows this rank's experts compute for other ranks (in front of its own)."""
+        return sum(self.remote_splits[1])
+
+    @property
+    def returned_rows(self) -> int:
+        """Rows other ranks' experts compute for this rank (sent, and returned by the combine)."""
+        return sum(self.remote_splits[0])
 
     @cached_property
     def own_token(self) -> torch.Tensor:
@@ -130,18 +151,85 @@ class DispatchPlan:
         """The token of each of the combine's rows."""
         return self.token if not self.exchange else torch.cat([self.own_token, self.remote_token])
 
-    @cached_property
-    def bag_rows(self) -> torch.Tensor:
-        """The combine's rows in (token, choice) order: token t's rows are
-        ``bag_rows[offsets[t]:offsets[t + 1]]`` (the bags of its ``embedding_bag``)."""
-        rows = torch.empty_like(self.combine_position)
-        rows[self.combine_position] = torch.arange(rows.numel(), device=rows.device)
-        return rows
-
     def remote(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (one entry per row of ``token``) without this rank's own rows."""
         a, b = self.own
         return t[b:] if a == 0 else t[:a] if b == t.shape[0] else torch.cat([t[:a], t[b:]])
+
+    def holds(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` are the experts' rows in ``rows_buffer`` (the room behind them free)."""
+        buf = self.rows_buffer
+        return (buf is not None and rows.data_ptr() == buf.data_ptr() and rows.dtype == buf.dtype
+                and rows.is_contiguous() and rows.shape[1:] == buf.shape[1:]
+                and rows.shape[0] == self.received_rows + self.own_rows)
+
+
+Indices = Union[np.ndarray, torch.Tensor]
+"""Integer index arrays of the plan's making: numpy on CPU, torch on other devices."""
+
+
+def _on_host(experts: torch.Tensor, num_experts: int) -> bool:
+    """Whether the plan's integer work runs in numpy: on CPU, with expert ids that fit the
+    16 bits numpy's stable sort orders by radix (linear time; about 10x torch's stable
+    argsort for 4096 top-2 rows), where each small index operation also costs a
+    microsecond against several for a torch operator. Elsewhere (GPU) in torch, where
+    the data lives."""
+    return experts.device.type == "cpu" and num_experts <= 1 << 16
+
+
+def _assignments(experts: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int, host: bool
+                 ) -> Tuple[Indices, Optional[Indices], torch.Tensor, List[int]]:
+    """(ids, kept, offsets, counts) of (N, k) ``experts``: the expert id of each kept
+    assignment in (token, choice) order, their (token, choice) slots (None: all kept),
+    where each token's kept assignments start in that order (N + 1 entries), and the
+    assignments per expert."""
+    n, k = experts.shape
+    ids: Indices
+    kept: Optional[Indices]
+    if host:
+        ids_np = experts.numpy().reshape(-1).astype(np.uint8 if num_experts <= 1 << 8 else np.uint16)
+        kept_np = None if keep is None else np.flatnonzero(keep.numpy())
+        if kept_np is not None:
+            ids_np = ids_np[kept_np]
+        ids, kept, counts = ids_np, kept_np, np.bincount(ids_np, minlength=num_experts).tolist()
+    else:
+        ids_t = experts.reshape(-1)
+        kept_t = None if keep is None else keep.reshape(-1).nonzero().squeeze(1)
+        if kept_t is not None:
+            ids_t = ids_t.index_select(0, kept_t)
+        ids, kept, counts = ids_t, kept_t, torch.bincount(ids_t, minlength=num_experts).tolist()
+    if keep is None:
+        offsets = torch.arange(0, n * k + 1, k, device=experts.device)
+    else:
+        offsets = torch.zeros(n + 1, dtype=torch.long, device=experts.device)
+        torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
+    return ids, kept, offsets, counts
+
+
+def _orders(ids: Indices, kept: Optional[Indices], k: int, own: Tuple[int, int]
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, token, bag_rows) of the kept assignments (``_assignments``): ``order`` sorts
+    them by expert, stably (the send order); ``token`` is each sent row's token;
+    ``bag_rows`` places the combine's rows (the own ones, ``order[own[0]:own[1]]``, first,
+    then the others in send order) back in (token, choice) order."""
+    a, b = own
+    if isinstance(ids, np.ndarray):
+        order = np.argsort(ids, kind="stable")
+        slot = order if kept is None else kept[order]
+        position = np.arange(order.size)  # each sent row's place among the combine's rows
+        position[:a] += b - a
+        position[a:b] -= a
+        bag_rows = np.empty_like(order)
+        bag_rows[order] = position
+        return torch.from_numpy(order), torch.from_numpy(slot // k), torch.from_numpy(bag_rows)
+    assert isinstance(ids, torch.Tensor) and (kept is None or isinstance(kept, torch.Tensor))
+    order_t = torch.argsort(ids, stable=True)
+    slot_t = order_t if kept is None else kept.index_select(0, order_t)
+    position_t = torch.arange(order_t.numel(), device=order_t.device)
+    position_t[:a] += b - a
+    position_t[a:b] -= a
+    bag_t = torch.empty_like(order_t).scatter_(0, order_t, position_t)
+    return order_t, torch.div(slot_t, k, rounding_mode="floor"), bag_t
 
 
 @eager
@@ -150,39 +238,30 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     """The plan for (N, k) ``experts`` and ``weights``, ``keep`` (N, k) the
     assignments within capacity (None: all). Collective over ``group`` (the
     ep group; None or size 1: no exchange)."""
-    n, k = experts.shape
-    flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
-    kept: Optional[torch.Tensor] = None  # the kept (token, choice) slots, ascending
-    if keep is None:
-        offsets = torch.arange(0, n * k + 1, k, device=experts.device)
-    else:
-        kept = keep.reshape(-1).nonzero().squeeze(1)
-        flat_e, flat_w = flat_e.index_select(0, kept), flat_w.index_select(0, kept)
-        offsets = torch.zeros(n + 1, dtype=torch.long, device=experts.device)
-        torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
-    counts = torch.bincount(flat_e, minlength=num_experts)
-    exchange = group is not None and group.size > 1
-    if exchange:  # the counts travel while this rank sorts
-        assert group is not None
-        mine, received = _counts_buffers(num_experts, counts.device)
-        mine.copy_(counts)  # (kept tensors: the communicator's remembered-pair path)
-        work = group.communicator().all_to_all(received, mine, async_op=True)  # E/ep counts to each rank
-    order = torch.argsort(flat_e, stable=True)  # the one sort: rows by expert, then by token
-    slot = order if kept is None else kept.index_select(0, order)
-    tok = torch.div(slot, k, rounding_mode="floor")
-    if not exchange:
-        sent = [int(order.numel())]
-        return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts.tolist())), order, offsets)
-    assert group is not None
-    work.wait()
+    k = experts.shape[1]
+    ids, kept, offsets, counts = _assignments(experts, keep, num_experts, _on_host(experts, num_experts))
+    flat_w = weights.reshape(-1)
+    if kept is not None:
+        flat_w = flat_w.index_select(0, kept if isinstance(kept, torch.Tensor) else torch.from_numpy(kept))
+    if group is None or group.size == 1:
+        order, tok, bag_rows = _orders(ids, kept, k, (0, len(ids)))
+        sent = [len(ids)]
+        return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts)), order, bag_rows, offsets)
+    mine, received = _counts_buffers(num_experts, experts.device)
+    mine.copy_(torch.tensor(counts))  # (kept tensors: the communicator's remembered-pair path)
+    work = group.communicator().all_to_all(received, mine, async_op=True)  # the counts travel while this rank sorts
     ep, me = group.size, group.rank
     local = num_experts // ep
+    send_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    a = sum(send_splits[:me])
+    order, tok, bag_rows = _orders(ids, kept, k, (a, a + send_splits[me]))
+    work.wait()
     from_src = received.view(ep, local).tolist()  # [source][local expert]
-    send_splits = counts.view(ep, local).sum(dim=1).tolist()
     recv_splits = [sum(row) for row in from_src]
-    sources = [me] + [s for s in range(ep) if s != me]  # own rows first, as dispatch lays them out
+    sources = [s for s in range(ep) if s != me] + [me]  # received rows first, then own, as dispatch lays them out
     segments = [(e, from_src[s][e]) for s in sources for e in range(local)]
-    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, order, offsets, exchange=True, rank=me)
+    return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, order, bag_rows, offsets, exchange=True,
+                        rank=me)
 
 
 _counts: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -219,20 +298,26 @@ def _rowdot(rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
-    """fwd the experts' input rows: ``tokens[own tokens]`` gathered in place at the
-    front, the rows of other ranks received behind them; bwd the tokens' gradients
+    """fwd the experts' input rows: the rows of other ranks received at the front,
+    ``tokens[own tokens]`` gathered in place behind them; bwd the tokens' gradients
     (the other ranks' part sent back through the reverse exchange)."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, plan: DispatchPlan, group: Group) -> torch.Tensor:
+    def forward(ctx, tokens: torch.Tensor, plan: DispatchPlan, group: Group, in_place: bool) -> torch.Tensor:
         send, recv = plan.remote_splits
         ctx.plan, ctx.group, ctx.n = plan, group, tokens.shape[0]
         row = tuple(tokens.shape[1:])
-        out = torch.empty((plan.own_rows + sum(recv),) + row, dtype=tokens.dtype, device=tokens.device)
-        torch.index_select(tokens, 0, plan.own_token, out=out[:plan.own_rows])
+        first, rows = plan.received_rows, plan.received_rows + plan.own_rows
+        if in_place:  # room behind the rows for what the combine gets back
+            plan.rows_buffer = torch.empty((rows + plan.returned_rows,) + row, dtype=tokens.dtype,
+                                           device=tokens.device)
+            out = plan.rows_buffer[:rows]
+        else:
+            out = torch.empty((rows,) + row, dtype=tokens.dtype, device=tokens.device)
         outgoing = torch.index_select(tokens, 0, plan.remote_token,
-                                      out=_send_buffer((plan.remote_token.numel(),) + row, tokens))
-        group.communicator().all_to_all(out[plan.own_rows:], outgoing, recv, send)
+                                      out=_send_buffer((plan.returned_rows,) + row, tokens))
+        group.communicator().all_to_all(out[:first], outgoing, recv, send)  # the others wait on these first
+        torch.index_select(tokens, 0, plan.own_token, out=out[first:])
         return out
 
     @staticmethod
@@ -240,40 +325,59 @@ class _Dispatch(torch.autograd.Function):
         plan = ctx.plan
         send, recv = plan.remote_splits
         grad = grad.contiguous()
-        back = torch.empty((plan.remote_token.numel(),) + tuple(grad.shape[1:]), dtype=grad.dtype,
-                           device=grad.device)
-        ctx.group.communicator().all_to_all(back, grad[plan.own_rows:], send, recv)
+        first = plan.received_rows
+        back = torch.empty((plan.returned_rows,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        ctx.group.communicator().all_to_all(back, grad[:first], send, recv)
         out = torch.zeros((ctx.n,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        out.index_add_(0, plan.own_token, grad[:plan.own_rows])
-        return out.index_add_(0, plan.remote_token, back), None, None
+        out.index_add_(0, plan.own_token, grad[first:])
+        return out.index_add_(0, plan.remote_token, back), None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """fwd ``out[t] = sum of weight[i] * rows[i] over the rows i of token t``, where
-    ``rows`` are this rank's own rows (read where its experts wrote them) and the
-    rows other ranks' experts computed (received through the reverse exchange; none
-    when ep = 1); bwd the expert outputs' gradients (the other ranks' sent back) and
-    the weights'.
+    ``rows`` are this rank's own experts' results and those other ranks' experts
+    computed (received through the reverse exchange; none when ep = 1); bwd the
+    expert outputs' gradients (the other ranks' sent back) and the weights'.
 
-    The forward is one weighted ``embedding_bag`` over the rows (own rows first,
-    received rows behind them), one bag per token in (token, choice) order, so the
-    router's weights are its per-row weights as they are: gather, multiply and sum
-    in one pass that writes each token once, instead of a product per row, a zero
-    fill and a scattered add. The backward gathers each row's token gradient once
-    and derives both gradients from it."""
+    The experts' results come as one tensor or as the runs they computed one by
+    one (``parts``, in ``plan.segments`` order: received rows, then own rows).
+    Runs are joined into a buffer with room behind them, so the results sent
+    back come in right behind this rank's own, which are summed where they
+    lie; one tensor is used where it is when it is ``dispatch``'s in-place
+    buffer (``plan.holds``), otherwise its own rows are copied in front of the
+    returned ones.
+
+    The sum is one weighted ``embedding_bag`` over the rows (own rows first,
+    returned rows behind them), one bag per token in (token, choice) order, so
+    the router's weights are its per-row weights as they are: gather, multiply
+    and sum in one pass that writes each token once. The backward gathers each
+    row's token gradient once and derives both gradients from it."""
 
     @staticmethod
-    def forward(ctx, expert_rows: torch.Tensor, kept_weight: torch.Tensor, plan: DispatchPlan,
-                group: Optional[Group]) -> torch.Tensor:
-        send, recv = plan.remote_splits
+    def forward(ctx, kept_weight: torch.Tensor, plan: DispatchPlan, group: Optional[Group],
+                *parts: torch.Tensor) -> torch.Tensor:
+        ctx.sizes = [p.shape[0] for p in parts]
+        like = parts[0]
+        width = like.shape[-1]
         if plan.exchange:
             assert group is not None  # rows cross ranks of the ep group
-            rows = torch.empty((plan.own_rows + sum(send), expert_rows.shape[-1]), dtype=expert_rows.dtype,
-                               device=expert_rows.device)
-            rows[:plan.own_rows].copy_(expert_rows[:plan.own_rows])
-            group.communicator().all_to_all(rows[plan.own_rows:], expert_rows[plan.own_rows:], send, recv)
+            send, recv = plan.remote_splits
+            first, own = plan.received_rows, plan.own_rows
+            if len(parts) == 1 and plan.holds(like):
+                assert plan.rows_buffer is not None
+                buf, outgoing = plan.rows_buffer, like[:first]
+                rows = buf[first:]
+            elif len(parts) == 1:  # a tensor of its own: its own rows move in front of the returned ones
+                rows = torch.empty((own + plan.returned_rows, width), dtype=like.dtype, device=like.device)
+                rows[:own].copy_(like[first:])
+                outgoing = like[:first]
+            else:
+                buf = torch.empty((first + own + plan.returned_rows, width), dtype=like.dtype, device=like.device)
+                torch.cat(parts, out=buf[:first + own])
+                rows, outgoing = buf[first:], buf[:first]
+            group.communicator().all_to_all(rows[own:], outgoing, send, recv)
         else:
-            rows = expert_rows  # every row is this rank's own, already in combine order
+            rows = like if len(parts) == 1 else torch.cat(parts)  # every row is this rank's own, in combine order
         with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype is the output's
             out = F.embedding_bag(plan.bag_rows, rows, plan.offsets, mode="sum", per_sample_weights=kept_weight,
                                   include_last_offset=True)
@@ -287,35 +391,45 @@ class _Combine(torch.autograd.Function):
         rows, kept_weight = ctx.saved_tensors
         g = grad.index_select(0, plan.combine_token)  # each row's token gradient, once
         grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = _rowdot(rows, g).index_select(0, plan.bag_rows)
-        grad_rows = None
         if ctx.needs_input_grad[0]:
-            row_weight = kept_weight.index_select(0, plan.combine_position).unsqueeze(-1)
-            if plan.exchange:
-                send, recv = plan.remote_splits
-                own = plan.own_rows
-                grad_rows = torch.empty((own + sum(recv), grad.shape[-1]), dtype=grad.dtype, device=grad.device)
-                torch.mul(g[:own], row_weight[:own], out=grad_rows[:own])  # own rows straight into place
-                ctx.group.communicator().all_to_all(grad_rows[own:], g[own:].mul_(row_weight[own:]), recv, send)
-            else:
-                grad_rows = g.mul_(row_weight)
-        return grad_rows, grad_weight, None, None
+            grad_weight = _rowdot(rows, g).index_select(0, plan.bag_rows)
+        if not any(ctx.needs_input_grad[3:]):
+            return (grad_weight, None, None) + (None,) * len(ctx.sizes)
+        row_weight = kept_weight.index_select(0, plan.combine_position).unsqueeze(-1)
+        if plan.exchange:
+            send, recv = plan.remote_splits
+            first, own = plan.received_rows, plan.own_rows
+            grad_rows = torch.empty((first + own, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+            torch.mul(g[:own], row_weight[:own], out=grad_rows[first:])  # own rows straight into place
+            ctx.group.communicator().all_to_all(grad_rows[:first], g[own:].mul_(row_weight[own:]), recv, send)
+        else:
+            grad_rows = g.mul_(row_weight)
+        return (grad_weight, None, None) + tuple(grad_rows.split(ctx.sizes))
 
 
 @eager
-def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group]) -> torch.Tensor:
-    """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``)."""
+def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group],
+             experts_in_place: bool = False) -> torch.Tensor:
+    """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``).
+
+    ``experts_in_place``: the experts compute on these rows in place (an identity,
+    as in ``hpctrain-bench moe``), so their results are these rows: they are laid
+    out with room behind them for the results the combine gets back (no copy of
+    this rank's own results there). Experts that compute new rows pass their runs
+    to ``combine`` instead, which joins them into such a buffer itself."""
     if not plan.exchange:
         return tokens[plan.token]  # the experts keep these rows for backward: new memory
     assert group is not None  # rows cross ranks of the ep group
-    return _Dispatch.apply(tokens, plan, group)
+    return _Dispatch.apply(tokens, plan, group, experts_in_place)
 
 
 @eager
-def combine(expert_rows: torch.Tensor, plan: DispatchPlan, group: Optional[Group], n_tokens: int) -> torch.Tensor:
-    """The experts' outputs (in ``dispatch``'s order) -> (N, d): each token's
-    sum of its experts' outputs times their router weights."""
+def combine(expert_rows: Union[torch.Tensor, Sequence[torch.Tensor]], plan: DispatchPlan, group: Optional[Group],
+            n_tokens: int) -> torch.Tensor:
+    """The experts' outputs (one tensor in ``dispatch``'s order, or its runs, those
+    of ``plan.segments``, one tensor each) -> (N, d): each token's sum of its
+    experts' outputs times their router weights."""
     if plan.offsets.numel() != n_tokens + 1:
         raise ValueError(f"combine: the plan routes {plan.offsets.numel() - 1} tokens, not {n_tokens}")
-    return _Combine.apply(expert_rows, plan.kept_weight.to(expert_rows.dtype), plan, group)
+    parts = (expert_rows,) if isinstance(expert_rows, torch.Tensor) else tuple(expert_rows)
+    return _Combine.apply(plan.kept_weight.to(parts[0].dtype), plan, group, *parts)

@@ -7,7 +7,7 @@ Each expert's slice is laid out like an ``nn.Linear`` weight.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +35,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
 
-    def forward(self, rows: torch.Tensor, segments: List[Tuple[int, int]], uses: Optional[Uses] = None) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, segments: List[Tuple[int, int]], uses: Optional[Uses] = None,
+                join: bool = True) -> Union[torch.Tensor, List[torch.Tensor]]:
         """``rows`` as consecutive runs of (local expert, count) -> each row's
-        expert output, in the same order."""
+        expert output, in the same order: one tensor, or (``join=False``) one
+        per run, for a consumer that joins them where it needs them (the
+        combine, into a buffer with room for the rows coming back)."""
         see = uses or (lambda w: w)
         w1, w3, w2 = see(self.w1), see(self.w3), see(self.w2)
         outs, at = [], 0
         for e, n in segments:
             outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
             at += n
+        if not join:
+            return outs
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -154,7 +154,7 @@ class MoE(nn.Module):
             self._balance(routing, keep, n)
         plan = plan_dispatch(routing.experts, routing.weights, keep, self.cfg.num_experts, self.regions.ep)
         rows = dispatch(tokens, plan, self.regions.ep)
-        out = combine(self.experts(rows, plan.segments, self._uses), plan, self.regions.ep, n)
+        out = combine(self.experts(rows, plan.segments, self._uses, join=False), plan, self.regions.ep, n)
         if self.shared is not None:
             out = out + self.shared(tokens, self._uses)
         return out.view_as(x)

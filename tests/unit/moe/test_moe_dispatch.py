@@ -68,3 +68,29 @@ def test_the_send_buffer_is_reused_per_shape_and_the_cache_stays_small():
 def test_no_tokens():
     plan = D.plan_dispatch(torch.zeros(0, K, dtype=torch.long), torch.zeros(0, K), None, E, None)
     assert D.combine(D.dispatch(torch.zeros(0, DIM), plan, None), plan, None, 0).shape == (0, DIM)
+
+
+@pytest.mark.parametrize("num_experts", [8, 300])  # 8- and 16-bit expert ids
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_numpy_and_torch_index_paths_agree(num_experts, drop):
+    """The plan's integer work runs in numpy on CPU and in torch elsewhere: the same
+    send order, tokens, combine bags, offsets and counts, for every own-row range."""
+    g = torch.Generator().manual_seed(5)
+    experts = torch.randint(0, num_experts, (N, K), generator=g)
+    keep = (torch.rand(N, K, generator=g) > 0.3) if drop else None
+    host = D._assignments(experts, keep, num_experts, host=True)
+    device = D._assignments(experts, keep, num_experts, host=False)
+    assert torch.equal(torch.from_numpy(host[0].astype("int64")), device[0])
+    assert (host[1] is None) == (device[1] is None)
+    if drop:
+        assert torch.equal(torch.from_numpy(host[1]), device[1])
+    assert torch.equal(host[2], device[2]) and host[3] == device[3]
+    rows = len(host[0])
+    for own in [(0, rows), (0, rows // 3), (rows // 3, rows // 2), (rows // 2, rows)]:
+        for a, b in zip(D._orders(host[0], host[1], K, own), D._orders(device[0], device[1], K, own)):
+            assert torch.equal(a, b)
+    order, tok, bag = D._orders(host[0], host[1], K, (rows // 3, rows // 2))
+    assert torch.equal(order, torch.argsort(device[0], stable=True))
+    a, b = rows // 3, rows // 2
+    combine_rows = torch.cat([order[a:b], order[:a], order[b:]])  # own rows first, then the rest in send order
+    assert torch.equal(combine_rows[bag], torch.arange(rows))  # the bags list each slot's combine row
