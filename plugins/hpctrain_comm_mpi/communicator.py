@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
@@ -58,7 +58,7 @@ from hpctrain.mesh import Group
 from hpctrain_comm_mpi import agree
 from hpctrain_comm_mpi.agree import as_comm_error, mpi_errors
 from hpctrain_comm_mpi.buffers import PairCache, ViewCache, WireBuffer
-from hpctrain_comm_mpi.dtypes import REDUCIBLE, element_size, transport_dtype
+from hpctrain_comm_mpi.dtypes import REDUCIBLE, element_size, mpi_type, transport_dtype
 from hpctrain_comm_mpi.subcomm import mpi_comm_for
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.MAX: MPI.MAX}
@@ -117,6 +117,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
+
+
+def _address_buffer(t: torch.Tensor) -> Any:
+    """An mpi4py buffer over a contiguous CPU tensor's memory, by address (as ``WireBuffer``'s)."""
+    return MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -325,6 +330,22 @@ class MpiCommunicator:
         if self.check_shapes:
             agree.check_all_to_all(self.comm, "all_to_all", self.group.name, str(input.dtype), row,
                                    send_rows, recv_rows, equal)
+        if (not equal and not self.check_shapes and output.device.type == "cpu" and input.device.type == "cpu"
+                and output.numel() and input.numel() and output.is_contiguous() and input.is_contiguous()
+                and not _overlaps(input, output)):
+            # uneven splits (the MoE token path, several calls per layer): both
+            # tensors are MPI buffers as they are, so skip the staging logic
+            wire = transport_dtype(input.dtype)
+            row_type = self._row_type(mpi_type(wire), row * (element_size(input.dtype) // element_size(wire)))
+            send = [_address_buffer(input), (send_rows, _displacements(send_rows)), row_type]
+            recv = [_address_buffer(output), (recv_rows, _displacements(recv_rows)), row_type]
+            if async_op:
+                with mpi_errors("all_to_all", self.group.name):
+                    request = self.comm.Ialltoallv(send, recv)
+                return MpiWork("all_to_all", self.group.name, [request], [output, input], _nothing)
+            with mpi_errors("all_to_all", self.group.name):
+                self.comm.Alltoallv(send, recv)
+            return _DONE
         dst = self._buffer(output, write=True)
         src = WireBuffer(input, reduce=False, read=True, write=False, cuda_aware=self.cuda_aware,
                          copy=not dst.staged and _overlaps(input, output))
