@@ -113,6 +113,11 @@ class DispatchPlan:
         return send, recv
 
     @property
+    def own_runs(self) -> int:
+        """The runs of ``segments`` that hold this rank's own rows (the last ones)."""
+        return len(self.segments) // len(self.send_splits)
+
+    @property
     def received_rows(self) -> int:
         """Rows this rank's experts compute for other ranks (in front of its own)."""
         return sum(self.remote_splits[1])
@@ -139,8 +144,8 @@ class DispatchPlan:
 
     @cached_property
     def combine_position(self) -> torch.Tensor:
-        """The combine's rows (own rows first, then the received ones) as places in
-        (token, choice) order."""
+        """The combine's rows (own rows first, then the ones other ranks return) as
+        places in (token, choice) order."""
         if not self.exchange:
             return self.kept_position
         a, b = self.own
@@ -148,7 +153,7 @@ class DispatchPlan:
 
     @cached_property
     def combine_token(self) -> torch.Tensor:
-        """The token of each of the combine's rows."""
+        """The token of each of the combine's rows (own rows first, then the returned ones)."""
         return self.token if not self.exchange else torch.cat([self.own_token, self.remote_token])
 
     def remote(self, t: torch.Tensor) -> torch.Tensor:
@@ -187,7 +192,10 @@ def _assignments(experts: torch.Tensor, keep: Optional[torch.Tensor], num_expert
     ids: Indices
     kept: Optional[Indices]
     if host:
-        ids_np = experts.numpy().reshape(-1).astype(np.uint8 if num_experts <= 1 << 8 else np.uint16)
+        wide = experts.numpy().reshape(-1)
+        if wide.size and (wide.min() < 0 or wide.max() >= num_experts):  # the narrow cast would wrap them
+            raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
+        ids_np = wide.astype(np.uint8 if num_experts <= 1 << 8 else np.uint16)
         kept_np = None if keep is None else np.flatnonzero(keep.numpy())
         if kept_np is not None:
             ids_np = ids_np[kept_np]
@@ -341,9 +349,10 @@ class _Combine(torch.autograd.Function):
 
     The experts' results come as one tensor or as the runs they computed one by
     one (``parts``, in ``plan.segments`` order: received rows, then own rows).
-    Runs are joined into a buffer with room behind them, so the results sent
-    back come in right behind this rank's own, which are summed where they
-    lie; one tensor is used where it is when it is ``dispatch``'s in-place
+    Runs are joined where they go: the results for other ranks into the kept
+    send buffer, this rank's own in front of room where the returned results
+    come in, so both are summed where they lie and the backward keeps only
+    those. One tensor is used where it is when it is ``dispatch``'s in-place
     buffer (``plan.holds``), otherwise its own rows are copied in front of the
     returned ones.
 
@@ -371,10 +380,13 @@ class _Combine(torch.autograd.Function):
                 rows = torch.empty((own + plan.returned_rows, width), dtype=like.dtype, device=like.device)
                 rows[:own].copy_(like[first:])
                 outgoing = like[:first]
-            else:
-                buf = torch.empty((first + own + plan.returned_rows, width), dtype=like.dtype, device=like.device)
-                torch.cat(parts, out=buf[:first + own])
-                rows, outgoing = buf[first:], buf[:first]
+            else:  # the runs: those for other ranks joined into the kept send buffer, own ones in front
+                mine = plan.own_runs  # of the returned rows (nothing of the sent results outlives the call)
+                if len(parts) != len(plan.segments):
+                    raise ValueError(f"combine: {len(parts)} runs of results, the plan has {len(plan.segments)}")
+                rows = torch.empty((own + plan.returned_rows, width), dtype=like.dtype, device=like.device)
+                outgoing = torch.cat(parts[:-mine], out=_send_buffer((first, width), like))
+                torch.cat(parts[-mine:], out=rows[:own])
             group.communicator().all_to_all(rows[own:], outgoing, send, recv)
         else:
             rows = like if len(parts) == 1 else torch.cat(parts)  # every row is this rank's own, in combine order
@@ -412,11 +424,13 @@ def dispatch(tokens: torch.Tensor, plan: DispatchPlan, group: Optional[Group],
              experts_in_place: bool = False) -> torch.Tensor:
     """(N, d) tokens -> the rows this rank's experts compute (``plan.segments``).
 
-    ``experts_in_place``: the experts compute on these rows in place (an identity,
-    as in ``hpctrain-bench moe``), so their results are these rows: they are laid
-    out with room behind them for the results the combine gets back (no copy of
-    this rank's own results there). Experts that compute new rows pass their runs
-    to ``combine`` instead, which joins them into such a buffer itself."""
+    ``experts_in_place``: the experts' results are these rows themselves (an
+    identity, as in ``hpctrain-bench moe``, or an in-place update under
+    ``torch.no_grad``: autograd forbids modifying a custom Function's output
+    view): they are laid out with room behind them for the results the
+    combine gets back, so it copies none of them. Experts that compute new
+    rows pass their runs to ``combine`` instead, which joins them where it
+    needs them."""
     if not plan.exchange:
         return tokens[plan.token]  # the experts keep these rows for backward: new memory
     assert group is not None  # rows cross ranks of the ep group

@@ -27,18 +27,19 @@ def _scale(e: torch.Tensor) -> torch.Tensor:
     return 1.0 + e.to(torch.float32) / 8
 
 
-def _inputs(rank: int, drop: bool):
+def _inputs(rank: int, drop: bool, first_rank_only: bool = False, local: int = E):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(N, DIM, generator=g)
     w = torch.rand(N, K, generator=g)
-    e = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    choices = local if first_rank_only else E  # the first rank holds experts [0, local)
+    e = torch.stack([torch.randperm(choices, generator=g)[:K] for _ in range(N)])
     keep = (torch.rand(N, K, generator=g) > 0.3) if drop else None
     probe = torch.randn(N, DIM, generator=g)
     return x, w, e, keep, probe
 
 
-def _expected(rank: int, drop: bool, identity: bool):
-    x, w, e, keep, probe = _inputs(rank, drop)
+def _expected(rank: int, drop: bool, identity: bool, first_rank_only: bool, local: int):
+    x, w, e, keep, probe = _inputs(rank, drop, first_rank_only, local)
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     scale = torch.ones(N, K) if identity else _scale(e)
     mask = torch.ones(N, K) if keep is None else keep.float()
@@ -46,11 +47,11 @@ def _expected(rank: int, drop: bool, identity: bool):
     return (out.detach(),) + torch.autograd.grad((out * probe).sum(), (x, w))
 
 
-def _ours(group, rank: int, drop: bool, form: str):
-    x, w, e, keep, probe = _inputs(rank, drop)
+def _ours(group, rank: int, drop: bool, form: str, first_rank_only: bool):
+    local = E // group.size
+    x, w, e, keep, probe = _inputs(rank, drop, first_rank_only, local)
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     plan = D.plan_dispatch(e, w, keep, E, group)
-    local = E // group.size
     first = group.rank * local
     if form == "runs":
         rows = D.dispatch(x, plan, group)
@@ -66,10 +67,7 @@ def _ours(group, rank: int, drop: bool, form: str):
     return (out.detach(),) + torch.autograd.grad((out * probe).sum(), (x, w))
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("drop", [False, True])
-@pytest.mark.parametrize("form", ["runs", "in place", "own tensor"])
-def test_token_path_equals_the_plain_expression(world, pm, form, drop):
+def _ep_group(world, pm):
     from hpctrain.bootstrap import with_device
     from hpctrain.config import compose_resolved
     from hpctrain.run import build_mesh
@@ -79,7 +77,64 @@ def test_token_path_equals_the_plain_expression(world, pm, form, drop):
                             f"parallel.ep={n}", f"trainer.global_batch_size={n}", "trainer.micro_batch_size=1"), pm)
     group = build_mesh(cfg, with_device("cpu"), pm).group("ep")
     assert group.size == n
-    got = _ours(group, world.Get_rank(), drop, form)
-    want = _expected(world.Get_rank(), drop, identity=form != "runs")
+    return group
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("routing", ["random", "first rank only"])
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("form", ["runs", "in place", "own tensor"])
+def test_token_path_equals_the_plain_expression(world, pm, form, drop, routing):
+    group = _ep_group(world, pm)
+    only_first = routing == "first rank only"
+    got = _ours(group, world.Get_rank(), drop, form, only_first)
+    want = _expected(world.Get_rank(), drop, form != "runs", only_first, E // group.size)
     for name, a, b in zip(("output", "token gradient", "weight gradient"), got, want):
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=lambda m, name=name: f"{form}, {name}: {m}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("form", ["runs", "in place"])
+def test_the_combine_keeps_only_what_its_backward_reads(world, pm, form):
+    """Saved for backward: the rows summed (this rank's own results and the
+    returned ones, in the in-place buffer itself for that form) and the
+    weights; not the results sent to other ranks."""
+    group = _ep_group(world, pm)
+    x, w, e, keep, _ = _inputs(world.Get_rank(), False)
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    plan = D.plan_dispatch(e, w, keep, E, group)
+    rows = D.dispatch(x, plan, group, experts_in_place=form == "in place")
+    runs = list(rows.split([n for _, n in plan.segments])) if form == "runs" else rows
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        D.combine(runs, plan, group, N)
+    kept_rows = [t for t in saved if t.dim() == 2]
+    assert len(kept_rows) == 1 and kept_rows[0].shape == (plan.own_rows + plan.returned_rows, DIM)
+    storage = kept_rows[0].untyped_storage()
+    if form == "in place":  # summed where dispatch put them, behind the rows sent
+        assert plan.rows_buffer is not None
+        assert storage.data_ptr() == plan.rows_buffer.untyped_storage().data_ptr()
+    else:  # a buffer of exactly those rows
+        assert storage.nbytes() == kept_rows[0].numel() * kept_rows[0].element_size()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bfloat16_runs(world, pm):
+    """The runs joined and summed in bf16: within bf16 rounding of the fp32 expression."""
+    group = _ep_group(world, pm)
+    local = E // group.size
+    x, w, e, _, probe = _inputs(world.Get_rank(), False)
+    plan = D.plan_dispatch(e, w, None, E, group)
+    rows = D.dispatch(x.to(torch.bfloat16), plan, group)
+    parts, at = [], 0
+    for expert, n in plan.segments:
+        parts.append(rows[at:at + n] * float(_scale(torch.tensor(group.rank * local + expert))))
+        at += n
+    out = D.combine(parts, plan, group, N)
+    assert out.dtype == torch.bfloat16
+    want = _expected(world.Get_rank(), False, False, False, local)[0]
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
