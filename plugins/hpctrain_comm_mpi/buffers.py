@@ -41,6 +41,13 @@ from hpctrain_comm_mpi.dtypes import mpi_type, reduce_wire_dtype, transport_dtyp
 log = get_logger(__name__)
 
 
+def address_buffer(t: torch.Tensor) -> Any:
+    """An mpi4py buffer over a contiguous CPU tensor's memory, by address (no copy;
+    unlike ``tensor.numpy()`` it leaves the storage resizable, which ZeRO-3 needs to
+    free gathered parameters)."""
+    return MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
+
+
 class WireBuffer:
     """``tensor`` prepared for MPI.
 
@@ -74,12 +81,9 @@ class WireBuffer:
             flat = flat.view(transport_dtype(flat.dtype))
         self.flat = flat
         self.mpi_type = mpi_type(flat.dtype)
-        # CPU: an mpi4py buffer over the tensor's memory, by address (no copy;
-        # unlike ``tensor.numpy()`` it leaves the storage resizable, which
-        # ZeRO-3 needs to free gathered parameters). CUDA-aware: the tensor
-        # itself (mpi4py takes __cuda_array_interface__ / DLPack objects).
-        self.array: Any = (MPI.buffer.fromaddress(flat.data_ptr(), flat.numel() * flat.element_size())
-                           if flat.device.type == "cpu" else flat)
+        # CPU: a buffer over the tensor's memory. CUDA-aware: the tensor itself
+        # (mpi4py takes __cuda_array_interface__ / DLPack objects).
+        self.array: Any = address_buffer(flat) if flat.device.type == "cpu" else flat
 
     @property
     def count(self) -> int:
@@ -156,7 +160,7 @@ class ViewCache:
             if entry is not None and entry.tensor() is None:
                 del entries[key]
 
-        memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        memory = address_buffer(tensor)
         self.entries[key] = CachedView(weakref.ref(tensor, forget), tensor.data_ptr(), tensor.numel(),
                                         [memory, buffer.count, buffer.mpi_type], tensor.dtype.is_floating_point)
 

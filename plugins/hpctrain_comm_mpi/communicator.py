@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
@@ -57,7 +57,7 @@ from hpctrain.mesh import Group
 
 from hpctrain_comm_mpi import agree
 from hpctrain_comm_mpi.agree import as_comm_error, mpi_errors
-from hpctrain_comm_mpi.buffers import PairCache, ViewCache, WireBuffer
+from hpctrain_comm_mpi.buffers import PairCache, ViewCache, WireBuffer, address_buffer
 from hpctrain_comm_mpi.dtypes import REDUCIBLE, element_size, mpi_type, transport_dtype
 from hpctrain_comm_mpi.subcomm import mpi_comm_for
 
@@ -117,11 +117,6 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
-
-
-def _address_buffer(t: torch.Tensor) -> Any:
-    """An mpi4py buffer over a contiguous CPU tensor's memory, by address (as ``WireBuffer``'s)."""
-    return MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _row_numel(t: torch.Tensor) -> int:
@@ -337,8 +332,8 @@ class MpiCommunicator:
             # tensors are MPI buffers as they are, so skip the staging logic
             wire = transport_dtype(input.dtype)
             row_type = self._row_type(mpi_type(wire), row * (element_size(input.dtype) // element_size(wire)))
-            send = [_address_buffer(input), (send_rows, _displacements(send_rows)), row_type]
-            recv = [_address_buffer(output), (recv_rows, _displacements(recv_rows)), row_type]
+            send = [address_buffer(input), (send_rows, _displacements(send_rows)), row_type]
+            recv = [address_buffer(output), (recv_rows, _displacements(recv_rows)), row_type]
             if async_op:
                 with mpi_errors("all_to_all", self.group.name):
                     request = self.comm.Ialltoallv(send, recv)

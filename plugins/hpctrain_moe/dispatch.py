@@ -206,6 +206,8 @@ def _assignments(experts: torch.Tensor, keep: Optional[torch.Tensor], num_expert
         if kept_t is not None:
             ids_t = ids_t.index_select(0, kept_t)
         ids, kept, counts = ids_t, kept_t, torch.bincount(ids_t, minlength=num_experts).tolist()
+        if len(counts) != num_experts:  # (a negative id: bincount has refused it)
+            raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
     if keep is None:
         offsets = torch.arange(0, n * k + 1, k, device=experts.device)
     else:

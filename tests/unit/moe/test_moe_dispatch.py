@@ -96,10 +96,15 @@ def test_the_numpy_and_torch_index_paths_agree(num_experts, drop):
     assert torch.equal(combine_rows[bag], torch.arange(rows))  # the bags list each slot's combine row
 
 
+@pytest.mark.parametrize("host", [True, False])
 @pytest.mark.parametrize("bad", [-1, E, 256 + 1])
-def test_expert_ids_outside_the_experts_are_refused_not_wrapped(bad):
-    """numpy's plan narrows the ids to 8 bits: an id out of range must not become another expert."""
+def test_expert_ids_outside_the_experts_are_refused_not_wrapped(bad, host):
+    """numpy's plan narrows the ids to 8 bits: an id out of range must not become another
+    expert; torch's path refuses them too (negative ones in bincount itself)."""
     experts = torch.zeros(N, K, dtype=torch.long)
     experts[3, 1] = bad
-    with pytest.raises(ValueError, match="outside"):
-        D.plan_dispatch(experts, torch.ones(N, K), None, E, None)
+    with pytest.raises((ValueError, RuntimeError), match="outside|negative"):
+        D._assignments(experts, None, E, host)
+    if host:
+        with pytest.raises(ValueError, match="outside"):
+            D.plan_dispatch(experts, torch.ones(N, K), None, E, None)
