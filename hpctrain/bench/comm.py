@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -50,6 +49,7 @@ from hpctrain.bench.common import (
     paired_ratio,
     parse_size,
     print_rank0,
+    refuse,
     size_ladder,
     time_interleaved,
 )
@@ -288,7 +288,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         _parser().error(f"unknown op(s) {', '.join(bad)}; choose from {', '.join(OPS)}")
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print("hpctrain-bench comm needs at least 2 ranks: mpiexec -n 2 hpctrain-bench comm", file=sys.stderr)
-        return 2
+        return refuse(None, "hpctrain-bench comm needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench comm")
     run(args, rt, get_manager())
     return 0

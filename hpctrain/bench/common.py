@@ -23,6 +23,7 @@ import platform
 import re
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -227,6 +228,14 @@ def paired_ratio(samples: Sequence[float], base: Sequence[float]) -> float:
     the same round are adjacent in time, so this drifts less with a shared
     machine's load than the ratio of medians."""
     return statistics.median(a / b for a, b in zip(samples, base))
+
+
+def refuse(mpi_comm: Any, problem: str) -> int:
+    """Exit status 2 after one ``hpctrain: error:`` line from rank 0 (or the only
+    process): a benchmark's bad arguments, found on every rank alike."""
+    if mpi_comm is None or mpi_comm.Get_rank() == 0:
+        print(f"hpctrain: error: {problem}", file=sys.stderr, flush=True)
+    return 2
 
 
 def print_rank0(mpi_comm: Any, *lines: str) -> None:

@@ -45,14 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
 from hpctrain.bench import _data_loader as loader
-from hpctrain.bench.common import Column, Table, machine_summary, parse_size, print_rank0, time_interleaved
+from hpctrain.bench.common import Column, Table, machine_summary, parse_size, print_rank0, refuse, time_interleaved
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -164,9 +163,8 @@ def tokenizer_section(args: argparse.Namespace, comm: Any) -> int:
     try:
         import tokenizers  # noqa: F401
     except ImportError:
-        print("hpctrain-bench data: the tokenizer section needs the tokenizers package: pip install 'hpctrain[data]'",
-              file=sys.stderr)
-        return 2
+        return refuse(None, "hpctrain-bench data: the tokenizer section needs the tokenizers package; "
+                            "pip install 'hpctrain[data]'")
     from mpi4py import MPI
 
     from hpctrain.data.tokenize import Encoder, resolve_tokenizer

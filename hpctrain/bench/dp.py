@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import copy
 import statistics
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
@@ -58,6 +57,7 @@ from hpctrain.bench.common import (
     metric_reader,
     paired_ratio,
     print_rank0,
+    refuse,
     time_interleaved,
 )
 
@@ -306,8 +306,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print("hpctrain-bench dp needs at least 2 ranks: mpiexec -n 2 hpctrain-bench dp", file=sys.stderr)
-        return 2
+        return refuse(None, "hpctrain-bench dp needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench dp")
     pm = get_manager()
     steps = [f"trainer.steps={args.warmup + args.steps}"]  # the learning-rate schedule's length
     cfg = make_config(list(DEFAULT_OVERRIDES) + steps + args.overrides, pm, rt.world_size)

@@ -6,7 +6,6 @@ by the peer API (FSDP2's ``fully_shard``, the tensor-parallel
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,13 +29,14 @@ def start(name: str, overrides: Callable[[int], List[str]]) -> Optional[Tuple[An
     """(config, runtime, plugin manager) of benchmark ``name`` on this MPI
     job, torch.distributed (gloo) up for the peer; None, said on stderr, with
     fewer than 2 ranks. ``overrides(world_size)`` gives the config overrides."""
+    from hpctrain.bench.common import refuse
     from hpctrain.bootstrap import init_torch_distributed, with_device
     from hpctrain.plugins import get_manager
     from hpctrain.run import configure_torch
 
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print(f"hpctrain-bench {name} needs at least 2 ranks: mpiexec -n 2 hpctrain-bench {name}", file=sys.stderr)
+        refuse(None, f"hpctrain-bench {name} needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench {name}")
         return None
     pm = get_manager()
     cfg = make_config(overrides(rt.world_size), pm, rt.world_size)

@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import sys
 import time
 from typing import Any, List, Optional
 
 import torch
 
-from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, time_collective
+from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, refuse, time_collective
 
 
 def _inputs(args: Any, seed: int = 0):
@@ -137,11 +136,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     if rt.world_size < 2:
-        print("hpctrain-bench cp needs at least 2 ranks: mpiexec -n 2 hpctrain-bench cp", file=sys.stderr)
-        return 2
+        return refuse(None, "hpctrain-bench cp needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench cp")
     if args.seq % (2 * rt.world_size):
-        print(f"hpctrain-bench cp: --seq {args.seq} must be divisible by 2 x cp = {2 * rt.world_size}", file=sys.stderr)
-        return 2
+        return refuse(rt.mpi_comm, f"hpctrain-bench cp: --seq {args.seq} must be divisible by 2 x cp = "
+                                   f"{2 * rt.world_size}; pick a multiple of it")
     torch.set_num_threads(1)  # one core per rank: thread CPU time is the rank's work
     run(args, rt, get_manager())
     return 0
