@@ -6,7 +6,6 @@ multi-rank tests call directly inside their MPI processes.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -37,19 +36,6 @@ def agree_on_problems(problems: List[str], rt: Runtime) -> List[str]:
     return [p if len(ranks) == rt.world_size else f"{p} (on ranks {ranks})" for p, ranks in merged.items()]
 
 
-def _deterministic_kernels() -> None:
-    """torch's deterministic algorithms, warning where an op has none. The public
-    ``torch.use_deterministic_algorithms`` also sets inductor's flag, and importing
-    inductor for it costs every rank over a second of start-up; ``compile_regions``
-    sets that flag itself when a run compiles, so only the kernels' flag is set here
-    (through the public call if torch ever drops the private one)."""
-    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
-    if setter is None or "torch._inductor" in sys.modules:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    else:
-        setter(True, warn_only=True)
-
-
 def configure_torch(cfg: Any, rt: Runtime) -> None:
     """Threads per rank and determinism, before any tensor work."""
     if "OMP_NUM_THREADS" not in os.environ and rt.device.type == "cpu":
@@ -57,7 +43,7 @@ def configure_torch(cfg: Any, rt: Runtime) -> None:
         torch.set_num_threads(max(1, cores // rt.local_size))
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        _deterministic_kernels()
+        torch.use_deterministic_algorithms(True, warn_only=True)
         # torch would then fill every new tensor with NaN (so that a read of memory never
         # written shows): one more write of every activation and buffer, off unless asked for
         torch.utils.deterministic.fill_uninitialized_memory = bool(cfg.debug.fill_uninitialized)  # type: ignore[attr-defined]

@@ -262,10 +262,7 @@ class Transformer(nn.Module):
         self.rope_theta = rope_theta
         self.rope_scaling = rope_scaling
         # (the embedding, head and loss are seams: tensor parallelism puts its own modules there)
-        # built on the meta device and filled by ``materialize``: the given weight skips
-        # nn.Embedding's own normal_ init, which on meta imports torch._dynamo (a second a rank)
-        self.tok_embeddings: Optional[nn.Module] = nn.Embedding(
-            shape.vocab_size, shape.d_model, _weight=torch.empty(shape.vocab_size, shape.d_model))
+        self.tok_embeddings: Optional[nn.Module] = nn.Embedding(shape.vocab_size, shape.d_model)
         self.layers = Layers({str(i): b for i, b in enumerate(blocks)})
         self.norm: Optional[RMSNorm] = RMSNorm(shape.d_model, eps)
         self.output: Optional[nn.Module] = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
