@@ -13,6 +13,11 @@ a small CI machine, and a test written for 2 or 4 ranks has already run at
 the world size changes (collectives, resharding, shard padding, emulated
 nodes, tp = the world). ``HPCTRAIN_TEST_EVERY_SIZE=1`` runs every test at
 every size.
+
+Below 8, a test written for 2 ranks runs at 4 too, unless it is marked
+``same_at_every_size``: what it checks does not depend on the world size
+(a fixed layout, a file format, a message), so it runs at its ``min_size``
+only. Mark that only where a larger world changes nothing the test looks at.
 """
 from __future__ import annotations
 
@@ -81,12 +86,20 @@ LARGE_WORLD = 8
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "every_size: a test written for fewer ranks that also runs at 8 and more (see tests/conftest.py)")
+    config.addinivalue_line(
+        "markers", "same_at_every_size: the world size changes nothing this test checks: it runs at its min_size "
+                   "only (see tests/conftest.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--with-mpi", default=False) or os.environ.get("HPCTRAIN_TEST_EVERY_SIZE") == "1":
         return
     size = _world().Get_size()
+    for item in items:
+        mpi = item.get_closest_marker("mpi")
+        written_for = mpi.kwargs.get("min_size", 1) if mpi is not None else None
+        if written_for is not None and size > written_for and item.get_closest_marker("same_at_every_size"):
+            item.add_marker(pytest.mark.skip(reason=f"same at every size: runs at {written_for} ranks only"))
     if size < LARGE_WORLD:
         return
     for item in items:

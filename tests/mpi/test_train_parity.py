@@ -48,6 +48,7 @@ def test_dp_matches_one_process(world, shared_tmp, make_config, micro):
     assert len(set(digests)) == 1, "replicas diverged"
 
 
+@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 def test_metrics_file_written_once_by_rank_zero(world, shared_tmp, make_config):
     import json

@@ -78,6 +78,7 @@ def test_stage3_gathers_each_unit_twice_per_microbatch_and_frees_it(world, pm, o
     assert_parity(got, one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 
+@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 def test_zero_is_chosen_by_its_stage_and_stage_0_is_plain_dp(world, pm, make_config):
     from hpctrain.plugins import axis_plugin
