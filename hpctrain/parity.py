@@ -12,13 +12,16 @@ and ``hpctrain-parity`` (``hpctrain.parity_cli``) both use these.
 """
 from __future__ import annotations
 
+import time
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
 from hpctrain import hookimpl
 
+T = TypeVar("T")
 Box = Tuple[Tuple[int, int], ...]
 Piece = Tuple[str, Tuple[int, ...], Box, torch.Tensor]
 
@@ -31,6 +34,31 @@ class StepRecord:
     """Logical gradient by logical name (parameters without a gradient are absent)."""
     replica_diffs: Dict[str, float] = field(default_factory=dict)
     """Largest difference between ranks holding the same piece, by name (absent: they agree)."""
+
+
+def idle_wait(comm: Any) -> None:
+    """Wait for every rank of ``comm`` in a non-blocking barrier polled with sleeps: a
+    blocking collective polls busily, taking the cores from the rank that works while
+    the others wait (ranks oversubscribed on a small machine, as in tests)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.01)
+
+
+def on_rank0(comm: Any, fn: Callable[[], T]) -> T:
+    """``fn()`` on rank 0 of ``comm`` while the other ranks sleep (``idle_wait``); its
+    result on every rank, or its failure raised on every rank as a RuntimeError."""
+    result, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except BaseException:  # noqa: BLE001 - passed to every rank, which raises it
+            error = traceback.format_exc()
+    idle_wait(comm)
+    result, error = comm.bcast((result, error), root=0)
+    if error:
+        raise RuntimeError(f"rank 0 failed:\n{error}")
+    return result  # type: ignore[return-value]
 
 
 class _GradTap:

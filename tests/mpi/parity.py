@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from mpi4py import MPI
 
-from hpctrain.parity import StepRecord
+from hpctrain.parity import StepRecord, on_rank0
 from hpctrain.parity import record as _record
 
 
@@ -77,10 +77,12 @@ def world_trainer(pm, *overrides: str, rank_nodes: Optional[Sequence[int]] = Non
 
 
 def reference(cfg, steps: int, pm=None) -> List[StepRecord]:
-    """``record`` of the one-process run of ``cfg`` (inside this rank)."""
+    """``record`` of the one-process run of ``cfg``, on every rank: rank 0 runs it
+    while the others sleep (every rank running the same one-process run would take
+    the world size times the cores of one)."""
     from hpctrain.run import reference_trainer
 
-    return record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF)
+    return on_rank0(MPI.COMM_WORLD, lambda: record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF))
 
 
 ADAM_DRIFT = 1e-4

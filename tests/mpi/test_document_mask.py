@@ -23,6 +23,8 @@ import pytest
 from documents import with_documents
 from mpi4py import MPI
 
+from hpctrain.parity import on_rank0
+
 from parity import assert_parity, record, world_trainer
 
 STEPS = 3
@@ -41,12 +43,15 @@ def one_process(pm, *model):
 
     key = tuple(model)
     if key not in _REFERENCES:
-        trainer = with_documents(reference_trainer(compose_resolved(BASE + key, pm), pm))
-        _REFERENCES[key] = record(trainer, STEPS, MPI.COMM_SELF)
-        seen = trainer.schedule.seen
-        # the documents are there: some samples hold several, and one micro-batch mixes layouts
-        assert max(int(mb.segments.max()) for mb in seen) >= 2
-        assert any(not bool((mb.segments[0] == mb.segments[1]).all()) for mb in seen)
+        def run():
+            trainer = with_documents(reference_trainer(compose_resolved(BASE + key, pm), pm))
+            records = record(trainer, STEPS, MPI.COMM_SELF)
+            seen = trainer.schedule.seen
+            # the documents are there: some samples hold several, and one micro-batch mixes layouts
+            assert max(int(mb.segments.max()) for mb in seen) >= 2
+            assert any(not bool((mb.segments[0] == mb.segments[1]).all()) for mb in seen)
+            return records
+        _REFERENCES[key] = on_rank0(MPI.COMM_WORLD, run)  # the other ranks sleep meanwhile
     return _REFERENCES[key]
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpctrain.parity import idle_wait
+
 BASE = ("trainer.steps=8", "trainer.global_batch_size=16", "trainer.seq_len=32", "trainer.progress=off",
         "trainer.device=cpu", "trainer.log_every=8")
 CASES = {
@@ -64,6 +66,7 @@ def _reference(world, tmp: str):
             result = [(r["loss"], r["grad_norm"]) for r in rows]
         else:
             result = f"reference run failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    idle_wait(world)  # the others sleep while rank 0's run has the cores
     result = world.bcast(result, root=0)
     if isinstance(result, str):
         pytest.fail(result)

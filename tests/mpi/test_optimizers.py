@@ -27,6 +27,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from hpctrain.parity import on_rank0
+
 from parity import assert_parity, logical_params, record, world_trainer
 
 STEPS = 3
@@ -49,9 +51,10 @@ def reference(name: str):
         from hpctrain.config import compose_resolved
         from hpctrain.run import reference_trainer
 
-        trainer = reference_trainer(compose_resolved((*BASE, f"optim={name}")))
-        got = record(trainer, STEPS, MPI.COMM_SELF)
-        _REFERENCE[name] = (got, logical_params(trainer, MPI.COMM_SELF))
+        def run():
+            trainer = reference_trainer(compose_resolved((*BASE, f"optim={name}")))
+            return record(trainer, STEPS, MPI.COMM_SELF), logical_params(trainer, MPI.COMM_SELF)
+        _REFERENCE[name] = on_rank0(MPI.COMM_WORLD, run)  # the others sleep meanwhile
     return _REFERENCE[name]
 
 

@@ -11,6 +11,7 @@ import hashlib
 import pytest
 import torch
 
+from hpctrain.parity import on_rank0
 from hpctrain.run import prepare_run, reference_trainer
 
 # fp32 on CPU: the only difference from one process is the order in which
@@ -37,11 +38,13 @@ def test_dp_matches_one_process(world, shared_tmp, make_config, micro):
     assert trainer.cursor.num_microbatches == 4 // micro
     losses = [m["loss"] for m in trainer.fit()]
 
-    ref = reference_trainer(cfg)
-    ref_losses = [m["loss"] for m in ref.fit()]
+    def one_process():
+        ref = reference_trainer(cfg)
+        return [m["loss"] for m in ref.fit()], [q.detach() for q in ref.model.parameters()]
+    ref_losses, ref_params = on_rank0(world, one_process)  # the other ranks sleep meanwhile
     assert losses == pytest.approx(ref_losses, rel=REL_TOL)
     assert losses[-1] < losses[0]
-    for (name, p), q in zip(trainer.model.named_parameters(), ref.model.parameters()):
+    for (name, p), q in zip(trainer.model.named_parameters(), ref_params):
         assert torch.allclose(p, q, rtol=0, atol=REL_TOL), name
 
     digests = world.allgather(_weights_digest(trainer.model))
@@ -71,7 +74,7 @@ def test_bf16_autocast_trains(world, make_config):
     cfg = make_config("trainer.steps=4", f"trainer.global_batch_size={2 * n}", "trainer.micro_batch_size=2",
                       "trainer.precision=bf16")
     hist = prepare_run(cfg).fit()
-    ref = reference_trainer(cfg).fit()
+    ref = on_rank0(world, lambda: reference_trainer(cfg).fit())
     # bf16 matmuls: same ops in the same order per micro-batch, so the losses
     # still agree closely; 2e-2 relative covers bf16's 8-bit mantissa.
     assert [m["loss"] for m in hist] == pytest.approx([m["loss"] for m in ref], rel=2e-2)

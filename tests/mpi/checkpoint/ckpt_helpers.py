@@ -16,9 +16,7 @@ import json
 import os
 import subprocess
 import sys
-import time
-import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -55,27 +53,6 @@ def finish(proc: subprocess.Popen) -> List[Dict[str, Any]]:
             raise RuntimeError(f"{' '.join(proc.args)} exited with {rc}:\n{f.read()[-4000:]}")
     with open(os.path.join(proc.run_dir, "metrics.jsonl")) as f:  # type: ignore[attr-defined]
         return [json.loads(line) for line in f]
-
-
-def idle_wait(comm: Any) -> None:
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.02)
-
-
-def on_rank0(comm: Any, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 while the others sleep; its result (or failure) on every rank."""
-    result, error = None, None
-    if comm.Get_rank() == 0:
-        try:
-            result = fn()
-        except BaseException:  # noqa: BLE001 - passed to every rank, which raises it
-            error = traceback.format_exc()
-    idle_wait(comm)
-    result, error = comm.bcast((result, error), root=0)
-    if error:
-        raise RuntimeError(f"rank 0 failed:\n{error}")
-    return result
 
 
 def config(*overrides: str, pm=None):

@@ -26,7 +26,9 @@ import os
 import pytest
 from mpi4py import MPI
 
-from ckpt_helpers import BASE, assert_same_datasets, finish, launch, on_rank0, run_here
+from hpctrain.parity import on_rank0
+
+from ckpt_helpers import BASE, assert_same_datasets, finish, launch, run_here
 
 RTOL_LAYOUT = 1e-5
 COMMON = ["trainer.steps=20", "checkpoint.keep=0"]

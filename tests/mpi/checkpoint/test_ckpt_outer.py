@@ -20,9 +20,10 @@ import torch
 from mpi4py import MPI
 
 from hpctrain.errors import ConfigError
+from hpctrain.parity import on_rank0
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, on_rank0
+from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config
 
 pytestmark = pytest.mark.mpi(min_size=2)
 RUN = ("trainer.steps=6", "parallel.dp=-1", "optim.outer=diloco", "optim.outer.every=3", "trainer.precision=fp16",

@@ -33,10 +33,11 @@ from torch import nn
 
 from hpctrain import hookimpl
 from hpctrain.parallel.handles import AxisHandle, DataHandle
+from hpctrain.parity import on_rank0
 from hpctrain.plugins import get_manager
 from hpctrain.shard import SPEC_ATTR, Block, ShardSpec, get_spec, replicated_spec, set_spec
 
-from ckpt_helpers import build_trainer, on_rank0
+from ckpt_helpers import build_trainer
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.every_size]  # the world size changes what is tested
 

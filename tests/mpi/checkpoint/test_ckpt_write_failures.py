@@ -14,7 +14,9 @@ import time
 import pytest
 from mpi4py import MPI
 
-from ckpt_helpers import build_trainer, clean_env, on_rank0
+from hpctrain.parity import on_rank0
+
+from ckpt_helpers import build_trainer, clean_env
 from hpctrain_h5ckpt import h5io, space
 from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 from hpctrain_h5ckpt.errors import CheckpointSaveFailed

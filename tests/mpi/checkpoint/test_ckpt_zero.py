@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
+from hpctrain.parity import idle_wait
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, config, idle_wait, losses
+from ckpt_helpers import BASE, alone_checkpointer, config, losses
 
 pytestmark = pytest.mark.mpi(min_size=2)
 STEPS = ("trainer.steps=4",)
