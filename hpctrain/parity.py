@@ -58,7 +58,7 @@ def on_rank0(comm: Any, fn: Callable[[], T]) -> T:
     result, error = comm.bcast((result, error), root=0)
     if error:
         raise RuntimeError(f"rank 0 failed:\n{error}")
-    return result  # type: ignore[return-value]
+    return result
 
 
 class _GradTap:
