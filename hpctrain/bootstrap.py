@@ -210,6 +210,18 @@ def shutdown_torch_distributed() -> None:
         dist.destroy_process_group()
 
 
+def idle_wait(comm: Any, poll_s: float = 0.01) -> None:
+    """Wait for every rank of ``comm`` in a non-blocking barrier polled with sleeps. A
+    blocking collective polls busily, taking the cores from a rank that works while
+    the others wait (rank 0 composing the config, or running a one-process
+    reference), where ranks share cores (tests, a laptop, a login node)."""
+    import time
+
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(poll_s)
+
+
 def shutdown() -> None:
     """Tear down torch.distributed; MPI finalises itself at exit (mpi4py)."""
     shutdown_torch_distributed()

@@ -12,7 +12,6 @@ and ``hpctrain-parity`` (``hpctrain.parity_cli``) both use these.
 """
 from __future__ import annotations
 
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
@@ -20,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 import torch
 
 from hpctrain import hookimpl
+from hpctrain.bootstrap import idle_wait
 
 T = TypeVar("T")
 Box = Tuple[Tuple[int, int], ...]
@@ -36,17 +36,8 @@ class StepRecord:
     """Largest difference between ranks holding the same piece, by name (absent: they agree)."""
 
 
-def idle_wait(comm: Any) -> None:
-    """Wait for every rank of ``comm`` in a non-blocking barrier polled with sleeps: a
-    blocking collective polls busily, taking the cores from the rank that works while
-    the others wait (ranks oversubscribed on a small machine, as in tests)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.01)
-
-
 def on_rank0(comm: Any, fn: Callable[[], T]) -> T:
-    """``fn()`` on rank 0 of ``comm`` while the other ranks sleep (``idle_wait``); its
+    """``fn()`` on rank 0 of ``comm`` while the other ranks sleep (``bootstrap.idle_wait``); its
     result on every rank, or its failure raised on every rank as a RuntimeError."""
     result, error = None, None
     if comm.Get_rank() == 0:

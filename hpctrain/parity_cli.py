@@ -27,8 +27,9 @@ import argparse
 import sys
 from typing import List, Optional, Tuple
 
+from hpctrain.bootstrap import idle_wait
 from hpctrain.errors import ConfigError, HpctrainError
-from hpctrain.parity import StepDiff, compare, idle_wait, record
+from hpctrain.parity import StepDiff, compare, record
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.parity import idle_wait
+from hpctrain.bootstrap import idle_wait
 
 BASE = ("trainer.steps=8", "trainer.global_batch_size=16", "trainer.seq_len=32", "trainer.progress=off",
         "trainer.device=cpu", "trainer.log_every=8")

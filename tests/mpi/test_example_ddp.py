@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from hpctrain.bootstrap import idle_wait
+
 from parity import assert_parity, record, shared_reference, world_trainer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "plugins" / "examples" / "hpctrain-example-ddp"
@@ -40,6 +42,7 @@ def ddp_pm():
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                                "--target", target, str(EXAMPLE)], capture_output=True, text=True)
         error = done.stderr if done.returncode else None
+    idle_wait(world)  # the others sleep through rank 0's pip install
     target, error = world.bcast((target, error), root=0)
     assert error is None, error
     sys.path.insert(0, target)

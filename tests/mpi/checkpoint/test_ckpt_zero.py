@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
-from hpctrain.parity import idle_wait
+from hpctrain.bootstrap import idle_wait
 from hpctrain.run import reference_trainer
 
 from ckpt_helpers import BASE, alone_checkpointer, config, losses
