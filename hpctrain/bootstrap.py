@@ -18,6 +18,7 @@ import atexit
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -213,10 +214,9 @@ def shutdown_torch_distributed() -> None:
 def idle_wait(comm: Any, poll_s: float = 0.01) -> None:
     """Wait for every rank of ``comm`` in a non-blocking barrier polled with sleeps. A
     blocking collective polls busily, taking the cores from a rank that works while
-    the others wait (rank 0 composing the config, or running a one-process
-    reference), where ranks share cores (tests, a laptop, a login node)."""
-    import time
-
+    the others wait (rank 0 running ``hpctrain-parity``'s one-process reference) where
+    ranks share cores (the tests, a laptop). Every rank of ``comm`` calls it: MPI
+    matches a non-blocking barrier only with another one."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(poll_s)
