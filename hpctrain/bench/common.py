@@ -23,7 +23,6 @@ import platform
 import re
 import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -233,9 +232,9 @@ def paired_ratio(samples: Sequence[float], base: Sequence[float]) -> float:
 def refuse(mpi_comm: Any, problem: str) -> int:
     """Exit status 2 after one ``hpctrain: error:`` line from rank 0 (or the only
     process): a benchmark's bad arguments, found on every rank alike."""
-    if mpi_comm is None or mpi_comm.Get_rank() == 0:
-        print(f"hpctrain: error: {problem}", file=sys.stderr, flush=True)
-    return 2
+    from hpctrain.cli import _fail
+
+    return _fail(problem, 0 if mpi_comm is None else mpi_comm.Get_rank(), 2)
 
 
 def print_rank0(mpi_comm: Any, *lines: str) -> None:
