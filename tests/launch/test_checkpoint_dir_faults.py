@@ -1,4 +1,4 @@
-"""What an operator meets with a real 4-rank ``mpiexec`` job: a checkpoint
+"""What an operator meets with a real 2-rank ``mpiexec`` job: a checkpoint
 directory on a full file system (a small tmpfs mounted here, root only),
 with an earlier checkpoint in it or empty, and two runs started on one
 directory. The job ends by itself with one line saying what is wrong;
@@ -32,7 +32,7 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def _job(args, run_dir, n=4):
+def _job(args, run_dir, n=2):
     cmd = ["timeout", str(TIMEOUT), MPIEXEC, "-n", str(n), sys.executable, "-m", "hpctrain", *BASE, *args,
            f"hydra.run.dir={run_dir}"]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

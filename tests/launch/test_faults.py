@@ -101,7 +101,7 @@ def test_a_killed_rank_ends_the_job_with_one_line_naming_it(tmp_path):
 def test_nan_at_step_3_with_stop_keeps_the_last_finite_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     code, out, _ = _launch(["trainer.steps=6", "checkpoint.every=1", f"checkpoint.dir={ckpt}", "debug.fault=nan",
-                            "debug.fault_rank=1", "debug.fault_step=3"], tmp_path)
+                            "debug.fault_rank=1", "debug.fault_step=3"], tmp_path, n=2)
     assert code == 3, out
     [line] = _one_error(out)
     assert "step 3:" in line and "not all finite" in line, line
@@ -114,7 +114,7 @@ def test_nan_at_step_3_with_stop_keeps_the_last_finite_checkpoint(tmp_path):
 
 def test_nan_at_step_3_with_skip_trains_on_and_counts_it(tmp_path):
     code, out, _ = _launch(["trainer.steps=5", "reliability.nonfinite=skip", "debug.fault=nan", "debug.fault_rank=1",
-                            "debug.fault_step=3"], tmp_path)
+                            "debug.fault_step=3"], tmp_path, n=2)
     assert code == 0, out
     m = _metrics(tmp_path)
     assert [x["step"] for x in m] == [1, 2, 3, 4, 5]
@@ -125,7 +125,7 @@ def test_nan_at_step_3_with_skip_trains_on_and_counts_it(tmp_path):
 
 def test_a_corrupted_replica_is_named(tmp_path):
     code, out, _ = _launch(["trainer.steps=6", "reliability.weight_check_every=1", "debug.fault=corrupt",
-                            "debug.fault_rank=1", "debug.fault_step=2"], tmp_path)
+                            "debug.fault_rank=1", "debug.fault_step=2"], tmp_path)  # 4 replicas: the one differing from the rest is named
     assert code == 4, out
     [line] = _one_error(out)
     assert "step 2:" in line and "rank(s) 1 differ" in line, line

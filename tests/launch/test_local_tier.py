@@ -1,10 +1,10 @@
-"""The local tier on emulated nodes (``HPCTRAIN_RANKS_PER_NODE=2``, 8 ranks,
-4 "nodes"): ``checkpoint.local.every=5``, ``checkpoint.every=50`` (no
-persistent checkpoint is reached). Rank 6 is killed at the start of step 24
-(``debug.fault=die``), the watchdog aborts the job (so both ranks of node 3
-are gone) and records ``last_failure.json``; the test deletes node 3's
-local directory, as a lost node's storage is lost. The relaunch agrees on
-step 20, fetches ranks 6 and 7's state from node 0 (their partner), and
+"""The local tier on emulated nodes (``HPCTRAIN_RANKS_PER_NODE=2``, 6 ranks,
+3 "nodes", so the ring of partners is not just pairs): ``checkpoint.local.every=5``,
+``checkpoint.every=50`` (no persistent checkpoint is reached). Rank 4 is killed at
+the start of step 24 (``debug.fault=die``), the watchdog aborts the job (so both
+ranks of node 2 are gone) and records ``last_failure.json``; the test deletes node
+2's local directory, as a lost node's storage is lost. The relaunch agrees on
+step 20, fetches ranks 4 and 5's state from node 0 (their partner), and
 its per-step losses from step 21 on are bit-identical to an uninterrupted
 run's; metrics.jsonl's first step after the restart carries the recovery
 fields."""
@@ -20,14 +20,14 @@ from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 STEPS = 26
-COMMON = [f"trainer.steps={STEPS}", "trainer.log_every=1", "trainer.progress=off", "trainer.global_batch_size=8",
+COMMON = [f"trainer.steps={STEPS}", "trainer.log_every=1", "trainer.progress=off", "trainer.global_batch_size=6",
           "trainer.micro_batch_size=1", "trainer.seq_len=32", "model.d_model=32", "model.n_layers=1",
           "checkpoint.every=50", "checkpoint.local.every=5", "checkpoint.resume=auto",
           "reliability.hang_timeout_s=5", "reliability.straggler_every=0", "reliability.weight_check_every=0"]
 
 
 def _run(tmp_path, name, *extra):
-    cmd = [MPIEXEC, "-n", "8", sys.executable, "-m", "hpctrain", *COMMON, f"checkpoint.dir={tmp_path / name / 'ck'}",
+    cmd = [MPIEXEC, "-n", "6", sys.executable, "-m", "hpctrain", *COMMON, f"checkpoint.dir={tmp_path / name / 'ck'}",
            f"checkpoint.local.dir={tmp_path / name / 'local'}", *extra, f"hydra.run.dir={tmp_path / name / 'run'}"]
     return subprocess.run(cmd, env=_env(HPCTRAIN_RANKS_PER_NODE="2"), capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=tmp_path)
@@ -39,14 +39,14 @@ def test_a_lost_node_resumes_from_its_partners_copies_bit_identically(tmp_path):
     want = {m["step"]: m["loss"] for m in _metrics(tmp_path / "ref" / "run")}
     assert sorted(want) == list(range(1, STEPS + 1))
 
-    lost = _run(tmp_path, "job", "debug.fault=die", "debug.fault_rank=6", "debug.fault_step=24")
+    lost = _run(tmp_path, "job", "debug.fault=die", "debug.fault_rank=4", "debug.fault_step=24")
     assert lost.returncode != 0
     run, local = tmp_path / "job" / "run", tmp_path / "job" / "local"
     failure = json.loads((run / "last_failure.json").read_text())
-    assert failure["ranks"] == [6] and failure["last_step"] == 23, failure
+    assert failure["ranks"] == [4] and failure["last_step"] == 23, failure
     assert [m["step"] for m in _metrics(run)] == list(range(1, 24))
-    assert sorted(p.name for p in (local / "node_3").iterdir()) == ["step_00000015", "step_00000020"]
-    shutil.rmtree(local / "node_3")  # the lost node's storage goes with it
+    assert sorted(p.name for p in (local / "node_2").iterdir()) == ["step_00000015", "step_00000020"]
+    shutil.rmtree(local / "node_2")  # the lost node's storage goes with it
     assert not list(tmp_path.glob("job/ck/*.h5"))  # nothing persistent to fall back on
 
     again = _run(tmp_path, "job")
@@ -64,5 +64,5 @@ def test_a_lost_node_resumes_from_its_partners_copies_bit_identically(tmp_path):
     assert first["recovery.resumed_step"] == 20 and first["recovery.time_s"] > 0
     assert not any("recovery.tier" in m for m in after[1:])
     assert (run / "last_failure.recovered.json").is_file() and not (run / "last_failure.json").exists()
-    # node 3 holds the tier again: its ranks' own state and node 2's copies, for the steps after the restart
-    assert sorted(p.name for p in (local / "node_3").iterdir()) == ["step_00000025"]
+    # node 2 holds the tier again: its ranks' own state and node 1's copies, for the steps after the restart
+    assert sorted(p.name for p in (local / "node_2").iterdir()) == ["step_00000025"]

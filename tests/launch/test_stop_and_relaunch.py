@@ -1,4 +1,4 @@
-"""Stopping a 4-rank ``mpiexec`` job on purpose, outside SLURM: SIGTERM sent
+"""Stopping a 2-rank ``mpiexec`` job on purpose, outside SLURM: SIGTERM sent
 to its ranks (what a scheduler's preemption does), SIGTERM and SIGUSR1 sent
 to ``mpiexec`` itself (a terminal closing, a wrapper script, ``kill``), and
 ``trainer.max_time``. Each ends with a committed checkpoint, also when the
@@ -21,6 +21,9 @@ from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 
 COMMON = ["trainer.steps=10", "trainer.log_every=1", "trainer.progress=off"]
+RANKS = 2
+"""Ranks per job: what is tested (every rank saves and stops as one, mpiexec forwards
+or delays the signal) holds at any count, and each rank costs seconds of start-up."""
 KILL_DELAY_S = 6
 """Open MPI's kill delay for the test that signals mpiexec: the ranks get
 SIGTERM this long after mpiexec does, and SIGKILL as long again, which must
@@ -28,7 +31,7 @@ cover the rest of a step (2 s here) and the save."""
 
 
 def _cmd(run_dir, *extra):
-    return [MPIEXEC, "-n", "4", sys.executable, "-m", "hpctrain", *COMMON, *extra, f"hydra.run.dir={run_dir}"]
+    return [MPIEXEC, "-n", str(RANKS), sys.executable, "-m", "hpctrain", *COMMON, *extra, f"hydra.run.dir={run_dir}"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +66,7 @@ def test_sigterm_to_the_ranks_saves_stops_and_the_relaunch_is_exact(tmp_path, re
                            text=True, cwd=tmp_path)
     _wait_for_steps(job, run, 3)
     ranks = _ranks_of(job.pid)
-    assert len(ranks) == 4, ranks
+    assert len(ranks) == RANKS, ranks
     for pid in ranks:  # the ranks, not mpiexec (which would kill them): as a scheduler's preemption does
         os.kill(pid, signal.SIGTERM)
     out, _ = job.communicate(timeout=TIMEOUT)
