@@ -124,8 +124,9 @@ def test_nan_at_step_3_with_skip_trains_on_and_counts_it(tmp_path):
 
 
 def test_a_corrupted_replica_is_named(tmp_path):
+    # 4 replicas (not 2): the one differing from the rest is named
     code, out, _ = _launch(["trainer.steps=6", "reliability.weight_check_every=1", "debug.fault=corrupt",
-                            "debug.fault_rank=1", "debug.fault_step=2"], tmp_path)  # 4 replicas: the one differing from the rest is named
+                            "debug.fault_rank=1", "debug.fault_step=2"], tmp_path)
     assert code == 4, out
     [line] = _one_error(out)
     assert "step 2:" in line and "rank(s) 1 differ" in line, line
