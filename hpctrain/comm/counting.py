@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator, all_to_all_rows
 from hpctrain.comm.watch import OpBoard, Waiting, WatchedWork
 from hpctrain.eager import eager
 
@@ -144,6 +144,15 @@ class CountingCommunicator(WrappedCommunicator):
             own = input_splits[self.rank] * (total // rows) if rows else 0
             sent = total - own
         self.counter.add(_A2A, sent)
+        return work
+
+    @eager
+    def all_to_all_rows(self, output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor,
+                        output_splits: Sequence[int], input_splits: Sequence[int], async_op: bool = False) -> Work:
+        work = self._run("all_to_all", lambda: all_to_all_rows(self.inner, output, input, rows, output_splits,
+                                                                input_splits, async_op), async_op)
+        row_bytes = input.nbytes // input.shape[0] if input.dim() and input.shape[0] else 0
+        self.counter.add(_A2A, (rows.numel() - input_splits[self.rank]) * row_bytes)
         return work
 
     @eager

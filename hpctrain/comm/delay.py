@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp, Work, WrappedCommunicator, all_to_all_rows
 
 
 class DelayedCommunicator(WrappedCommunicator):
@@ -47,6 +47,11 @@ class DelayedCommunicator(WrappedCommunicator):
                    input_splits: Optional[Sequence[int]] = None, async_op: bool = False) -> Work:
         self._wait()
         return self.inner.all_to_all(output, input, output_splits, input_splits, async_op)
+
+    def all_to_all_rows(self, output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor,
+                        output_splits: Sequence[int], input_splits: Sequence[int], async_op: bool = False) -> Work:
+        self._wait()
+        return all_to_all_rows(self.inner, output, input, rows, output_splits, input_splits, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Work:
         self._wait()

@@ -16,6 +16,15 @@ Shapes:
   ``None`` means equal splits. Pass ``None`` on every rank of a call or on
   none: a backend may use a different algorithm for each (the mpi backend's
   ``MPI_Alltoall`` vs ``Alltoallv``), and ranks that disagree hang.
+
+One optional method, which callers reach through the function of the same
+name here (``all_to_all_rows``) so a backend without it still works:
+- ``all_to_all_rows(output, input, rows, output_splits, input_splits)``:
+  ``all_to_all(output, input[rows], ...)`` where the rows to send are
+  ``input``'s dim-0 rows ``rows`` (a 1-D integer index in send order, one
+  entry per row sent), without gathering them into a tensor first (the
+  mpi backend describes them to MPI as an indexed datatype). A backend
+  without the method gets ``index_select`` and its ``all_to_all``.
 """
 from __future__ import annotations
 
@@ -148,6 +157,37 @@ def check_all_to_all(
                 raise CommError(f"all_to_all: {name}_splits={list(splits)} must be {size} non-negative counts")
             if sum(splits) != _dim0(t):
                 raise CommError(f"all_to_all: {name}_splits sum to {sum(splits)} but {name} dim 0 is {_dim0(t)}")
+
+
+def check_rows(input: torch.Tensor, rows: torch.Tensor, input_splits: Sequence[int], size: int) -> None:
+    """``all_to_all_rows``' own checks: ``rows`` is a 1-D integer index of ``input``'s
+    rows on its device, inside them (checked on CPU), one per row the splits send (the
+    splits and the output are ``check_all_to_all``'s)."""
+    if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.device != input.device:
+        raise CommError(f"all_to_all_rows: rows must be a 1-D int64 or int32 index on {input.device}, not "
+                        f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
+    if len(input_splits) != size or any(s < 0 for s in input_splits):
+        raise CommError(f"all_to_all_rows: input_splits={list(input_splits)} must be {size} non-negative counts")
+    if sum(input_splits) != rows.numel():
+        raise CommError(f"all_to_all_rows: input_splits sum to {sum(input_splits)} but {rows.numel()} rows "
+                        "are indexed")
+    n = input.shape[0] if input.dim() else 0
+    if rows.numel() and rows.device.type == "cpu":  # (elsewhere index_select asserts; no sync here)
+        lo, hi = torch.aminmax(rows)
+        if int(lo) < 0 or int(hi) >= n:
+            raise CommError(f"all_to_all_rows: rows index {int(lo)}..{int(hi)}, outside input's {n} rows")
+
+
+def all_to_all_rows(comm: Communicator, output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor,
+                    output_splits: Sequence[int], input_splits: Sequence[int], async_op: bool = False) -> Work:
+    """``comm.all_to_all(output, input[rows], output_splits, input_splits)``: the
+    backend's ``all_to_all_rows`` where it has one (sending from ``input`` without a
+    gathered copy), else the rows gathered with ``index_select`` and sent."""
+    own = getattr(comm, "all_to_all_rows", None)
+    if own is not None:
+        return own(output, input, rows, output_splits, input_splits, async_op)
+    check_rows(input, rows, input_splits, comm.size)
+    return comm.all_to_all(output, input.index_select(0, rows), output_splits, input_splits, async_op)
 
 
 # -- reduction dtypes (shared so every backend accepts and rounds the same way) --

@@ -51,6 +51,7 @@ from hpctrain.comm.protocol import (
     check_all_to_all,
     check_reduce_dtype,
     check_reduce_scatter,
+    check_rows,
 )
 from hpctrain.errors import CommError
 from hpctrain.mesh import Group
@@ -122,6 +123,14 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _row_numel(t: torch.Tensor) -> int:
     """Elements per dim-0 row (a 0-dim tensor is one row of one element)."""
     return math.prod(t.shape[1:]) if t.dim() else 1
+
+
+_ONE_BYTE = torch.empty(1, dtype=torch.uint8)
+
+
+def _any_buffer(t: torch.Tensor):
+    """``address_buffer``, also for an empty tensor (MPI sends or receives nothing there)."""
+    return address_buffer(t) if t.numel() else address_buffer(_ONE_BYTE)
 
 
 def _displacements(counts: Sequence[int]) -> List[int]:
@@ -364,6 +373,63 @@ class MpiCommunicator:
                          lambda: self.comm.Alltoallv(send, recv),
                          lambda: self.comm.Ialltoallv(send, recv),
                          [src, dst], dst.finish)
+
+    def all_to_all_rows(self, output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor,
+                        output_splits: Sequence[int], input_splits: Sequence[int], async_op: bool = False):
+        """``all_to_all(output, input[rows], ...)`` with no gathered copy: each
+        destination's rows are one MPI indexed datatype over ``input`` (made per
+        call, as the rows change with every routing; freed at once, which MPI
+        allows while the call runs) in an ``Alltoallw``, so MPI packs them
+        straight from ``input`` as it sends. Open MPI's shared-memory transport
+        then moves each row once instead of twice (``index_select`` into a send
+        buffer, then the buffer). Every rank must call the same MPI collective,
+        so only what is the same on all of them (``check_shapes``, the device)
+        chooses ``all_to_all`` on gathered rows instead; a view or an overlap on
+        one rank is staged through a copy there."""
+        check_rows(input, rows, input_splits, self.size)
+        if self.check_shapes or input.device.type != "cpu" or output.device.type != "cpu":
+            return self.all_to_all(output, input.index_select(0, rows), output_splits, input_splits, async_op)
+        n_out = output.shape[0] if output.dim() else 1
+        if output.dtype != input.dtype:
+            raise CommError(f"all_to_all_rows: output dtype {output.dtype} != input dtype {input.dtype}")
+        if len(output_splits) != self.size or any(c < 0 for c in output_splits) or sum(output_splits) != n_out:
+            raise CommError(f"all_to_all_rows: output_splits={list(output_splits)} must be {self.size} non-negative "
+                            f"counts summing to output dim 0 ({n_out})")
+        row = _row_numel(input)
+        if _row_numel(output) != row:
+            raise CommError(f"all_to_all_rows: input rows of shape {tuple(input.shape[1:])} and output rows of "
+                            f"shape {tuple(output.shape[1:])} differ in size")
+        source = input.clone() if _overlaps(input, output) else input.contiguous()
+        target = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
+        index = rows.tolist()
+        wire = transport_dtype(input.dtype)
+        row_type = self._row_type(mpi_type(wire), row * (element_size(input.dtype) // element_size(wire)))
+        types, counts, made, at = [], [], [], 0
+        for count in input_splits:
+            if count:
+                made.append(row_type.Create_indexed_block(1, index[at:at + count]).Commit())
+                types.append(made[-1])
+            else:
+                types.append(row_type)
+            counts.append(1 if count else 0)
+            at += count
+        recv_rows = [int(c) for c in output_splits]
+        row_bytes = output.element_size() * row
+        send = [_any_buffer(source), (counts, [0] * self.size), types]
+        recv = [_any_buffer(target), (recv_rows, [d * row_bytes for d in _displacements(recv_rows)]),
+                [row_type] * self.size]
+        land = _nothing if target is output else (lambda: output.copy_(target))
+        try:
+            with mpi_errors("all_to_all", self.group.name):
+                if async_op:
+                    request = self.comm.Ialltoallw(send, recv)
+                    return MpiWork("all_to_all", self.group.name, [request], [target, source], land)
+                self.comm.Alltoallw(send, recv)
+        finally:
+            for t in made:
+                t.Free()
+        land()
+        return _DONE
 
     def _row_type(self, base: MPI.Datatype, count: int) -> MPI.Datatype:
         key = (base.handle, count)

@@ -34,10 +34,13 @@ stable sort of the assignments gives the send order, each row's token and
 the combine's bags (each row's place in (token, choice) order, so no
 second sort), and runs while the counts are exchanged (through kept
 buffers); on CPU this integer work is numpy's (``_on_host``). The rows to
-send are gathered with one ``index_select`` into a buffer kept per shape
-(the exchange copies it out before returning, and nothing saves it for
-backward, so it is reused from call to call); the combine is one autograd
-Function (``_Combine``) whose forward joins the runs (the copy the experts'
+send leave straight from the tokens (``comm.protocol.all_to_all_rows``: on
+the mpi backend an indexed datatype that MPI packs as it sends, elsewhere
+one ``index_select`` first), and this rank's own rows are gathered while
+that exchange is open, so the rank that arrives first gathers instead of
+waiting. Results handed over run by run go back to other ranks from a
+buffer kept per shape (nothing saves it for backward, so it is reused from
+call to call). The combine is one autograd Function (``_Combine``) whose forward joins the runs (the copy the experts'
 concatenation made before) and gathers, weights and sums in one pass,
 reading the router's weights in their own (token, choice) order, and whose
 backward gathers each row's token gradient once for both gradients.
@@ -57,6 +60,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpctrain.comm.protocol import all_to_all_rows
 from hpctrain.eager import eager
 from hpctrain.mesh import Group
 
@@ -324,10 +328,13 @@ class _Dispatch(torch.autograd.Function):
             out = plan.rows_buffer[:rows]
         else:
             out = torch.empty((rows,) + row, dtype=tokens.dtype, device=tokens.device)
-        outgoing = torch.index_select(tokens, 0, plan.remote_token,
-                                      out=_send_buffer((plan.returned_rows,) + row, tokens))
-        group.communicator().all_to_all(out[:first], outgoing, recv, send)  # the others wait on these first
+        # The rows for other ranks go out first (they wait on them), sent from the tokens where they lie (no
+        # gathered copy on the mpi backend); this rank's own rows are gathered while the exchange is open,
+        # so a rank that arrives first gathers instead of waiting.
+        work = all_to_all_rows(group.communicator(), out[:first], tokens.contiguous(), plan.remote_token, recv, send,
+                               async_op=True)
         torch.index_select(tokens, 0, plan.own_token, out=out[first:])
+        work.wait()
         return out
 
     @staticmethod

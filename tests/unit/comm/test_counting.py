@@ -44,3 +44,11 @@ def test_uneven_all_to_all_counts_the_rows_sent_to_others_and_p2p_counts_sends()
     c.recv(torch.zeros(99), 0)
     assert c.counter.by_op["send"] == 40 + 4
     assert unwrap(c).backend == "quiet" and c.backend == "quiet"
+
+
+def test_all_to_all_rows_counts_the_indexed_rows_sent_to_others():
+    c = CountingCommunicator(Quiet(3, rank=1))
+    source = torch.zeros(2, 4)  # 16 bytes a row, picked 7 times
+    picks = torch.tensor([0, 1, 1, 0, 0, 1, 1])
+    c.all_to_all_rows(torch.zeros(5, 4), source, picks, output_splits=[1, 2, 2], input_splits=[3, 4, 0])
+    assert c.counter.by_op == {"all_to_all": (7 - 4) * 16}  # the 4 rows for itself stay home
