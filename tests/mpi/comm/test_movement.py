@@ -59,6 +59,15 @@ def test_all_gather_from_own_slot_of_output(comms, backend):
     assert_equal(output, torch.cat(inputs))
 
 
+def _source_and_output(variant, sent, expected):
+    """(a copy of ``sent``, a zeroed output shaped like ``expected``): strided views for ``strided``."""
+    if variant != "strided":
+        return sent.clone(), torch.zeros_like(expected)
+    source = strided_like(sent.shape, sent.dtype)
+    source.copy_(sent)
+    return source, strided_like(expected.shape, expected.dtype)
+
+
 def _splits(n):
     """Rows rank i sends rank j: uneven, including zero-row messages."""
     return [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
@@ -76,12 +85,7 @@ def test_all_to_all_uneven(comms, backend, dtype, variant):
     expected = torch.cat([blocks[i][me] for i in range(n)])
     in_splits = splits[me]
     out_splits = [splits[i][me] for i in range(n)]
-    if variant == "strided":
-        source = strided_like(inputs[me].shape, dtype)
-        source.copy_(inputs[me])
-        output = strided_like(expected.shape, dtype)
-    else:
-        source, output = inputs[me].clone(), torch.zeros_like(expected)
+    source, output = _source_and_output(variant, inputs[me], expected)
     work = comm.all_to_all(output, source, out_splits, in_splits, async_op=variant == "async")
     _done(work, variant)
     assert_equal(output, expected)
@@ -93,8 +97,8 @@ def test_all_to_all_uneven(comms, backend, dtype, variant):
 def test_all_to_all_rows_sends_the_indexed_rows(comms, backend, dtype, variant):
     """``all_to_all_rows`` moves ``input[rows]`` as ``all_to_all`` would: rows
     picked out of order and more than once, zero-row messages, the source
-    untouched (the mpi backend's indexed datatypes; a strided source is
-    gathered first)."""
+    untouched (the mpi backend's indexed datatypes; a strided source or
+    output is staged through a copy)."""
     comm = comms(backend)
     n, me, row = comm.size, comm.rank, 4
     splits = _splits(n)
@@ -103,12 +107,7 @@ def test_all_to_all_rows_sends_the_indexed_rows(comms, backend, dtype, variant):
     blocks = [list(tables[i][picks[i]].split(splits[i])) for i in range(n)]  # blocks[i][j]: rank i -> rank j
     expected = torch.cat([blocks[i][me] for i in range(n)])
     out_splits = [splits[i][me] for i in range(n)]
-    if variant == "strided":
-        source = strided_like(tables[me].shape, dtype)
-        source.copy_(tables[me])
-        output = strided_like(expected.shape, dtype)
-    else:
-        source, output = tables[me].clone(), torch.zeros_like(expected)
+    source, output = _source_and_output(variant, tables[me], expected)
     work = all_to_all_rows(comm, output, source, picks[me], out_splits, splits[me], async_op=variant == "async")
     _done(work, variant)
     assert_equal(output, expected)
