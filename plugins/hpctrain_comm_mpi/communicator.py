@@ -126,6 +126,8 @@ def _row_numel(t: torch.Tensor) -> int:
 
 
 _ONE_BYTE = torch.empty(1, dtype=torch.uint8)
+_BYTE_DISPLACEMENT_MAX = _INT_MAX
+"""The largest output ``all_to_all_rows`` places by byte displacements (beyond, by row-placed types)."""
 
 
 def _any_buffer(t: torch.Tensor):
@@ -414,10 +416,16 @@ class MpiCommunicator:
             counts.append(1 if count else 0)
             at += count
         recv_rows = [int(c) for c in output_splits]
-        row_bytes = output.element_size() * row
+        starts = _displacements(recv_rows)
+        if target.nbytes <= _BYTE_DISPLACEMENT_MAX:  # Alltoallw's displacements are bytes, in C ints
+            row_bytes = output.element_size() * row
+            recv = [_any_buffer(target), (recv_rows, [d * row_bytes for d in starts]), [row_type] * self.size]
+        else:  # each source's block as a type placed in rows (a local choice: the signatures still match)
+            placed = [row_type.Create_indexed_block(c, [d]).Commit() if c else row_type
+                      for c, d in zip(recv_rows, starts)]
+            made += [t for t, c in zip(placed, recv_rows) if c]
+            recv = [_any_buffer(target), ([1 if c else 0 for c in recv_rows], [0] * self.size), placed]
         send = [_any_buffer(source), (counts, [0] * self.size), types]
-        recv = [_any_buffer(target), (recv_rows, [d * row_bytes for d in _displacements(recv_rows)]),
-                [row_type] * self.size]
         land = _nothing if target is output else (lambda: output.copy_(target))
         try:
             with mpi_errors("all_to_all", self.group.name):
