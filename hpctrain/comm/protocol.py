@@ -138,6 +138,14 @@ def check_reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int) -
         )
 
 
+def _check_splits(op: str, name: str, what: str, count: int, splits: Sequence[int], size: int) -> None:
+    """``splits``, the ``{name}_splits`` of ``op``, cut ``count`` rows (``what``) among ``size`` ranks."""
+    if len(splits) != size or any(s < 0 for s in splits):
+        raise CommError(f"{op}: {name}_splits={list(splits)} must be {size} non-negative counts")
+    if sum(splits) != count:
+        raise CommError(f"{op}: {name}_splits sum to {sum(splits)} but {what} is {count}")
+
+
 def check_all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -153,29 +161,30 @@ def check_all_to_all(
                 raise CommError(f"all_to_all: {name} dim 0 ({_dim0(t)}) is not divisible by group size {size}; "
                                 f"pass {name}_splits")
         else:
-            if len(splits) != size or any(s < 0 for s in splits):
-                raise CommError(f"all_to_all: {name}_splits={list(splits)} must be {size} non-negative counts")
-            if sum(splits) != _dim0(t):
-                raise CommError(f"all_to_all: {name}_splits sum to {sum(splits)} but {name} dim 0 is {_dim0(t)}")
+            _check_splits("all_to_all", name, f"{name} dim 0", _dim0(t), splits, size)
 
 
-def check_rows(input: torch.Tensor, rows: torch.Tensor, input_splits: Sequence[int], size: int) -> None:
-    """``all_to_all_rows``' own checks: ``rows`` is a 1-D integer index of ``input``'s
-    rows on its device, inside them (checked on CPU), one per row the splits send (the
-    splits and the output are ``check_all_to_all``'s)."""
+def check_rows(output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor, output_splits: Sequence[int],
+               input_splits: Sequence[int], size: int) -> None:
+    """``all_to_all_rows``' checks: ``rows`` is a 1-D integer index of ``input``'s rows
+    on its device, inside them (checked on CPU), one per row the input splits send; the
+    output splits cut the output, whose dtype and row size are the input's."""
+    op = "all_to_all_rows"
+    if output.dtype != input.dtype:
+        raise CommError(f"{op}: output dtype {output.dtype} != input dtype {input.dtype}")
     if rows.dim() != 1 or rows.dtype not in (torch.int64, torch.int32) or rows.device != input.device:
-        raise CommError(f"all_to_all_rows: rows must be a 1-D int64 or int32 index on {input.device}, not "
+        raise CommError(f"{op}: rows must be a 1-D int64 or int32 index on {input.device}, not "
                         f"{rows.dtype} of shape {tuple(rows.shape)} on {rows.device}")
-    if len(input_splits) != size or any(s < 0 for s in input_splits):
-        raise CommError(f"all_to_all_rows: input_splits={list(input_splits)} must be {size} non-negative counts")
-    if sum(input_splits) != rows.numel():
-        raise CommError(f"all_to_all_rows: input_splits sum to {sum(input_splits)} but {rows.numel()} rows "
-                        "are indexed")
+    _check_splits(op, "input", "the number of rows indexed", rows.numel(), input_splits, size)
+    _check_splits(op, "output", "output dim 0", _dim0(output), output_splits, size)
+    if input.dim() and output.dim() and input.shape[1:].numel() != output.shape[1:].numel():
+        raise CommError(f"{op}: input rows of shape {tuple(input.shape[1:])} and output rows of shape "
+                        f"{tuple(output.shape[1:])} differ in size")
     n = input.shape[0] if input.dim() else 0
     if rows.numel() and rows.device.type == "cpu":  # (elsewhere index_select asserts; no sync here)
         lo, hi = torch.aminmax(rows)
         if int(lo) < 0 or int(hi) >= n:
-            raise CommError(f"all_to_all_rows: rows index {int(lo)}..{int(hi)}, outside input's {n} rows")
+            raise CommError(f"{op}: rows index {int(lo)}..{int(hi)}, outside input's {n} rows")
 
 
 def all_to_all_rows(comm: Communicator, output: torch.Tensor, input: torch.Tensor, rows: torch.Tensor,
@@ -186,7 +195,7 @@ def all_to_all_rows(comm: Communicator, output: torch.Tensor, input: torch.Tenso
     own = getattr(comm, "all_to_all_rows", None)
     if own is not None:
         return own(output, input, rows, output_splits, input_splits, async_op)
-    check_rows(input, rows, input_splits, comm.size)
+    check_rows(output, input, rows, output_splits, input_splits, comm.size)
     return comm.all_to_all(output, input.index_select(0, rows), output_splits, input_splits, async_op)
 
 

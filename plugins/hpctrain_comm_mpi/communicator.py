@@ -388,19 +388,10 @@ class MpiCommunicator:
         so only what is the same on all of them (``check_shapes``, the device)
         chooses ``all_to_all`` on gathered rows instead; a view or an overlap on
         one rank is staged through a copy there."""
-        check_rows(input, rows, input_splits, self.size)
+        check_rows(output, input, rows, output_splits, input_splits, self.size)
         if self.check_shapes or input.device.type != "cpu" or output.device.type != "cpu":
             return self.all_to_all(output, input.index_select(0, rows), output_splits, input_splits, async_op)
-        n_out = output.shape[0] if output.dim() else 1
-        if output.dtype != input.dtype:
-            raise CommError(f"all_to_all_rows: output dtype {output.dtype} != input dtype {input.dtype}")
-        if len(output_splits) != self.size or any(c < 0 for c in output_splits) or sum(output_splits) != n_out:
-            raise CommError(f"all_to_all_rows: output_splits={list(output_splits)} must be {self.size} non-negative "
-                            f"counts summing to output dim 0 ({n_out})")
         row = _row_numel(input)
-        if _row_numel(output) != row:
-            raise CommError(f"all_to_all_rows: input rows of shape {tuple(input.shape[1:])} and output rows of "
-                            f"shape {tuple(output.shape[1:])} differ in size")
         source = input.clone() if _overlaps(input, output) else input.contiguous()
         target = output if output.is_contiguous() else torch.empty(output.shape, dtype=output.dtype)
         index = rows.tolist()

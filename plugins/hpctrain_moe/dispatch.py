@@ -40,10 +40,11 @@ one ``index_select`` first), and this rank's own rows are gathered while
 that exchange is open, so the rank that arrives first gathers instead of
 waiting. Results handed over run by run go back to other ranks from a
 buffer kept per shape (nothing saves it for backward, so it is reused from
-call to call). The combine is one autograd Function (``_Combine``) whose forward joins the runs (the copy the experts'
-concatenation made before) and gathers, weights and sums in one pass,
-reading the router's weights in their own (token, choice) order, and whose
-backward gathers each row's token gradient once for both gradients.
+call to call). The combine is one autograd Function (``_Combine``) whose
+forward joins the runs (the copy the experts' concatenation made before)
+and gathers, weights and sums in one pass, reading the router's weights in
+their own (token, choice) order, and whose backward gathers each row's
+token gradient once for both gradients.
 
 Under ``trainer.compile`` the plan, the dispatch and the combine are eager
 islands (``hpctrain.eager``): their shapes follow the routing and the send
