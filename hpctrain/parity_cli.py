@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from hpctrain.bootstrap import idle_wait
 from hpctrain.errors import ConfigError, HpctrainError
@@ -50,26 +50,16 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def _compose_on_rank0(overrides: List[str], rt, pm):
-    """Rank 0 composes (one error message per job), every rank gets its YAML."""
-    from omegaconf import OmegaConf
+    """Rank 0 composes (one error message per job), every rank gets its config."""
+    from hpctrain.config import compose_agreed
 
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.store import to_config
-
-    found: Optional[Tuple[str, str]] = None
-    if rt.is_main:
-        try:
-            cfg = compose_resolved(overrides + ["checkpoint.every=0", "checkpoint.resume=null",
-                                                "trainer.progress=off"], pm)
-            found = ("ok", OmegaConf.to_yaml(cfg, resolve=True))
-        except Exception as e:  # noqa: BLE001 - Hydra's composition errors: unknown keys, presets
-            found = ("error", f"{type(e).__name__}: {e}")
-    if rt.world_size > 1:
-        found = rt.mpi_comm.bcast(found, root=0)
-    assert found is not None  # rank 0 composed it and broadcast it
-    if found[0] == "error":
-        raise ConfigError(found[1])
-    return to_config(found[1], pm)
+    try:
+        return compose_agreed(overrides + ["checkpoint.every=0", "checkpoint.resume=null", "trainer.progress=off"],
+                              pm, rt.mpi_comm)
+    except ConfigError:
+        raise
+    except Exception as e:  # Hydra's composition errors: unknown keys, presets
+        raise ConfigError(f"{type(e).__name__}: {e}") from e
 
 
 def layout_label(sizes) -> str:

@@ -31,6 +31,22 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
 
+def make_config(overrides: Sequence[str], pm: Any, rt: Any) -> Any:
+    """The run config for ``overrides`` (a later value of a key wins: Hydra refuses
+    duplicates), composed on rank 0 and received by the others
+    (``compose_agreed``), validated for the job's ranks. Collective."""
+    from hpctrain.config import compose_agreed
+    from hpctrain.config.validate import validate
+    from hpctrain.errors import ConfigError
+
+    last = {o.split("=", 1)[0]: o for o in overrides}
+    cfg = compose_agreed(list(last.values()), pm, rt.mpi_comm)
+    problems = validate(cfg, rt.world_size, pm)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return cfg
+
+
 def parse_size(text: str) -> int:
     """``"4096"``, ``"1K"``, ``"256M"``, ``"1GiB"`` -> bytes (binary units)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))

@@ -54,6 +54,7 @@ from hpctrain.bench.common import (
     compile_table,
     loss_reader,
     machine_summary,
+    make_config,
     metric_reader,
     paired_ratio,
     print_rank0,
@@ -72,19 +73,6 @@ DEFAULT_OVERRIDES = (
     "trainer.seq_len=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=1",
     "optim.warmup_steps=2",
 )
-
-
-def make_config(overrides: List[str], pm, world_size: int):
-    """The typed run config, validated for ``world_size`` ranks."""
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.errors import ConfigError
-
-    cfg = compose_resolved(overrides, pm)
-    problems = validate(cfg, world_size, pm)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return cfg
 
 
 class StepLoop:
@@ -309,7 +297,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return refuse(None, "hpctrain-bench dp needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench dp")
     pm = get_manager()
     steps = [f"trainer.steps={args.warmup + args.steps}"]  # the learning-rate schedule's length
-    cfg = make_config(list(DEFAULT_OVERRIDES) + steps + args.overrides, pm, rt.world_size)
+    cfg = make_config(list(DEFAULT_OVERRIDES) + steps + args.overrides, pm, rt)
     configure_torch(cfg, rt)
     run(args, cfg, rt, pm)
     return 0

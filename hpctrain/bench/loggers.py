@@ -25,8 +25,8 @@ import tempfile
 import time
 from typing import List, Optional
 
-from hpctrain.bench.common import machine_summary, print_rank0
-from hpctrain.bench.dp import DEFAULT_OVERRIDES, make_config
+from hpctrain.bench.common import machine_summary, make_config, print_rank0
+from hpctrain.bench.dp import DEFAULT_OVERRIDES
 
 ALL = "logging.backends=[jsonl,tensorboard,wandb,mlflow]"
 
@@ -91,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     runs = (("every backend", [ALL]), ("no backend", ["logging.backends=[]", f"trainer.log_every={10**6}"]))
     for label, extra in runs:
-        cfg = make_config(base + extra, pm, rt.world_size)
+        cfg = make_config(base + extra, pm, rt)
         configure_torch(cfg, rt)
         step, logging_s, start = _one(cfg, rt, pm, args.warmup)
         rows.append((label, step, logging_s, start))

@@ -54,12 +54,12 @@ class TimedStep:
 
 
 def _trainer(cfg: Any, rt: Any, pm: Any, name: str, layout: str):
-    from hpctrain.bench.torch_peer import make_config
+    from hpctrain.bench.common import make_config
     from hpctrain.run import build_mesh
     from hpctrain.train.trainer import Trainer
 
     del cfg  # composed again per optimizer and layout: the preset sets lr, momentum...
-    c = copy.deepcopy(make_config([*_overrides(rt.world_size, layout), f"optim={name}"], pm, rt.world_size))
+    c = copy.deepcopy(make_config([*_overrides(rt.world_size, layout), f"optim={name}"], pm, rt))
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
 
 

@@ -6,30 +6,16 @@ by the peer API (FSDP2's ``fully_shard``, the tensor-parallel
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-
-
-def make_config(overrides: Sequence[str], pm: Any, world_size: int) -> Any:
-    """The validated run config; a later value of a key wins (Hydra refuses duplicates)."""
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.errors import ConfigError
-
-    last = {o.split("=", 1)[0]: o for o in overrides}
-    cfg = compose_resolved(list(last.values()), pm)
-    problems = validate(cfg, world_size, pm)
-    if problems:
-        raise ConfigError("\n".join(problems))
-    return cfg
 
 
 def start(name: str, overrides: Callable[[int], List[str]]) -> Optional[Tuple[Any, Any, Any]]:
     """(config, runtime, plugin manager) of benchmark ``name`` on this MPI
     job, torch.distributed (gloo) up for the peer; None, said on stderr, with
     fewer than 2 ranks. ``overrides(world_size)`` gives the config overrides."""
-    from hpctrain.bench.common import refuse
+    from hpctrain.bench.common import make_config, refuse
     from hpctrain.bootstrap import init_torch_distributed, with_device
     from hpctrain.plugins import get_manager
     from hpctrain.run import configure_torch
@@ -39,7 +25,7 @@ def start(name: str, overrides: Callable[[int], List[str]]) -> Optional[Tuple[An
         refuse(None, f"hpctrain-bench {name} needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench {name}")
         return None
     pm = get_manager()
-    cfg = make_config(overrides(rt.world_size), pm, rt.world_size)
+    cfg = make_config(overrides(rt.world_size), pm, rt)
     configure_torch(cfg, rt)
     init_torch_distributed("gloo", cfg.comm.timeout_s)
     return cfg, rt, pm

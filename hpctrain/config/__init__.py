@@ -13,7 +13,15 @@ from hpctrain.config.schema import (  # noqa: F401
     TrainConfig,
     TrainerConfig,
 )
-from hpctrain.config.store import CONF_DIR, build_schema, compose, compose_resolved, register_configs, to_config  # noqa: F401
+from hpctrain.config.store import (  # noqa: F401
+    CONF_DIR,
+    build_schema,
+    compose,
+    compose_agreed,
+    compose_resolved,
+    register_configs,
+    to_config,
+)
 from hpctrain.config.validate import validate  # noqa: F401
 
 

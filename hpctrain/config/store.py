@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config import schema as S
-from hpctrain.errors import ConfigError, PluginError
+from hpctrain.errors import ConfigError, HpctrainError, PluginError
 
 CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(resources.files("hpctrain") / "conf")
 
@@ -49,24 +49,43 @@ def _extend(cls: type, name: str, section: type) -> type:
     )
 
 
+def _sections(pm) -> Tuple[Tuple[str, Any], ...]:
+    """Every plugin's (key, section) pairs, in hook order (the schema's inputs)."""
+    if pm is None:
+        return ()
+    return tuple((key, section) for sections in pm.hook.hpctrain_config_sections()
+                 for key, section in (sections or {}).items())
+
+
+_schemas: Dict[Tuple[Tuple[str, Any], ...], Tuple[type, Dict[str, type]]] = {}
+"""build_schema's results per plugin section set: one schema class per set, so
+registration and ``to_config`` can tell it is the one they already hold."""
+
+
 def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
     """(top-level schema, group name -> group schema) with plugin sections folded in."""
+    sections = _sections(pm)
+    if sections not in _schemas:
+        _schemas[sections] = _make_schema(sections)
+    top, groups = _schemas[sections]
+    return top, dict(groups)
+
+
+def _make_schema(sections: Tuple[Tuple[str, Any], ...]) -> Tuple[type, Dict[str, type]]:
     groups = dict(GROUPS)
     extra_top: List[Tuple[str, type]] = []
-    if pm is not None:
-        for sections in pm.hook.hpctrain_config_sections():
-            for key, section in (sections or {}).items():
-                if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
-                    raise PluginError(f"config section {key!r} must be a dataclass, got {section!r}")
-                parts = key.split(".")
-                if len(parts) == 1:
-                    if parts[0] in groups:
-                        raise PluginError(f"plugin config section {key!r} clashes with the core group of that name")
-                    extra_top.append((parts[0], section))
-                elif len(parts) == 2 and parts[0] in groups:
-                    groups[parts[0]] = _extend(groups[parts[0]], parts[1], section)
-                else:
-                    raise PluginError(f"plugin config section {key!r}: use 'name' or '<core group>.name'")
+    for key, section in sections:
+        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+            raise PluginError(f"config section {key!r} must be a dataclass, got {section!r}")
+        parts = key.split(".")
+        if len(parts) == 1:
+            if parts[0] in groups:
+                raise PluginError(f"plugin config section {key!r} clashes with the core group of that name")
+            extra_top.append((parts[0], section))
+        elif len(parts) == 2 and parts[0] in groups:
+            groups[parts[0]] = _extend(groups[parts[0]], parts[1], section)
+        else:
+            raise PluginError(f"plugin config section {key!r}: use 'name' or '<core group>.name'")
     top = dataclasses.make_dataclass(
         "TrainConfig",
         [(g, cls, dataclasses.field(default_factory=cls)) for g, cls in groups.items()]
@@ -76,17 +95,31 @@ def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
     return top, groups
 
 
+_registered: Optional[Tuple[Any, ...]] = None
+"""What the ConfigStore last received from ``register_configs``: (store, schema,
+plugins). Storing is the slowest part of a composition (every dataclass becomes
+a config node), and a job composes many times with the same plugins (the
+planner, a tune, every test), so the same registration is not repeated."""
+
+
 def register_configs(pm=None) -> type:
-    """Store the schema (and plugin presets) in Hydra's ConfigStore; returns the schema."""
+    """Store the schema (and plugin presets) in Hydra's ConfigStore; returns the schema.
+    A repeat for the manager (same plugins) the store last received is skipped."""
+    global _registered
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     top, groups = build_schema(pm)
+    key = (cs, top, None if pm is None else frozenset(pm.get_plugins()))
+    if _registered == key:
+        return top
+    _registered = None  # (a failing plugin hook below leaves nothing remembered)
     cs.store(name="train_schema", node=top)
     for group, cls in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=cls)
     if pm is not None:
         pm.hook.hpctrain_register_configs(config_store=cs)
+    _registered = key
     return top
 
 
@@ -138,6 +171,45 @@ def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
         raise
 
 
+def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictConfig:
+    """``compose_resolved`` on rank 0 of ``mpi_comm`` (an mpi4py communicator;
+    None: this process alone), its result on every rank, as a job's ranks
+    receive it: the ranks cannot disagree, and the others skip Hydra's
+    composition (most of its cost), waiting with sleeps (``idle_wait``) so
+    ranks sharing cores leave them to rank 0. Collective. A composition
+    error (``HpctrainError``) is raised as a ConfigError with its message on
+    every rank; any other failure is raised on rank 0 and as a RuntimeError
+    naming it on the others, so none waits for a config that never comes."""
+    from hpctrain.bootstrap import idle_wait
+
+    if mpi_comm is None or mpi_comm.Get_size() == 1:
+        return compose_resolved(overrides, pm)
+    cfg: Optional[DictConfig] = None
+    failure: Optional[BaseException] = None
+    message: Tuple[str, Any]
+    if mpi_comm.Get_rank() == 0:
+        try:
+            cfg = compose_resolved(overrides, pm)
+            message = ("ok", OmegaConf.to_container(cfg, resolve=True))  # (cheaper to send and type than YAML)
+        except HpctrainError as e:
+            failure, message = e, ("error", str(e))
+        except BaseException as e:  # noqa: BLE001 - raised again below, after the others hear of it
+            failure, message = e, ("failed", f"{type(e).__name__}: {e}")
+    idle_wait(mpi_comm)
+    kind, payload = mpi_comm.bcast(message if mpi_comm.Get_rank() == 0 else None, root=0)
+    if failure is not None:
+        if kind == "error":
+            raise ConfigError(payload) from failure
+        raise failure
+    if cfg is not None:
+        return cfg
+    if kind == "error":
+        raise ConfigError(payload)
+    if kind == "failed":
+        raise RuntimeError(f"rank 0 could not compose the config: {payload}")
+    return to_config(payload, pm)
+
+
 def _reraise_explained(e: Exception, pm) -> None:
     """Raise ``e`` as a ConfigError when it is a composition error; else return."""
     from hpctrain.config.explain import explain
@@ -150,16 +222,26 @@ def _reraise_explained(e: Exception, pm) -> None:
 def to_config(data: Any, pm=None) -> DictConfig:
     """A typed DictConfig from a plain dict or YAML string (rank 0's resolved
     config, as received by the other ranks)."""
-    top, _ = build_schema(pm)
-    base = OmegaConf.structured(top)
+    base = _structured(build_schema(pm)[0])
     # (casts: OmegaConf types create() and merge() for lists too; a config is a mapping)
     raw = cast(DictConfig, OmegaConf.create(data) if isinstance(data, str) else OmegaConf.create(dict(data)))
     if "hydra" in raw:
         raw.pop("hydra")
     try:
-        cfg = cast(DictConfig, OmegaConf.merge(base, raw))
+        cfg = cast(DictConfig, OmegaConf.merge(base, raw))  # (a copy: merge leaves base as it is)
     except Exception as e:  # a key Hydra let through (+trainer.newkey=1): the same one line on every rank
         _reraise_explained(e, pm)
         raise
     OmegaConf.set_readonly(cfg, False)
     return cfg
+
+
+_bases: Dict[type, DictConfig] = {}
+
+
+def _structured(top: type) -> DictConfig:
+    """The defaults of schema ``top`` as a config, built once per schema (never
+    changed: ``to_config`` merges into a copy)."""
+    if top not in _bases:
+        _bases[top] = OmegaConf.structured(top)
+    return _bases[top]

@@ -121,15 +121,16 @@ def _also(user: List[str], extra: str, precision_default: str) -> Tuple[str, Lis
 
 def tune(args: argparse.Namespace, rt: Any, pm) -> int:
     from hpctrain.bootstrap import with_device
+    from hpctrain.config import compose_agreed
     from hpctrain.planner.report import launch_line
     from hpctrain.run import configure_torch
     from hpctrain.tune import measure, rank, report
     from hpctrain.tune.rank import Candidate
-    from hpctrain.tune.trial import compose_agreed, run_trial
+    from hpctrain.tune.trial import run_trial
 
     _check_args(args)
     user = list(args.overrides)
-    cfg = compose_agreed(user, rt, pm)
+    cfg = compose_agreed(user, pm, rt.mpi_comm)
     if not any(o.split("=", 1)[0] == "trainer.precision" for o in user):
         user.append(f"trainer.precision={cfg.trainer.precision}")  # the training default, not the planner's bf16
     rt = with_device(cfg.trainer.device)

@@ -86,28 +86,6 @@ def summarise(history: List[Dict[str, float]], trial: Trial) -> None:
     trial.comm_bytes = {k.split(".", 1)[1]: statistics.median(float(m.get(k, 0.0)) for m in timed) for k in groups}
 
 
-def compose_agreed(overrides: List[str], rt: Any, pm) -> Any:
-    """Rank 0's typed config for ``overrides``, on every rank; a composition error is raised on every rank."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.store import to_config
-    from hpctrain.errors import ConfigError
-
-    payload = None
-    if rt.is_main:
-        try:
-            payload = ("ok", OmegaConf.to_yaml(compose_resolved(overrides, pm), resolve=True))
-        except HpctrainError as e:
-            payload = ("error", str(e))
-    if rt.world_size > 1:
-        payload = rt.mpi_comm.bcast(payload, root=0)
-    assert payload is not None
-    if payload[0] == "error":
-        raise ConfigError(payload[1])
-    return to_config(payload[1], pm)
-
-
 def run_trial(label: str, overrides: List[str], steps: int, run_dir: Optional[str], rt: Any, pm) -> Trial:
     """Train ``overrides`` for ``steps`` steps on the whole world. Collective."""
     trial = Trial(label, list(overrides), run_dir=run_dir)
@@ -142,12 +120,13 @@ def _train(trial: Trial, overrides: List[str], run_dir: Optional[str], rt: Any, 
     """Train on this rank; (why it failed here or "", peak memory). Everything it built is freed."""
     from omegaconf import OmegaConf
 
+    from hpctrain.config import compose_agreed
     from hpctrain.run import run
     from hpctrain.train.watchdog import JobStopped
 
     reason, peak = "", 0.0
     try:
-        cfg = compose_agreed(overrides, rt, pm)
+        cfg = compose_agreed(overrides, pm, rt.mpi_comm)
         if run_dir and rt.is_main:  # what hpctrain-plan --compare reads, as in a hpctrain-train run directory
             os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
             with open(os.path.join(run_dir, ".hydra", "config.yaml"), "w") as f:

@@ -48,13 +48,18 @@ _REFERENCES: Dict[Tuple[Tuple[str, ...], int], List["StepRecord"]] = {}
 def shared_reference(overrides: Tuple[str, ...], steps: int) -> List["StepRecord"]:
     """``reference`` of the config these overrides compose, computed once per
     MPI job (several test modules compare layouts with the same model)."""
-    from hpctrain.config import compose_resolved
-    from hpctrain.plugins import get_manager
-
     key = (tuple(overrides), steps)
-    if key not in _REFERENCES:  # plugin config sections (model.moe) need the plugins' schema
-        _REFERENCES[key] = reference(compose_resolved(overrides, get_manager()), steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_of(overrides, steps)
     return _REFERENCES[key]
+
+
+def agreed_config(pm, *overrides: str):
+    """The typed config for ``overrides``, composed on rank 0 and received by the
+    others, as a job's ranks get it (``compose_agreed``). Collective."""
+    from hpctrain.config import compose_agreed
+
+    return compose_agreed(overrides, pm, MPI.COMM_WORLD)
 
 
 def world_trainer(pm, *overrides: str, rank_nodes: Optional[Sequence[int]] = None):
@@ -62,18 +67,30 @@ def world_trainer(pm, *overrides: str, rank_nodes: Optional[Sequence[int]] = Non
     validated as a run validates it. ``rank_nodes`` (the node of every world
     rank) emulates a node layout for this trainer alone."""
     from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
 
-    cfg = compose_resolved(overrides, pm)
+    cfg = agreed_config(pm, *overrides)
     rt = with_device("cpu")
     if rank_nodes is not None:
         rt = dataclasses.replace(rt, rank_nodes=tuple(rank_nodes))
     assert validate(cfg, rt.world_size, pm) == []
     configure_torch(cfg, rt)
     return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
+
+
+def reference_of(overrides: Sequence[str], steps: int, pm=None) -> List[StepRecord]:
+    """``reference`` of the config ``overrides`` compose (with the plugins'
+    schema: ``model.moe`` and the like), composed on rank 0 alone, which runs it."""
+    from hpctrain.config import compose_resolved
+    from hpctrain.plugins import get_manager
+    from hpctrain.run import reference_trainer
+
+    def run() -> List[StepRecord]:
+        cfg = compose_resolved(tuple(overrides), pm or get_manager())
+        return record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF)
+    return on_rank0(MPI.COMM_WORLD, run)
 
 
 def reference(cfg, steps: int, pm=None) -> List[StepRecord]:

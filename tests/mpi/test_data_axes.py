@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import assert_parity, record, reference
+from parity import agreed_config, assert_parity, record, reference_of
 
 STEPS = 3
 BASE = ("trainer.steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32",
@@ -34,19 +34,16 @@ def _layouts(n):
 
 @pytest.fixture(scope="module")
 def one_process():
-    from hpctrain.config import compose_resolved
-
-    return reference(compose_resolved(BASE), STEPS)
+    return reference_of(BASE, STEPS)
 
 
 def _run(world, pm, dp, ep, backend):
     from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
 
-    cfg = compose_resolved(BASE + (f"parallel.dp={dp}", f"parallel.ep={ep}", f"comm.backend={backend}"), pm)
+    cfg = agreed_config(pm, *BASE, f"parallel.dp={dp}", f"parallel.ep={ep}", f"comm.backend={backend}")
     rt = with_device("cpu")
     assert validate(cfg, rt.world_size, pm) == []
     configure_torch(cfg, rt)

@@ -26,7 +26,7 @@ import torch
 from mpi4py import MPI
 
 from hf_models import batch, hf_logits, llama_config, mixtral_config, save
-from parity import assert_parity, record, reference, world_trainer
+from parity import assert_parity, record, reference_of, world_trainer
 
 STEPS = 2
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -61,9 +61,7 @@ _REFERENCES: dict = {}
 
 def _one_process(pm, overrides):
     if overrides not in _REFERENCES:
-        from hpctrain.config import compose_resolved
-
-        _REFERENCES[overrides] = reference(compose_resolved(BASE + overrides, pm), STEPS)
+        _REFERENCES[overrides] = reference_of(BASE + overrides, STEPS, pm)
     return _REFERENCES[overrides]
 
 
@@ -113,8 +111,8 @@ def test_export_after_training_at_tp2_pp2_loads_in_transformers_and_back_at_anot
         assert (got - hf_logits(hf_dirs["llama"], ids)).abs().max() > 1e-3  # three steps changed the model
     world.Barrier()
     back = world_trainer(pm, *BASE, *_model(out), "parallel.cp=2")
-    from_checkpoint = reference(compose_resolved(
-        BASE + ("model=hf", f"model.hf_dir={hf_dirs['llama']}", f"checkpoint.init_from={saved}"), pm), STEPS)
+    from_checkpoint = reference_of(
+        BASE + ("model=hf", f"model.hf_dir={hf_dirs['llama']}", f"checkpoint.init_from={saved}"), STEPS, pm)
     assert_parity(record(back, STEPS), from_checkpoint, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpctrain_moe import dispatch as D
+from parity import agreed_config
 
 N, K, DIM, E = 24, 2, 8, 8
 TOL = 1e-6
@@ -69,12 +70,11 @@ def _ours(group, rank: int, drop: bool, form: str, first_rank_only: bool):
 
 def _ep_group(world, pm):
     from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
     from hpctrain.run import build_mesh
 
     n = world.Get_size()
-    cfg = compose_resolved(("model=tiny-moe", f"model.moe.num_experts={E}", "trainer.device=cpu",
-                            f"parallel.ep={n}", f"trainer.global_batch_size={n}", "trainer.micro_batch_size=1"), pm)
+    cfg = agreed_config(pm, "model=tiny-moe", f"model.moe.num_experts={E}", "trainer.device=cpu",
+                        f"parallel.ep={n}", f"trainer.global_batch_size={n}", "trainer.micro_batch_size=1")
     group = build_mesh(cfg, with_device("cpu"), pm).group("ep")
     assert group.size == n
     return group

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from parity import assert_parity, record, reference
+from parity import agreed_config, assert_parity, record, reference_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -37,14 +37,13 @@ def example_plugin() -> types.ModuleType:
 @pytest.mark.mpi(min_size=2)
 def test_the_documented_tp_plugin_trains_like_one_process(world, pm):
     from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
 
-    want = reference(compose_resolved(BASE), STEPS)
+    want = reference_of(BASE, STEPS)
     pm.register(example_plugin(), name="tp_ffn")
-    cfg = compose_resolved(BASE + ("parallel.tp=2", "parallel.impl.tp=tp_ffn"), pm)  # the built-in tp serves tp too
+    cfg = agreed_config(pm, *BASE, "parallel.tp=2", "parallel.impl.tp=tp_ffn")  # the built-in tp serves tp too
     rt = with_device("cpu")
     assert validate(cfg, rt.world_size, pm) == []
     configure_torch(cfg, rt)

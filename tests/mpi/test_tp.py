@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity import assert_parity, record, shared_reference, world_trainer
+from parity import agreed_config, assert_parity, record, shared_reference, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -219,13 +219,12 @@ def test_a_tp_group_across_nodes_is_a_warning(world, pm):
     import logging
 
     from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_resolved
     from hpctrain.mesh import AXES, Mesh
     from hpctrain.run import backend_factory, configure_torch
     from hpctrain.train.trainer import Trainer
 
     n = world.Get_size()
-    cfg = compose_resolved(BASE + ("parallel.tp=4",), pm)
+    cfg = agreed_config(pm, *BASE, "parallel.tp=4")
     rt = with_device("cpu")
     configure_torch(cfg, rt)
     mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, n, cfg.parallel.order,

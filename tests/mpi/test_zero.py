@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity import assert_parity, record, reference, world_trainer
+from parity import assert_parity, record, reference_of, world_trainer
 
 STEPS = 3
 BASE = ("trainer.global_batch_size=16", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -24,9 +24,7 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def one_process():
-    from hpctrain.config import compose_resolved
-
-    return reference(compose_resolved(BASE), STEPS)
+    return reference_of(BASE, STEPS)
 
 
 def _trainer(pm, *overrides):

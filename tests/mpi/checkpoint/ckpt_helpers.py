@@ -63,11 +63,22 @@ def config(*overrides: str, pm=None):
     return compose_resolved(overrides, pm)
 
 
+def agreed_config(*overrides: str):
+    """The config ``config`` composes, composed on rank 0 and received by the
+    others as a job's ranks get it. Collective."""
+    from mpi4py import MPI
+
+    from hpctrain.config import compose_agreed
+    from hpctrain.plugins import get_manager
+
+    return compose_agreed(overrides, get_manager(), MPI.COMM_WORLD)
+
+
 def run_here(overrides: Sequence[str], run_dir: Optional[str] = None) -> List[Dict[str, Any]]:
     """Train in this MPI job (dp = world size); per-step metrics on every rank."""
     from hpctrain.run import run
 
-    return run(config(*BASE, *overrides), run_dir)
+    return run(agreed_config(*BASE, *overrides), run_dir)
 
 
 def build_trainer(*overrides: str):
@@ -77,10 +88,10 @@ def build_trainer(*overrides: str):
     from hpctrain.run import build_mesh, configure_torch
     from hpctrain.train.trainer import Trainer
 
-    cfg = config(*BASE, *overrides)
+    pm = get_manager()
+    cfg = agreed_config(*BASE, *overrides)
     rt = with_device(cfg.trainer.device)
     configure_torch(cfg, rt)
-    pm = get_manager()
     return Trainer(cfg, build_mesh(cfg, rt, pm), pm, rt.device)
 
 

@@ -98,3 +98,46 @@ def test_optim_outer_names_the_outer_optimizer_and_its_fields_stay_settable(pm):
     assert compose_resolved([], pm).optim.outer.name == "none"
     assert expand_shorthands(["optim.outer=none,diloco", "optim.outer.lr=1", "+x=1"]) == \
         ["optim.outer.name=none,diloco", "optim.outer.lr=1", "+x=1"]
+
+
+def test_the_same_plugins_are_registered_once_and_new_ones_again(pm, monkeypatch):
+    """Registration (the slowest part of a composition) is skipped for the
+    plugins the ConfigStore already holds, and done again when they change."""
+    from hydra.core.config_store import ConfigStore
+
+    from hpctrain import hookimpl
+
+    compose(["model=tiny"], pm)
+    stored = []
+    real = ConfigStore.store
+
+    def counting(self, *args, **kwargs):
+        stored.append(kwargs.get("name"))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(ConfigStore, "store", counting)
+    assert compose(["model=tiny"], pm).model.name == "tiny"
+    assert stored == []
+
+    @dataclasses.dataclass
+    class Late:
+        every: int = 4
+
+    class LatePlugin:
+        @hookimpl
+        def hpctrain_config_sections(self):
+            return {"late": Late}
+
+    pm.register(LatePlugin())
+    assert compose(["late.every=6"], pm).late.every == 6
+    assert "train_schema" in stored
+
+
+def test_typing_a_config_leaves_the_schema_defaults_alone(pm):
+    from hpctrain.config.store import to_config
+
+    default = to_config({}, pm).trainer.steps
+    changed = to_config({"trainer": {"steps": default + 5}}, pm)
+    changed.trainer.seed = 123
+    assert changed.trainer.steps == default + 5
+    again = to_config({}, pm)
+    assert again.trainer.steps == default and again.trainer.seed != 123
