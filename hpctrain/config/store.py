@@ -65,7 +65,11 @@ registration and ``to_config`` can tell it is the one they already hold."""
 def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
     """(top-level schema, group name -> group schema) with plugin sections folded in."""
     sections = _sections(pm)
-    if sections not in _schemas:
+    try:
+        known = sections in _schemas
+    except TypeError:  # a section that is no class at all: _make_schema says which
+        return _make_schema(sections)
+    if not known:
         _schemas[sections] = _make_schema(sections)
     top, groups = _schemas[sections]
     return top, dict(groups)
@@ -182,32 +186,30 @@ def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictCo
     naming it on the others, so none waits for a config that never comes."""
     from hpctrain.bootstrap import idle_wait
 
-    if mpi_comm is None or mpi_comm.Get_size() == 1:
-        return compose_resolved(overrides, pm)
+    many = mpi_comm is not None and mpi_comm.Get_size() > 1
     cfg: Optional[DictConfig] = None
     failure: Optional[BaseException] = None
-    message: Tuple[str, Any]
-    if mpi_comm.Get_rank() == 0:
+    message: Any = None
+    if not many or mpi_comm.Get_rank() == 0:
         try:
             cfg = compose_resolved(overrides, pm)
-            message = ("ok", OmegaConf.to_container(cfg, resolve=True))  # (cheaper to send and type than YAML)
+            # (plain containers: cheaper to send and to type than YAML)
+            message = ("ok", OmegaConf.to_container(cfg, resolve=True) if many else None)
         except HpctrainError as e:
             failure, message = e, ("error", str(e))
         except BaseException as e:  # noqa: BLE001 - raised again below, after the others hear of it
             failure, message = e, ("failed", f"{type(e).__name__}: {e}")
-    idle_wait(mpi_comm)
-    kind, payload = mpi_comm.bcast(message if mpi_comm.Get_rank() == 0 else None, root=0)
-    if failure is not None:
-        if kind == "error":
-            raise ConfigError(payload) from failure
-        raise failure
-    if cfg is not None:
-        return cfg
+    if many:
+        idle_wait(mpi_comm)
+        message = mpi_comm.bcast(message, root=0)
+    kind, payload = message
     if kind == "error":
-        raise ConfigError(payload)
+        raise ConfigError(payload) from failure
+    if failure is not None:
+        raise failure
     if kind == "failed":
         raise RuntimeError(f"rank 0 could not compose the config: {payload}")
-    return to_config(payload, pm)
+    return cfg if cfg is not None else to_config(payload, pm)
 
 
 def _reraise_explained(e: Exception, pm) -> None:

@@ -141,3 +141,33 @@ def test_typing_a_config_leaves_the_schema_defaults_alone(pm):
     assert changed.trainer.steps == default + 5
     again = to_config({}, pm)
     assert again.trainer.steps == default and again.trainer.seed != 123
+
+
+@pytest.mark.parametrize("section", [{"every": 3}, 3])
+def test_a_section_that_is_no_dataclass_is_named(section):
+    """Also one that cannot be a key of the schemas built so far (a dict)."""
+    from hpctrain import hookimpl
+    from hpctrain.errors import PluginError
+    from hpctrain.plugins import create_manager
+
+    class Plugin:
+        @hookimpl
+        def hpctrain_config_sections(self):
+            return {"extra": section}
+
+    pm = create_manager(load_entry_points=False)
+    pm.register(Plugin())
+    with pytest.raises(PluginError, match="config section 'extra' must be a dataclass"):
+        build_schema(pm)
+
+
+def test_compose_agreed_alone_is_compose_resolved_with_its_errors_as_config_errors(pm):
+    from omegaconf import OmegaConf
+
+    from hpctrain.config import compose_agreed, compose_resolved
+    from hpctrain.errors import ConfigError
+
+    got = compose_agreed(["model=tiny", "trainer.seed=5"], pm)
+    assert OmegaConf.to_yaml(got) == OmegaConf.to_yaml(compose_resolved(["model=tiny", "trainer.seed=5"], pm))
+    with pytest.raises(ConfigError, match="trainer.no_such_key"):
+        compose_agreed(["trainer.no_such_key=1"], pm)
