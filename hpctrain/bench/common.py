@@ -32,8 +32,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 
 
 
 def make_config(overrides: Sequence[str], pm: Any, rt: Any) -> Any:
-    """The run config for ``overrides`` (a later value of a key wins: Hydra refuses
-    duplicates), composed on rank 0 and received by the others
+    """The run config for ``overrides`` (a later value of a key wins, also for a
+    preset choice, which Hydra refuses twice), composed on rank 0 and received by the others
     (``compose_agreed``), validated for the job's ranks. Collective."""
     from hpctrain.config import compose_agreed
     from hpctrain.config.validate import validate

@@ -1,7 +1,7 @@
 """Hydra registration and composition.
 
 The schema is the core dataclasses plus every plugin's typed sections
-(``hpctrain_config_sections``), built once per plugin set. It is stored in
+(``hpctrain_config_sections``), built once per set of sections. It is stored in
 Hydra's ConfigStore as ``train_schema`` (the first entry of conf/train.yaml's
 defaults) and, per group, as ``<group>/<group>_schema`` (the first default
 of each preset YAML), so presets and overrides are type-checked.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
@@ -63,7 +64,8 @@ registration and ``to_config`` can tell it is the one they already hold."""
 
 
 def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
-    """(top-level schema, group name -> group schema) with plugin sections folded in."""
+    """(top-level schema, group name -> group schema) with plugin sections folded in.
+    The classes are shared by every call with the same sections: never change them."""
     sections = _sections(pm)
     try:
         known = sections in _schemas
@@ -108,7 +110,9 @@ planner, a tune, every test), so the same registration is not repeated."""
 
 def register_configs(pm=None) -> type:
     """Store the schema (and plugin presets) in Hydra's ConfigStore; returns the schema.
-    A repeat for the manager (same plugins) the store last received is skipped."""
+    A repeat for the manager (same plugins) the store last received is skipped: code
+    that overwrites or removes these entries inside the store must store them again
+    itself (nothing in hpctrain does)."""
     global _registered
     from hydra.core.config_store import ConfigStore
 
@@ -193,8 +197,10 @@ def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictCo
     if not many or mpi_comm.Get_rank() == 0:
         try:
             cfg = compose_resolved(overrides, pm)
-            # (plain containers: cheaper to send and to type than YAML)
-            message = ("ok", OmegaConf.to_container(cfg, resolve=True) if many else None)
+            # pickled here, so a value that cannot be (a plugin's Enum defined in a function)
+            # fails inside this try and reaches every rank; plain containers are cheaper to
+            # send and to type than YAML
+            message = ("ok", pickle.dumps(OmegaConf.to_container(cfg, resolve=True)) if many else None)
         except HpctrainError as e:
             failure, message = e, ("error", str(e))
         except BaseException as e:  # noqa: BLE001 - raised again below, after the others hear of it
@@ -209,7 +215,7 @@ def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictCo
         raise failure
     if kind == "failed":
         raise RuntimeError(f"rank 0 could not compose the config: {payload}")
-    return cfg if cfg is not None else to_config(payload, pm)
+    return cfg if cfg is not None else to_config(pickle.loads(payload), pm)
 
 
 def _reraise_explained(e: Exception, pm) -> None:

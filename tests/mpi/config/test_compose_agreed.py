@@ -49,3 +49,19 @@ def test_an_unexpected_failure_on_rank0_reaches_every_rank(world, pm, monkeypatc
     else:
         with pytest.raises(RuntimeError, match="rank 0 could not compose the config: KeyError"):
             compose_agreed(OVERRIDES, pm, world)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_config_rank0_cannot_send_fails_on_every_rank(world, pm, monkeypatch):
+    """(A plugin value pickle refuses, such as an Enum defined inside a function.)"""
+    import pickle
+
+    def refuse(_obj):
+        raise pickle.PicklingError("Can't pickle <enum 'Local'>")
+    monkeypatch.setattr(store.pickle, "dumps", refuse)
+    if world.Get_rank() == 0:
+        with pytest.raises(pickle.PicklingError):
+            compose_agreed(OVERRIDES, pm, world)
+    else:
+        with pytest.raises(RuntimeError, match="rank 0 could not compose the config: PicklingError"):
+            compose_agreed(OVERRIDES, pm, world)
