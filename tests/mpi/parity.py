@@ -85,21 +85,22 @@ def reference_of(overrides: Sequence[str], steps: int, pm=None) -> List[StepReco
     schema: ``model.moe`` and the like), composed on rank 0 alone, which runs it."""
     from hpctrain.config import compose_resolved
     from hpctrain.plugins import get_manager
-    from hpctrain.run import reference_trainer
 
-    def run() -> List[StepRecord]:
-        cfg = compose_resolved(tuple(overrides), pm or get_manager())
-        return record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF)
-    return on_rank0(MPI.COMM_WORLD, run)
+    return on_rank0(MPI.COMM_WORLD, lambda: _record_alone(compose_resolved(tuple(overrides), pm or get_manager()),
+                                                          steps, pm))
 
 
 def reference(cfg, steps: int, pm=None) -> List[StepRecord]:
     """``record`` of the one-process run of ``cfg``, on every rank: rank 0 runs it
     while the others sleep (every rank running the same one-process run would take
     the world size times the cores of one)."""
+    return on_rank0(MPI.COMM_WORLD, lambda: _record_alone(cfg, steps, pm))
+
+
+def _record_alone(cfg, steps: int, pm) -> List[StepRecord]:
     from hpctrain.run import reference_trainer
 
-    return on_rank0(MPI.COMM_WORLD, lambda: record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF))
+    return record(reference_trainer(cfg, pm), steps, MPI.COMM_SELF)
 
 
 ADAM_DRIFT = 1e-4
