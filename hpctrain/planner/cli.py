@@ -143,13 +143,21 @@ def _compose(overrides: List[str], pm) -> Any:
 def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=None,
               knob_pins: Optional[Dict[str, Any]] = None) -> Tuple[Any, ...]:
     """(plan, arch, workload, cluster, cfg, user overrides): the whole pipeline without printing."""
+    from hpctrain.planner.search import search
+
+    arch, work, cluster, cfg, user, pins = plan_inputs(overrides, calibration, pm, knob_pins)
+    return search(arch, cfg.model, work, cluster, pins), arch, work, cluster, cfg, user
+
+
+def plan_inputs(overrides: Sequence[str], calibration: Optional[str] = None, pm=None,
+                knob_pins: Optional[Dict[str, Any]] = None) -> Tuple[Any, ...]:
+    """(arch, workload, cluster, cfg, user overrides, pins): what ``make_plan`` searches with."""
     from hpctrain.config.validate import PRECISIONS
     from hpctrain.errors import ConfigError
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.cluster import cluster_spec, load_calibration
     from hpctrain.planner.estimate import Workload
     from hpctrain.planner.memory import optimizer_profile
-    from hpctrain.planner.search import search
     from hpctrain.plugins import create_manager
 
     pm = pm or create_manager()
@@ -169,8 +177,7 @@ def make_plan(overrides: Sequence[str], calibration: Optional[str] = None, pm=No
         raise ConfigError(f"optim.name={cfg.optim.name!r}: the planner knows the state of {', '.join(OPTIMIZERS)}")
     work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision,
                     optimizer_profile(cfg.optim.name, arch.muon_share), cfg.comm.bucket_mb * 2 ** 20)
-    plan = search(arch, cfg.model, work, cluster, {**_pins(overrides), **(knob_pins or {})})
-    return plan, arch, work, cluster, cfg, user
+    return arch, work, cluster, cfg, user, {**_pins(overrides), **(knob_pins or {})}
 
 
 def check_with_training(cfg: Any, train_overrides: List[str], world_size: int, pm) -> Tuple[List[str], List[str]]:

@@ -9,10 +9,12 @@ micro-batch's gathers hide behind the whole step's compute fails it there.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from hpctrain.planner import comm_model as cm
-from hpctrain.planner.cli import make_plan
+from hpctrain.planner.cli import plan_inputs
 from hpctrain.planner.estimate import estimate
 from hpctrain.planner.layouts import Layout
 from hpctrain.planner.search import _estimates
@@ -21,10 +23,12 @@ LLAMA_64 = ["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=64", "trainer.
             "trainer.seq_len=8192"]
 
 
+@functools.lru_cache(maxsize=None)  # read-only results; the issue command's serves two tests
 def _all_estimates(overrides):
-    plan, arch, work, cluster, cfg, _ = make_plan(overrides)
+    """(arch, work, cluster, every layout's estimate, fitting or not)."""
+    arch, work, cluster, cfg, _, _ = plan_inputs(list(overrides))
     found, _ = _estimates(arch, cfg.model, work, cluster, {})
-    return plan, arch, work, cluster, found
+    return arch, work, cluster, found
 
 
 @pytest.mark.parametrize("overrides", [
@@ -34,7 +38,7 @@ def _all_estimates(overrides):
      "trainer.seq_len=4096", "cluster.inter_bw_gbs=1"],
 ], ids=["issue-command", "slow-network", "small-slow"])
 def test_exposed_is_at_least_wire_time_minus_compute(overrides):
-    _, _, _, _, found = _all_estimates(overrides)
+    *_, found = _all_estimates(tuple(overrides))
     assert len(found) > 20
     bites = 0
     for e in found:
@@ -50,7 +54,7 @@ def test_zero3_wire_time_is_its_collectives_every_micro_batch():
     """dp64 ZeRO-3: each micro-batch gathers the weights twice (forward and
     backward) and reduce-scatters the gradients; the wire time is the
     comm model's time for exactly those collectives, and bytes agree."""
-    _, arch, work, cluster, _ = _all_estimates(LLAMA_64)
+    arch, work, cluster, _ = _all_estimates(tuple(LLAMA_64))
     lay = Layout(tp=1, cp=1, ep=1, dp=64, pp=1, micro_batch=1, zero=3)
     e = estimate(arch, lay, work, cluster)
     m = e.microbatches
