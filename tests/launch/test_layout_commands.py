@@ -1,5 +1,6 @@
 """The README's five-axis commands, launched as users launch them: the 3D
-preset trains under ``mpiexec -n 8 hpctrain-train parallel=3d``, and
+preset trains under ``mpiexec -n 8 hpctrain-train parallel=3d`` (the run
+test_report.py renders), and
 ``hpctrain-parity`` says it trains what one process trains (exit 0, an OK
 line), while a layout the validator refuses ends with its one-line errors
 and exit status 2 (the broken-plugin case is tests/mpi/test_parity_command.py)."""
@@ -33,12 +34,12 @@ def _launch(n, exe, *args, cwd=None):
                           text=True, timeout=TIMEOUT, cwd=cwd)
 
 
-def test_readme_3d_run_trains(tmp_path):
-    r = _launch(8, "hpctrain-train", "parallel=3d", "trainer.steps=2", f"hydra.run.dir={tmp_path}")
+def test_readme_3d_run_trains(readme_3d_run):
+    r, run = readme_3d_run  # (tests/launch/conftest.py; its report is rendered in test_report.py)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]
-    log = (tmp_path / "train.log").read_text()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    log = (run / "train.log").read_text()
     assert "layout tp=2 * cp=1 * ep=1 * dp=2 * pp=2" in log, log
 
 

@@ -66,10 +66,10 @@ def render(page_path, screenshot=None):
 
 
 @pytest.fixture(scope="module")
-def run_3d(tmp_path_factory):
-    run = tmp_path_factory.mktemp("run3d")
-    _train(["parallel=3d", "trainer.steps=3", "reliability.straggler_every=1", "cluster.peak_tflops=0.1",
-            f"hydra.run.dir={run}"], run, n=8)
+def run_3d(readme_3d_run):
+    """The README's 3D run (tests/launch/conftest.py), trained once for this module and test_layout_commands.py."""
+    r, run = readme_3d_run
+    assert r.returncode == 0, r.stdout + r.stderr
     return run
 
 
