@@ -23,10 +23,10 @@ SWEEP_SECTIONS = ["points", "loss-curves", "final-loss"]
 QUIET = ["trainer.progress=off", "trainer.log_every=1"]
 
 
-def _train(args, cwd, n=None):
+def _train(args, cwd):
+    """One process (the 3D run is tests/launch/conftest.py's)."""
     flags = [a for a in args if a.startswith("--")]  # before the overrides, as Hydra's parser wants them
-    cmd = ([MPIEXEC, "-n", str(n)] if n else []) + [sys.executable, "-m", "hpctrain", *flags, *QUIET,
-                                                     *[a for a in args if a not in flags]]
+    cmd = [sys.executable, "-m", "hpctrain", *flags, *QUIET, *[a for a in args if a not in flags]]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT * 2, cwd=cwd)
     assert r.returncode == 0, r.stdout + r.stderr
 
