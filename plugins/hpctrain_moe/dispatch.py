@@ -30,10 +30,11 @@ the gradients the opposite way through the same two exchanges. With ep = 1
 the same code runs without the exchanges: that is the one-process model.
 
 Costs on the token path (docs/benchmarks.md, "hpctrain-bench moe"): one
-stable sort of the assignments gives the send order, each row's token and
-the combine's bags (each row's place in (token, choice) order, so no
-second sort), and runs while the counts are exchanged (through kept
-buffers); on CPU this integer work is numpy's (``_on_host``). The rows to
+stable sort of the assignments by expert gives the send order, each row's
+token and the combine's bags (each row's place in (token, choice) order,
+so no second sort); on CPU that is one C call (``native``: a counting
+sort, two passes), elsewhere torch's operators. The counts go through kept
+buffers while the rank gathers the kept weights and its splits. The rows to
 send leave straight from the tokens (``comm.protocol.all_to_all_rows``: on
 the mpi backend an indexed datatype that MPI packs as it sends, elsewhere
 one ``index_select`` first), and this rank's own rows are gathered while
@@ -53,17 +54,19 @@ and the experts' matrix products stay in the block's compiled graphs.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hpctrain.comm.protocol import all_to_all_rows
 from hpctrain.eager import eager
 from hpctrain.mesh import Group
+
+from hpctrain_moe import native
 
 
 @dataclass
@@ -174,77 +177,43 @@ class DispatchPlan:
                 and rows.shape[0] == self.received_rows + self.own_rows)
 
 
-Indices = Union[np.ndarray, torch.Tensor]
-"""Integer index arrays of the plan's making: numpy on CPU, torch on other devices."""
-
-
-def _on_host(experts: torch.Tensor, num_experts: int) -> bool:
-    """Whether the plan's integer work runs in numpy: on CPU, with expert ids that fit the
-    16 bits numpy's stable sort orders by radix (linear time; about 10x torch's stable
-    argsort for 4096 top-2 rows), where each small index operation also costs a
-    microsecond against several for a torch operator. Elsewhere (GPU) in torch, where
-    the data lives."""
-    return experts.device.type == "cpu" and num_experts <= 1 << 16
-
-
-def _assignments(experts: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int, host: bool
-                 ) -> Tuple[Indices, Optional[Indices], torch.Tensor, List[int]]:
-    """(ids, kept, offsets, counts) of (N, k) ``experts``: the expert id of each kept
-    assignment in (token, choice) order, their (token, choice) slots (None: all kept),
-    where each token's kept assignments start in that order (N + 1 entries), and the
-    assignments per expert."""
+def _index_plan(experts: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int, own_experts: Tuple[int, int],
+                counts: torch.Tensor, lib: Optional[ctypes.CDLL]
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(order, token, bag_rows, offsets, kept) of (N, k) ``experts``, ``keep`` the
+    assignments within capacity (None: all): ``order`` sorts the kept assignments (in
+    (token, choice) order) by expert, stably (the send order); ``token`` is each sent
+    row's token; ``bag_rows`` places the combine's rows (those of this rank's experts
+    ``own_experts`` first, then the others in send order) back in (token, choice) order;
+    ``offsets`` where each token's kept assignments start in that order (N + 1 entries);
+    ``kept`` their (token, choice) slots (None: all kept). ``counts`` (E) receives the
+    assignments per expert. One C call with ``lib`` (``native.library()``, on CPU),
+    torch's operators without."""
+    if lib is not None:
+        return native.plan(lib, experts, keep, num_experts, own_experts, counts)
     n, k = experts.shape
-    ids: Indices
-    kept: Optional[Indices]
-    if host:
-        wide = experts.numpy().reshape(-1)
-        if wide.size and (wide.min() < 0 or wide.max() >= num_experts):  # the narrow cast would wrap them
-            raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
-        ids_np = wide.astype(np.uint8 if num_experts <= 1 << 8 else np.uint16)
-        kept_np = None if keep is None else np.flatnonzero(keep.numpy())
-        if kept_np is not None:
-            ids_np = ids_np[kept_np]
-        ids, kept, counts = ids_np, kept_np, np.bincount(ids_np, minlength=num_experts).tolist()
-    else:
-        ids_t = experts.reshape(-1)
-        kept_t = None if keep is None else keep.reshape(-1).nonzero().squeeze(1)
-        if kept_t is not None:
-            ids_t = ids_t.index_select(0, kept_t)
-        ids, kept, counts = ids_t, kept_t, torch.bincount(ids_t, minlength=num_experts).tolist()
-        if len(counts) != num_experts:  # (a negative id: bincount has refused it)
-            raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
+    ids = experts.reshape(-1)
+    kept = None if keep is None else keep.reshape(-1).nonzero().squeeze(1)
+    if kept is not None:
+        ids = ids.index_select(0, kept)
+    per_expert = torch.bincount(ids, minlength=num_experts)
+    if per_expert.numel() != num_experts:  # (a negative id: bincount has refused it)
+        raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
+    counts.copy_(per_expert)
+    listed = per_expert.tolist()
+    a, b = sum(listed[:own_experts[0]]), sum(listed[:own_experts[1]])
+    order = torch.argsort(ids, stable=True)
+    slot = order if kept is None else kept.index_select(0, order)
+    position = torch.arange(order.numel(), device=order.device)  # each sent row's place among the combine's rows
+    position[:a] += b - a
+    position[a:b] -= a
+    bag_rows = torch.empty_like(order).scatter_(0, order, position)
     if keep is None:
         offsets = torch.arange(0, n * k + 1, k, device=experts.device)
     else:
         offsets = torch.zeros(n + 1, dtype=torch.long, device=experts.device)
         torch.cumsum(keep.sum(dim=1), 0, out=offsets[1:])
-    return ids, kept, offsets, counts
-
-
-def _orders(ids: Indices, kept: Optional[Indices], k: int, own: Tuple[int, int]
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, token, bag_rows) of the kept assignments (``_assignments``): ``order`` sorts
-    them by expert, stably (the send order); ``token`` is each sent row's token;
-    ``bag_rows`` places the combine's rows (the own ones, ``order[own[0]:own[1]]``, first,
-    then the others in send order) back in (token, choice) order."""
-    a, b = own
-    if isinstance(ids, np.ndarray):
-        order = np.argsort(ids, kind="stable")
-        slot = order if kept is None else kept[order]
-        position = np.arange(order.size)  # each sent row's place among the combine's rows
-        position[:a] += b - a
-        position[a:b] -= a
-        bag_rows = np.empty_like(order)
-        bag_rows[order] = position
-        return torch.from_numpy(order), torch.from_numpy(slot // k), torch.from_numpy(bag_rows)
-    assert isinstance(ids, torch.Tensor) and (kept is None or isinstance(kept, torch.Tensor))
-    order_t = torch.argsort(ids, stable=True)
-    slot_t = order_t if kept is None else kept.index_select(0, order_t)
-    position_t = torch.arange(order_t.numel(), device=order_t.device)
-    position_t[:a] += b - a
-    position_t[a:b] -= a
-    bag_t = torch.empty_like(order_t).scatter_(0, order_t, position_t)
-    return order_t, torch.div(slot_t, k, rounding_mode="floor"), bag_t
+    return order, torch.div(slot, k, rounding_mode="floor"), bag_rows, offsets, kept
 
 
 @eager
@@ -253,23 +222,27 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     """The plan for (N, k) ``experts`` and ``weights``, ``keep`` (N, k) the
     assignments within capacity (None: all). Collective over ``group`` (the
     ep group; None or size 1: no exchange)."""
-    k = experts.shape[1]
-    ids, kept, offsets, counts = _assignments(experts, keep, num_experts, _on_host(experts, num_experts))
+    exchange = group is not None and group.size > 1
+    ep, me = (group.size, group.rank) if group is not None else (1, 0)
+    local = num_experts // ep
+    if exchange:
+        mine, received = _counts_buffers(num_experts, experts.device)
+    else:
+        mine = torch.empty(num_experts, dtype=torch.long, device=experts.device)
+    lib = native.library() if experts.device.type == "cpu" else None
+    order, tok, bag_rows, offsets, kept = _index_plan(experts, keep, num_experts, (me * local, (me + 1) * local),
+                                                      mine, lib)
+    if exchange:  # the counts travel while this rank gathers its weights and splits
+        assert group is not None
+        work = group.communicator().all_to_all(received, mine, async_op=True)
     flat_w = weights.reshape(-1)
     if kept is not None:
-        flat_w = flat_w.index_select(0, kept if isinstance(kept, torch.Tensor) else torch.from_numpy(kept))
-    if group is None or group.size == 1:
-        order, tok, bag_rows = _orders(ids, kept, k, (0, len(ids)))
-        sent = [len(ids)]
+        flat_w = flat_w.index_select(0, kept)
+    counts = mine.tolist()
+    if not exchange:
+        sent = [order.numel()]
         return DispatchPlan(tok, flat_w, sent, sent, list(enumerate(counts)), order, bag_rows, offsets)
-    mine, received = _counts_buffers(num_experts, experts.device)
-    mine.copy_(torch.tensor(counts))  # (kept tensors: the communicator's remembered-pair path)
-    work = group.communicator().all_to_all(received, mine, async_op=True)  # the counts travel while this rank sorts
-    ep, me = group.size, group.rank
-    local = num_experts // ep
     send_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
-    a = sum(send_splits[:me])
-    order, tok, bag_rows = _orders(ids, kept, k, (a, a + send_splits[me]))
     work.wait()
     from_src = received.view(ep, local).tolist()  # [source][local expert]
     recv_splits = [sum(row) for row in from_src]
@@ -283,7 +256,7 @@ _counts: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _counts_buffers(num_experts: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(sent, received) per-expert counts, kept per size: the plan copies its counts in and
+    """(sent, received) per-expert counts, kept per size: the plan writes its counts in and
     reads the others' out before it returns, so one pair serves every plan."""
     key = (num_experts, device)
     if key not in _counts:

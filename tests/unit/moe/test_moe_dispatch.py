@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hpctrain_moe import dispatch as D
+from hpctrain_moe import native
 
 N, K, DIM, E = 48, 2, 16, 8
 
@@ -70,41 +71,58 @@ def test_no_tokens():
     assert D.combine(D.dispatch(torch.zeros(0, DIM), plan, None), plan, None, 0).shape == (0, DIM)
 
 
-@pytest.mark.parametrize("num_experts", [8, 300])  # 8- and 16-bit expert ids
+def test_the_c_plan_is_built_here():
+    """The suite's machine has a C compiler (scripts/setup.sh installs gcc): the C plan must
+    load, or the comparison below would compare torch with itself."""
+    assert native.library() is not None, native.cache_dir()
+
+
+def _both_plans(experts, keep, num_experts, own_experts):
+    out = []
+    for lib in (native.library(), None):
+        counts = torch.full((num_experts,), -7, dtype=torch.long)  # every entry must be written
+        out.append((D._index_plan(experts, keep, num_experts, own_experts, counts, lib), counts))
+    return out
+
+
+@pytest.mark.parametrize("num_experts", [8, 300])
 @pytest.mark.parametrize("drop", [False, True])
-def test_the_numpy_and_torch_index_paths_agree(num_experts, drop):
-    """The plan's integer work runs in numpy on CPU and in torch elsewhere: the same
-    send order, tokens, combine bags, offsets and counts, for every own-row range."""
+def test_the_c_and_torch_index_paths_agree(num_experts, drop):
+    """The plan's integer work runs in C on CPU and in torch elsewhere: the same send
+    order, tokens, combine bags, offsets, kept slots and counts, for every own-expert range."""
     g = torch.Generator().manual_seed(5)
     experts = torch.randint(0, num_experts, (N, K), generator=g)
     keep = (torch.rand(N, K, generator=g) > 0.3) if drop else None
-    host = D._assignments(experts, keep, num_experts, host=True)
-    device = D._assignments(experts, keep, num_experts, host=False)
-    assert torch.equal(torch.from_numpy(host[0].astype("int64")), device[0])
-    assert (host[1] is None) == (device[1] is None)
-    if drop:
-        assert torch.equal(torch.from_numpy(host[1]), device[1])
-    assert torch.equal(host[2], device[2]) and host[3] == device[3]
-    rows = len(host[0])
-    for own in [(0, rows), (0, rows // 3), (rows // 3, rows // 2), (rows // 2, rows)]:
-        for a, b in zip(D._orders(host[0], host[1], K, own), D._orders(device[0], device[1], K, own)):
-            assert torch.equal(a, b)
-    order, tok, bag = D._orders(host[0], host[1], K, (rows // 3, rows // 2))
-    assert torch.equal(order, torch.argsort(device[0], stable=True))
-    a, b = rows // 3, rows // 2
-    combine_rows = torch.cat([order[a:b], order[:a], order[b:]])  # own rows first, then the rest in send order
-    assert torch.equal(combine_rows[bag], torch.arange(rows))  # the bags list each slot's combine row
+    q = num_experts // 4
+    for own in [(0, num_experts), (0, q), (q, 2 * q), (3 * q, num_experts)]:
+        (c_plan, c_counts), (t_plan, t_counts) = _both_plans(experts, keep, num_experts, own)
+        assert torch.equal(c_counts, t_counts)
+        assert torch.equal(c_counts, torch.bincount(experts[keep] if drop else experts.reshape(-1),
+                                                    minlength=num_experts))
+        assert (c_plan[4] is None) == (t_plan[4] is None) == (not drop)
+        for a, b in zip(c_plan, t_plan):
+            assert a is None or torch.equal(a, b)
+    order, tok, bag, offsets, kept = c_plan
+    ids = experts.reshape(-1) if kept is None else experts.reshape(-1)[kept]
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    slots = torch.arange(N * K) if kept is None else kept
+    assert torch.equal(tok, slots[order] // K)
+    assert torch.equal(offsets[1:] - offsets[:-1], keep.sum(1) if drop else torch.full((N,), K))
+    a, b = int(c_counts[:3 * q].sum()), len(order)  # the last own range: own rows at the end of the send order
+    combine_rows = torch.cat([order[a:b], order[:a]])  # own rows first, then the rest in send order
+    assert torch.equal(combine_rows[bag], torch.arange(len(order)))  # the bags list each slot's combine row
 
 
-@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("c_plan", [True, False])
 @pytest.mark.parametrize("bad", [-1, E, 256 + 1])
-def test_expert_ids_outside_the_experts_are_refused_not_wrapped(bad, host):
-    """numpy's plan narrows the ids to 8 bits: an id out of range must not become another
-    expert; torch's path refuses them too (negative ones in bincount itself)."""
+def test_expert_ids_outside_the_experts_are_refused(bad, c_plan):
+    """An id out of range must not index past the counts (C) or become another expert;
+    torch's path refuses them too (negative ones in bincount itself)."""
     experts = torch.zeros(N, K, dtype=torch.long)
     experts[3, 1] = bad
+    counts = torch.empty(E, dtype=torch.long)
     with pytest.raises((ValueError, RuntimeError), match="outside|negative"):
-        D._assignments(experts, None, E, host)
-    if host:
+        D._index_plan(experts, None, E, (0, E), counts, native.library() if c_plan else None)
+    if c_plan:
         with pytest.raises(ValueError, match="outside"):
             D.plan_dispatch(experts, torch.ones(N, K), None, E, None)
