@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import shlex
+import socket
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -58,7 +59,7 @@ def build() -> Path:
     target = cache_dir() / f"moe_plan-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        partial = target.with_name(f"{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # (shared file systems)
         try:
             subprocess.run([*cc, *_FLAGS, "-o", str(partial), str(SOURCE)], check=True, capture_output=True,
                            timeout=120)
