@@ -98,12 +98,11 @@ def plan(lib: ctypes.CDLL, experts: torch.Tensor, keep: Optional[torch.Tensor], 
     """(order, token, bag_rows, offsets, kept) of CPU (n, k) ``experts`` (see ``plan.c``);
     ``counts`` (E int64, contiguous) receives the assignments per expert."""
     n, k = experts.shape
-    ids = experts.contiguous().to(torch.int64)
+    ids = experts if experts.dtype == torch.int64 and experts.is_contiguous() else experts.contiguous().long()
     mask = None if keep is None else keep.contiguous().to(torch.bool)
     slots = n * k
-    out = torch.empty(4 * slots + n + 1, dtype=torch.int64)  # one allocation, five views
-    order, token, bag, kept = (out[i * slots:(i + 1) * slots] for i in range(4))
-    offsets = out[4 * slots:]
+    # one allocation, five views (each torch call costs microseconds here, several times that on cold caches)
+    order, token, bag, kept, offsets = torch.empty(4 * slots + n + 1, dtype=torch.int64).split([slots] * 4 + [n + 1])
     rows = lib.hpctrain_moe_plan(ids.data_ptr(), None if mask is None else mask.data_ptr(), n, k, num_experts,
                                  own_experts[0], own_experts[1], counts.data_ptr(), offsets.data_ptr(),
                                  kept.data_ptr(), order.data_ptr(), token.data_ptr(), bag.data_ptr())
@@ -111,4 +110,6 @@ def plan(lib: ctypes.CDLL, experts: torch.Tensor, keep: Optional[torch.Tensor], 
         if rows == -1:
             raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
         raise MemoryError("plan_dispatch: no memory for the plan's expert cursors")
-    return order[:rows], token[:rows], bag[:rows], offsets, None if mask is None else kept[:rows]
+    if mask is None:
+        return order, token, bag, offsets, None
+    return order[:rows], token[:rows], bag[:rows], offsets, kept[:rows]
