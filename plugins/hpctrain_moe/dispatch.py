@@ -197,7 +197,7 @@ def _index_plan(experts: torch.Tensor, keep: Optional[torch.Tensor], num_experts
     if kept is not None:
         ids = ids.index_select(0, kept)
     per_expert = torch.bincount(ids, minlength=num_experts)
-    if per_expert.numel() != num_experts:  # (a negative id: bincount has refused it)
+    if per_expert.numel() != num_experts:  # an id >= E (bincount itself refuses negative ones)
         raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
     counts.copy_(per_expert)
     listed = per_expert.tolist()
