@@ -1,12 +1,12 @@
 """The dispatch plan's integer work in C on CPU (``plan.c``), through ctypes.
 
-The plan's sort, bags and offsets are a dozen small numpy or torch operations
-in Python; in the token path they run between the ranks' exchanges, on cold
+In Python the plan's sort, bags and offsets are a dozen small tensor
+operations; in the token path they run between the ranks' exchanges, on cold
 caches, where each costs several times its warm figure (docs/benchmarks.md,
 "the token path's fixed cost"). One C call does them in two passes.
 
-Built at first use with the C compiler Python was built with (``CC``
-overrides it), into ``$HPCTRAIN_CACHE_DIR`` (default
+Built at first use with the C compiler Python was built with, or ``cc``
+(``CC`` overrides it), into ``$HPCTRAIN_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/hpctrain``, else ``~/.cache/hpctrain``), one file per
 source and compiler, written under a temporary name and renamed, so ranks
 that build at once on a shared file system do not see each other's half
@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sysconfig
@@ -40,9 +41,13 @@ _tried = False
 
 
 def compiler() -> List[str]:
-    """The C compiler command: ``CC``, else the one Python was built with, else ``cc``."""
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(cc)
+    """The C compiler command: ``CC``, else the one Python was built with where this machine
+    has it (a Python built elsewhere may name a compiler it does not), else ``cc``."""
+    given = os.environ.get("CC")
+    if given:
+        return shlex.split(given)
+    built_with = shlex.split(sysconfig.get_config_var("CC") or "")
+    return built_with if built_with and shutil.which(built_with[0]) else ["cc"]
 
 
 def cache_dir() -> Path:

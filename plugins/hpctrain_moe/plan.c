@@ -13,7 +13,8 @@
  *   bag[j]      the combine's row of assignment j: the rows of experts
  *               [own_lo, own_hi) (this rank's own) first, then the others
  *               in send order                                  (A)
- * Returns A, or -1 when an id is outside [0, E) (nothing else is then valid).
+ * Returns A; -1 when an id is outside [0, E), -2 when there is no memory for the
+ * expert cursors (nothing else is then valid).
  */
 #include <stdint.h>
 #include <stdlib.h>

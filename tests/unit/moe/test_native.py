@@ -50,3 +50,14 @@ def test_without_the_c_plan_the_plan_runs_in_torch(fresh, monkeypatch, how):
     for field in ("token", "kept_position", "bag_rows", "offsets", "kept_weight"):
         assert torch.equal(getattr(with_c, field), getattr(in_torch, field)), field
     assert with_c.segments == in_torch.segments
+
+
+def test_the_compiler_python_names_is_used_only_where_it_exists(monkeypatch):
+    """A Python built elsewhere may name a compiler this machine lacks: then ``cc``."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: "no-such-cc-here -pthread")
+    assert native.compiler() == ["cc"]
+    monkeypatch.setattr(native.sysconfig, "get_config_var", lambda name: "sh -pthread")  # (sh: on every PATH)
+    assert native.compiler() == ["sh", "-pthread"]
+    monkeypatch.setenv("CC", "mycc -O1")
+    assert native.compiler() == ["mycc", "-O1"]
