@@ -200,13 +200,14 @@ def _index_plan(experts: torch.Tensor, keep: Optional[torch.Tensor], num_experts
     if per_expert.numel() != num_experts:  # an id >= E (bincount itself refuses negative ones)
         raise ValueError(f"plan_dispatch: expert ids outside [0, {num_experts})")
     counts.copy_(per_expert)
-    listed = per_expert.tolist()
-    a, b = sum(listed[:own_experts[0]]), sum(listed[:own_experts[1]])
+    # where the own rows start and end in send order, as tensors: no wait for the device here
+    # (plan_dispatch reads the counts once, for the splits)
+    a = per_expert[:own_experts[0]].sum()
+    b = a + per_expert[own_experts[0]:own_experts[1]].sum()
     order = torch.argsort(ids, stable=True)
     slot = order if kept is None else kept.index_select(0, order)
-    position = torch.arange(order.numel(), device=order.device)  # each sent row's place among the combine's rows
-    position[:a] += b - a
-    position[a:b] -= a
+    sent = torch.arange(order.numel(), device=order.device)
+    position = torch.where(sent < a, sent + (b - a), torch.where(sent < b, sent - a, sent))  # among the combine's rows
     bag_rows = torch.empty_like(order).scatter_(0, order, position)
     if keep is None:
         offsets = torch.arange(0, n * k + 1, k, device=experts.device)
