@@ -10,11 +10,24 @@ count and context variables must run at every call, not once at tracing).
 Outside compilation the mark costs one flag test: importing dynamo (1-2 s)
 to build the disabled versions happens only when a run compiles
 (``prepare``, from ``hpctrain.model.compile``).
+
+torch marks its own functions the same way, but imports dynamo at their
+first call: every optimizer's constructor and step among them.
+``defer_torch_marks`` makes those plain calls in a process that has not
+imported dynamo, so a run that compiles nothing never loads torch's
+compiler (torch._dynamo and torch._inductor: about 800 modules and 2 s of
+CPU per rank, read from the shared file system at every launch). Except
+with ``model.recompute``: torch's checkpointing reads a dynamo setting itself.
+``prepare`` puts torch's versions back before anything compiles. A plugin
+that calls torch.compile itself calls ``prepare()`` first.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, TypeVar
+import gc
+import sys
+import types
+from typing import Any, Callable, Dict, List, TypeVar
 
 import torch
 
@@ -37,7 +50,76 @@ def eager(fn: F) -> F:
 
 
 def prepare() -> None:
-    """Build the disabled versions (imports dynamo); before the first compiled call."""
+    """Build the disabled versions (imports dynamo) and give torch back its own
+    (``defer_torch_marks``); before the first compiled call."""
     for fn, now in list(_MARKED.items()):
         if now is fn:
             _MARKED[fn] = torch.compiler.disable(fn, reason=f"hpctrain.eager: {fn.__qualname__} runs eagerly")
+    while _DEFERRED_MARKS:
+        fn = _DEFERRED_MARKS.pop()
+        if fn.__dict__.get(_TORCH_CACHE) is fn:
+            delattr(fn, _TORCH_CACHE)
+    while _DEFERRED_STEPS:
+        cls, step = _DEFERRED_STEPS.popitem()
+        cls.step = step  # type: ignore[attr-defined]
+
+
+_TORCH_CACHE = "__dynamo_disable"
+"""Where ``torch._disable_dynamo``'s wrapper keeps the disabled version of the
+function it wraps, built (importing dynamo) at the first call when absent."""
+
+_DEFERRED_MARKS: List[Callable[..., Any]] = []
+"""torch functions whose cache holds the function itself (``defer_torch_marks``)."""
+
+_DEFERRED_STEPS: Dict[type, Any] = {}
+"""Optimizer class -> torch's own ``step``, replaced by a plain one (``defer_torch_marks``)."""
+
+
+def _probe() -> None:
+    """Wrapped by torch's decorators to recognise their wrappers' code."""
+
+
+def _plain_step(raw: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's optimizer step wrapper without its dynamo graph breaks (they matter
+    only when the step itself is traced): the grad mode ``differentiable`` asks for."""
+    @functools.wraps(raw)
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        with torch.set_grad_enabled(bool(self.defaults["differentiable"])):
+            return raw(self, *args, **kwargs)
+    return step
+
+
+def _optimizer_classes() -> List[type]:
+    found: List[type] = []
+    todo: List[type] = [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def defer_torch_marks() -> int:
+    """Make torch's dynamo-disabled functions and optimizer steps plain calls while
+    dynamo is not loaded (they behave the same outside compilation), so that the
+    process never imports it unless something compiles (``prepare`` undoes this).
+    Returns how many it changed: 0 once dynamo is loaded, or when a torch release
+    changes these wrappers (a run is then only slower to start, not different)."""
+    if "torch._dynamo" in sys.modules:
+        return 0
+    mark_code = getattr(torch._disable_dynamo(_probe), "__code__", None)
+    for obj in gc.get_objects():
+        if type(obj) is types.FunctionType and obj.__code__ is mark_code:
+            fn = getattr(obj, "__wrapped__", None)
+            if isinstance(fn, types.FunctionType) and _TORCH_CACHE not in fn.__dict__:
+                setattr(fn, _TORCH_CACHE, fn)
+                _DEFERRED_MARKS.append(fn)
+    use_grad = getattr(sys.modules.get("torch.optim.optimizer"), "_use_grad_for_differentiable", None)
+    step_code = getattr(use_grad(_probe), "__code__", None) if use_grad is not None else None
+    for cls in _optimizer_classes() if step_code is not None else []:
+        step = vars(cls).get("step")
+        raw = getattr(step, "__wrapped__", None)
+        if getattr(step, "__code__", None) is step_code and raw is not None and cls not in _DEFERRED_STEPS:
+            _DEFERRED_STEPS[cls] = step
+            cls.step = _plain_step(raw)  # type: ignore[attr-defined]
+    return len(_DEFERRED_MARKS) + len(_DEFERRED_STEPS)

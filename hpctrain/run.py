@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from hpctrain import eager
 from hpctrain.bootstrap import Runtime, get_runtime, with_device
 from hpctrain.comm.delay import delayed
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
@@ -41,9 +42,14 @@ def configure_torch(cfg: Any, rt: Runtime) -> None:
     if "OMP_NUM_THREADS" not in os.environ and rt.device.type == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // rt.local_size))
+    if not cfg.trainer.compile:
+        eager.defer_torch_marks()  # torch's compiler stays unloaded (hpctrain.eager)
     if cfg.trainer.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        if cfg.trainer.compile:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        else:  # the same switch without importing inductor for its own flag (set by model.compile when compiling)
+            torch._C._set_deterministic_algorithms(True, warn_only=True)
         # torch would then fill every new tensor with NaN (so that a read of memory never
         # written shows): one more write of every activation and buffer, off unless asked for
         torch.utils.deterministic.fill_uninitialized_memory = bool(cfg.debug.fill_uninitialized)  # type: ignore[attr-defined]

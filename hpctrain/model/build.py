@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from hpctrain.boxes import Box, box_shape, full_box, intersect
 from hpctrain.mesh import AXES, Mesh
@@ -49,6 +50,23 @@ def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, sha
     )
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """torch.nn.init's in-place initialisers (and the tensor methods they call) do
+    nothing on meta tensors: a module's default init there only computes shapes,
+    through torch's Python reference kernels (which load torch's compiler);
+    ``materialize`` initialises every parameter later."""
+
+    TENSOR_INITS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        is_init = func in self.TENSOR_INITS or getattr(func, "__module__", None) == "torch.nn.init"
+        if is_init and isinstance(target, torch.Tensor) and target.is_meta and func.__name__.endswith("_"):
+            return target
+        return func(*args, **kwargs)
+
+
 def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
     """The full (one-process) model on the meta device, a ShardSpec on every parameter.
 
@@ -57,7 +75,7 @@ def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
     """
     m = cfg.model
     shape = ModelShape.from_config(m)
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         blocks = nn.ModuleList(
             Block(
                 shape,

@@ -277,3 +277,14 @@ def test_tiny_model_rank_never_draws_a_whole_sharded_tensor(make_config, drawn):
     # every drawn tile belongs to a tensor this rank holds a piece of
     held = {get_spec(p).logical_name for p in model.parameters() if get_spec(p).pieces(coords, sizes)}
     assert set(names) <= held
+
+
+def test_default_init_is_skipped_on_meta_tensors_only():
+    """``build_model`` builds under ``_NoInitOnMeta``: torch.nn.init on a meta tensor
+    is a no-op (``materialize`` initialises later), on a real tensor it still runs."""
+    real = torch.zeros(64)
+    with torch.device("meta"), build._NoInitOnMeta():
+        layer = nn.Linear(4, 4)
+        nn.init.normal_(real, std=1.0)
+        torch.nn.init.ones_(layer.bias)
+    assert layer.weight.is_meta and real.std() > 0.5

@@ -1,0 +1,95 @@
+"""``hpctrain.eager``'s start-up side: a run that compiles nothing never loads
+torch's compiler, and ``prepare`` gives torch back its own wrappers before
+anything compiles. Each check runs in a fresh interpreter: this test process
+has loaded dynamo already (the compile tests), and then there is nothing to defer."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RUN_AND_REPORT = """
+import atexit, sys
+atexit.register(lambda: print("torch._dynamo loaded:", "torch._dynamo" in sys.modules,
+                              "torch._inductor loaded:", "torch._inductor" in sys.modules))
+from hpctrain.cli import entry
+sys.argv = ["hpctrain-train"] + sys.argv[1:]
+entry()
+"""
+
+
+def _python(script: str, *args: str, cwd=None) -> str:
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                         timeout=300, cwd=cwd)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.mark.parametrize("overrides", [
+    # deterministic (the default) without inductor's flag, the model built on meta, AdamW, a checkpoint
+    ("checkpoint.every=2",),
+    ("optim=muon",),  # hpctrain's own optimizer class, torch's functional AdamW inside
+])
+def test_a_run_that_compiles_nothing_never_loads_torchs_compiler(tmp_path, overrides):
+    out = _python(RUN_AND_REPORT, "trainer.steps=2", "trainer.progress=off", f"hydra.run.dir={tmp_path}/run",
+                  f"checkpoint.dir={tmp_path}/ckpt", *overrides, cwd=tmp_path)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # it trained
+    assert "torch._dynamo loaded: False torch._inductor loaded: False" in out
+
+
+def test_the_plain_steps_match_torchs_and_prepare_puts_torchs_wrappers_back():
+    out = _python("""
+        import sys, torch
+        from hpctrain import eager
+
+        torch_step = {c: vars(c)["step"] for c in (torch.optim.Adam, torch.optim.SGD)}  # (AdamW steps with Adam's)
+        torch_add_group = torch.optim.Optimizer.add_param_group.__wrapped__
+        assert eager.defer_torch_marks() > 0
+
+        def train(opt_cls, **kw):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 8)
+            opt = opt_cls(model.parameters(), lr=0.1, **kw)
+            for _ in range(3):
+                model(torch.randn(4, 8)).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+            grad_mode_kept = torch.is_grad_enabled()
+            return [p.detach().clone() for p in model.parameters()], opt.state_dict(), grad_mode_kept
+
+        plain = {c: train(c, **kw) for c, kw in ((torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9}))}
+        print("after plain steps, dynamo loaded:", "torch._dynamo" in sys.modules)
+        print("plain step in place:", all(vars(c)["step"] is not s for c, s in torch_step.items()))
+
+        eager.prepare()
+        print("torch's steps back:", all(vars(c)["step"] is s for c, s in torch_step.items()))
+        print("torch's marks back:", "__dynamo_disable" not in torch_add_group.__dict__)
+        for c, kw in ((torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9})):
+            params, state, grad_mode = train(c, **kw)
+            same = all(torch.equal(a, b) for a, b in zip(params, plain[c][0]))
+            print(c.__name__, "same parameters:", same, "grad mode kept:", grad_mode and plain[c][2])
+    """)
+    assert "after plain steps, dynamo loaded: False" in out, out
+    assert "plain step in place: True" in out, out
+    assert "torch's steps back: True" in out and "torch's marks back: True" in out, out
+    assert "AdamW same parameters: True grad mode kept: True" in out, out
+    assert "SGD same parameters: True grad mode kept: True" in out, out
+
+
+def test_a_step_taken_by_the_plain_step_builds_no_graph():
+    """torch's wrapper steps with gradients off (unless ``differentiable``): the
+    parameter update must not be recorded by autograd."""
+    out = _python("""
+        import torch
+        from hpctrain import eager
+        eager.defer_torch_marks()
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        print("grad_fn after step:", [p.grad_fn for p in model.parameters()],
+              "state has grad:", any(t.requires_grad for s in opt.state.values() for t in s.values()))
+    """)
+    assert "grad_fn after step: [None, None] state has grad: False" in out, out
