@@ -59,9 +59,7 @@ def prepare() -> None:
         fn = _DEFERRED_MARKS.pop()
         if fn.__dict__.get(_TORCH_CACHE) is fn:
             delattr(fn, _TORCH_CACHE)
-    while _DEFERRED_STEPS:
-        cls, step = _DEFERRED_STEPS.popitem()
-        cls.step = step  # type: ignore[attr-defined]
+    _restore_steps()
 
 
 _TORCH_CACHE = "__dynamo_disable"
@@ -71,8 +69,8 @@ function it wraps, built (importing dynamo) at the first call when absent."""
 _DEFERRED_MARKS: List[Callable[..., Any]] = []
 """torch functions whose cache holds the function itself (``defer_torch_marks``)."""
 
-_DEFERRED_STEPS: Dict[type, Any] = {}
-"""Optimizer class -> torch's own ``step``, replaced by a plain one (``defer_torch_marks``)."""
+_PLAIN_STEPS: Dict[Callable[..., Any], Any] = {}
+"""Each plain optimizer step (``defer_torch_marks``) -> torch's own step it replaced."""
 
 
 def _probe() -> None:
@@ -119,7 +117,28 @@ def defer_torch_marks() -> int:
     for cls in _optimizer_classes() if step_code is not None else []:
         step = vars(cls).get("step")
         raw = getattr(step, "__wrapped__", None)
-        if getattr(step, "__code__", None) is step_code and raw is not None and cls not in _DEFERRED_STEPS:
-            _DEFERRED_STEPS[cls] = step
-            cls.step = _plain_step(raw)  # type: ignore[attr-defined]
-    return len(_DEFERRED_MARKS) + len(_DEFERRED_STEPS)
+        if getattr(step, "__code__", None) is step_code and raw is not None:
+            plain = _plain_step(raw)
+            _PLAIN_STEPS[plain] = step
+            cls.step = plain  # type: ignore[attr-defined]
+    return len(_DEFERRED_MARKS) + len(_PLAIN_STEPS)
+
+
+def _restore_steps() -> None:
+    """torch's steps back on every optimizer class holding a plain one, as torch would
+    have left them: the first optimizer built of a class wraps the class's step in
+    torch's hook wrapper (step hooks, profiler label), on the class itself or on the
+    subclass it built (AdamW, which inherits Adam's step). Built ones keep their hooks."""
+    for cls in _optimizer_classes():
+        step = vars(cls).get("step")
+        plain = step if step in _PLAIN_STEPS else getattr(step, "__wrapped__", None)
+        if plain not in _PLAIN_STEPS:
+            continue
+        torch_step = _PLAIN_STEPS[plain]
+        if step is plain:
+            cls.step = torch_step  # type: ignore[attr-defined]
+        else:
+            hooked = torch.optim.Optimizer.profile_hook_step(torch_step)
+            hooked.hooked = True  # type: ignore[attr-defined]
+            cls.step = hooked  # type: ignore[attr-defined]
+    _PLAIN_STEPS.clear()

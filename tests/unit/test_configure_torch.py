@@ -21,5 +21,8 @@ def test_uninitialized_memory_is_filled_only_when_asked(make_config, fill):
         if fill:  # a read of memory never written shows
             assert bool(new.isnan().all())
     finally:
+        from hpctrain import eager
+
+        eager.prepare()  # torch's own optimizer steps and marks back (configure_torch deferred them)
         torch.use_deterministic_algorithms(before[0], warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = before[1]

@@ -44,35 +44,51 @@ def test_the_plain_steps_match_torchs_and_prepare_puts_torchs_wrappers_back():
         import sys, torch
         from hpctrain import eager
 
-        torch_step = {c: vars(c)["step"] for c in (torch.optim.Adam, torch.optim.SGD)}  # (AdamW steps with Adam's)
+        Adam, AdamW, SGD = torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD
+        torch_step = {c: vars(c)["step"] for c in (Adam, SGD)}  # (AdamW steps with Adam's)
         torch_add_group = torch.optim.Optimizer.add_param_group.__wrapped__
         assert eager.defer_torch_marks() > 0
 
-        def train(opt_cls, **kw):
-            torch.manual_seed(0)
-            model = torch.nn.Linear(8, 8)
-            opt = opt_cls(model.parameters(), lr=0.1, **kw)
-            for _ in range(3):
+        def train(opt, model, steps=3):
+            for _ in range(steps):
                 model(torch.randn(4, 8)).square().sum().backward()
                 opt.step()
                 opt.zero_grad()
-            grad_mode_kept = torch.is_grad_enabled()
-            return [p.detach().clone() for p in model.parameters()], opt.state_dict(), grad_mode_kept
+            return [p.detach().clone() for p in model.parameters()]
 
-        plain = {c: train(c, **kw) for c, kw in ((torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9}))}
+        def fresh(opt_cls, **kw):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 8)
+            return opt_cls(model.parameters(), lr=0.1, **kw), model
+
+        kinds = ((AdamW, {}), (SGD, {"momentum": 0.9}))
+        plain = {c: train(*fresh(c, **kw)) for c, kw in kinds}
         print("after plain steps, dynamo loaded:", "torch._dynamo" in sys.modules)
-        print("plain step in place:", all(vars(c)["step"] is not s for c, s in torch_step.items()))
+        print("plain steps in place:", all(vars(c)["step"] is not s for c, s in torch_step.items()))
+        built, model = fresh(SGD)  # an optimizer built before prepare keeps its step hooks
+        calls = []
+        built.register_step_pre_hook(lambda *a: calls.append("pre"))
+        torch.manual_seed(1)
+        def closure():
+            built.zero_grad()
+            loss = model(torch.randn(4, 8)).square().sum()
+            loss.backward()
+            return loss
+        print("closure's loss returned:", isinstance(built.step(closure), torch.Tensor))
 
         eager.prepare()
-        print("torch's steps back:", all(vars(c)["step"] is s for c, s in torch_step.items()))
+        built.step(closure)
+        print("hook still runs:", calls == ["pre", "pre"])
+        print("torch's steps back:", vars(SGD)["step"].__wrapped__ is torch_step[SGD]
+              and vars(AdamW)["step"].__wrapped__ is torch_step[Adam] and vars(Adam)["step"] is torch_step[Adam])
         print("torch's marks back:", "__dynamo_disable" not in torch_add_group.__dict__)
-        for c, kw in ((torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9})):
-            params, state, grad_mode = train(c, **kw)
-            same = all(torch.equal(a, b) for a, b in zip(params, plain[c][0]))
-            print(c.__name__, "same parameters:", same, "grad mode kept:", grad_mode and plain[c][2])
+        for c, kw in kinds:
+            same = all(torch.equal(a, b) for a, b in zip(train(*fresh(c, **kw)), plain[c]))
+            print(c.__name__, "same parameters:", same, "grad mode kept:", torch.is_grad_enabled())
     """)
     assert "after plain steps, dynamo loaded: False" in out, out
-    assert "plain step in place: True" in out, out
+    assert "plain steps in place: True" in out and "closure's loss returned: True" in out, out
+    assert "hook still runs: True" in out, out
     assert "torch's steps back: True" in out and "torch's marks back: True" in out, out
     assert "AdamW same parameters: True grad mode kept: True" in out, out
     assert "SGD same parameters: True grad mode kept: True" in out, out

@@ -281,10 +281,25 @@ def test_tiny_model_rank_never_draws_a_whole_sharded_tensor(make_config, drawn):
 
 def test_default_init_is_skipped_on_meta_tensors_only():
     """``build_model`` builds under ``_NoInitOnMeta``: torch.nn.init on a meta tensor
-    is a no-op (``materialize`` initialises later), on a real tensor it still runs."""
+    never runs (``materialize`` initialises later), on a real tensor it still does.
+    A recording mode under it sees what gets through."""
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.inits = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__module__", None) == "torch.nn.init":
+                target = args[0] if args else (kwargs or {}).get("tensor")
+                self.inits.append((func.__name__, target.device.type))
+            return func(*args, **(kwargs or {}))
+
     real = torch.zeros(64)
-    with torch.device("meta"), build._NoInitOnMeta():
+    with Record() as seen, torch.device("meta"), build._NoInitOnMeta():
         layer = nn.Linear(4, 4)
+        nn.Embedding(8, 4)
         nn.init.normal_(real, std=1.0)
-        torch.nn.init.ones_(layer.bias)
     assert layer.weight.is_meta and real.std() > 0.5
+    assert seen.inits == [("normal_", "cpu")]
