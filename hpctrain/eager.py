@@ -15,9 +15,9 @@ torch marks its own functions the same way, but imports dynamo at their
 first call: every optimizer's constructor and step among them.
 ``defer_torch_marks`` makes those plain calls in a process that has not
 imported dynamo, so a run that compiles nothing never loads torch's
-compiler (torch._dynamo and torch._inductor: about 800 modules and 2 s of
-CPU per rank, read from the shared file system at every launch). Except
-with ``model.recompute``: torch's checkpointing reads a dynamo setting itself.
+compiler (torch._dynamo and torch._inductor: hundreds of modules each rank
+reads from the shared file system at every launch; docs/benchmarks.md).
+Except with ``model.recompute``: torch's checkpointing reads a dynamo setting itself.
 ``prepare`` puts torch's versions back before anything compiles. A plugin
 that calls torch.compile itself calls ``prepare()`` first.
 """
