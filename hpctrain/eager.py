@@ -55,6 +55,7 @@ def prepare() -> None:
     for fn, now in list(_MARKED.items()):
         if now is fn:
             _MARKED[fn] = torch.compiler.disable(fn, reason=f"hpctrain.eager: {fn.__qualname__} runs eagerly")
+    _SCANNED_AT[0] = -1
     while _DEFERRED_MARKS:
         fn = _DEFERRED_MARKS.pop()
         if fn.__dict__.get(_TORCH_CACHE) is fn:
@@ -71,6 +72,11 @@ _DEFERRED_MARKS: List[Callable[..., Any]] = []
 
 _PLAIN_STEPS: Dict[Callable[..., Any], Any] = {}
 """Each plain optimizer step (``defer_torch_marks``) -> torch's own step it replaced."""
+
+_SCANNED_AT: List[int] = [-1]
+"""How many modules were loaded at ``defer_torch_marks``' last scan of the heap: torch
+makes its wrappers when a module loads, and a long-lived process (a test session, a
+sweep) builds many runs, where a scan per run would cost more than the start-up it saves."""
 
 
 def _probe() -> None:
@@ -106,12 +112,14 @@ def defer_torch_marks() -> int:
     if "torch._dynamo" in sys.modules:
         return 0
     mark_code = getattr(torch._disable_dynamo(_probe), "__code__", None)
-    for obj in gc.get_objects():
-        if type(obj) is types.FunctionType and obj.__code__ is mark_code:
-            fn = getattr(obj, "__wrapped__", None)
-            if isinstance(fn, types.FunctionType) and _TORCH_CACHE not in fn.__dict__:
-                setattr(fn, _TORCH_CACHE, fn)
-                _DEFERRED_MARKS.append(fn)
+    if _SCANNED_AT[0] != len(sys.modules):
+        _SCANNED_AT[0] = len(sys.modules)
+        for obj in gc.get_objects():
+            if type(obj) is types.FunctionType and obj.__code__ is mark_code:
+                fn = getattr(obj, "__wrapped__", None)
+                if isinstance(fn, types.FunctionType) and _TORCH_CACHE not in fn.__dict__:
+                    setattr(fn, _TORCH_CACHE, fn)
+                    _DEFERRED_MARKS.append(fn)
     use_grad = getattr(sys.modules.get("torch.optim.optimizer"), "_use_grad_for_differentiable", None)
     step_code = getattr(use_grad(_probe), "__code__", None) if use_grad is not None else None
     for cls in _optimizer_classes() if step_code is not None else []:

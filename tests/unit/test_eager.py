@@ -109,3 +109,22 @@ def test_a_step_taken_by_the_plain_step_builds_no_graph():
               "state has grad:", any(t.requires_grad for s in opt.state.values() for t in s.values()))
     """)
     assert "grad_fn after step: [None, None] state has grad: False" in out, out
+
+
+def test_the_heap_is_scanned_again_only_after_a_module_loaded():
+    """A test session or a sweep builds many runs in one process: each run's
+    ``defer_torch_marks`` must not walk the whole heap again (it cost more than the
+    start-up it saves), but a module loaded since may hold new torch wrappers."""
+    out = _python("""
+        import gc, sys
+        from hpctrain import eager
+        scans = []
+        real = gc.get_objects
+        gc.get_objects = lambda *a, **k: scans.append(1) or real(*a, **k)
+        eager.defer_torch_marks(); eager.defer_torch_marks()
+        print("scans for two calls:", len(scans))
+        import colorsys  # a module loaded since: wrappers may have come with it
+        eager.defer_torch_marks()
+        print("scans after an import:", len(scans))
+    """)
+    assert "scans for two calls: 1" in out and "scans after an import: 2" in out, out
