@@ -150,7 +150,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
                 return code
             raise SystemExit(code) from None
         if world is not None:
-            world.bcast((_RUN, cfg_yaml, run_dir), root=0)
+            _announce(world, (_RUN, cfg_yaml, run_dir))
         code = _execute(cfg_yaml, run_dir, evaluate)
         codes.append(code)
         hc = HydraConfig.get()
@@ -224,6 +224,18 @@ def _composition_failed(e: Exception, full_error: bool) -> int:
     return 1 if message is None else _fail(message, 0, 2)
 
 
+def _announce(world, message):
+    """Rank 0's ``message`` (a job or the stop) on every rank of ``world``. The other
+    ranks wait for it in a non-blocking barrier polled with sleeps
+    (``bootstrap.idle_wait``), not in the broadcast: they wait while rank 0 composes
+    the config (about a second), and a blocking broadcast polls busily, taking the
+    core from rank 0 where ranks share cores (tests, a laptop, oversubscribed nodes)."""
+    from hpctrain.bootstrap import idle_wait
+
+    idle_wait(world, poll_s=0.002)
+    return world.bcast(message, root=0)
+
+
 def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
     """``hpctrain-train`` (or with ``evaluate``, ``hpctrain-eval``) on this process; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -249,12 +261,12 @@ def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
                 code = _hydra_main(argv, world, evaluate)
             finally:
                 if world is not None:
-                    world.bcast((_STOP, code, None), root=0)
+                    _announce(world, (_STOP, code, None))
         else:
             assert world is not None  # ranks other than 0 exist only in a world of several
             code = 0
             while True:
-                kind, payload, run_dir = world.bcast(None, root=0)
+                kind, payload, run_dir = _announce(world, None)
                 if kind == _STOP:
                     code = max(code, payload)  # a composition error on rank 0 fails every rank
                     break

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hpctrain import eager
-from hpctrain.bootstrap import Runtime, get_runtime, with_device
+from hpctrain.bootstrap import Runtime, get_runtime, idle_wait, with_device
 from hpctrain.comm.delay import delayed
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
 from hpctrain.comm.watch import OpBoard
@@ -26,9 +26,11 @@ log = get_logger(__name__)
 
 def agree_on_problems(problems: List[str], rt: Runtime) -> List[str]:
     """Share every rank's validation problems (one MPI allgather) so all
-    ranks stop together. A problem seen on only some ranks names them."""
+    ranks stop together. A problem seen on only some ranks names them.
+    The ranks that finish validating first wait with sleeps (``idle_wait``)."""
     if rt.world_size == 1:
         return problems
+    idle_wait(rt.mpi_comm, poll_s=0.002)
     everyone = rt.mpi_comm.allgather(problems)
     merged: Dict[str, List[int]] = {}
     for rank, found in enumerate(everyone):
