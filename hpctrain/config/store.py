@@ -13,6 +13,7 @@ them; set ``HPCTRAIN_CONF_DIR`` to use another directory, or add yours with Hydr
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pickle
@@ -122,6 +123,7 @@ def register_configs(pm=None) -> type:
     if _registered == key:
         return top
     _registered = None  # (a failing plugin hook below leaves nothing remembered)
+    _COMPOSED.clear()  # (compositions of what the store held before)
     cs.store(name="train_schema", node=top)
     for group, cls in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=cls)
@@ -148,16 +150,60 @@ def expand_shorthands(overrides: Sequence[str]) -> List[str]:
 
 
 def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") -> DictConfig:
-    """Compose the run config without starting an app (tests, planner, tools)."""
+    """Compose the run config without starting an app (tests, planner, tools).
+
+    Hydra reads, copies and merges every preset and schema node at each
+    composition (0.3-0.5 s), and a process that composes many configs (the
+    tests, the planner, ``hpctrain-tune``) mostly changes values, not presets.
+    So Hydra composes the overrides that choose configs (groups, additions and
+    deletions of groups, ``hydra.*``, sweeps), kept per choice
+    (``_COMPOSED``), and the ones that set a value are applied to a copy by
+    Hydra's own last step of a composition, with the same errors."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register_configs(pm)
+    parsed = OverridesParser.create().parse_overrides(expand_shorthands(overrides))
+    values = [o for o in parsed if _sets_a_value(o)]
+    choices = tuple(str(o.input_line) for o in parsed if not _sets_a_value(o))
+    key = (_registered, config_name, choices)
+    if key not in _COMPOSED:
+        if len(_COMPOSED) >= _COMPOSED_KEPT:
+            _COMPOSED.pop(next(iter(_COMPOSED)))
+        _COMPOSED[key] = _hydra_compose(list(choices), config_name)
+    cfg = copy.deepcopy(_COMPOSED[key])
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as e:  # as Hydra's composition raises it
+        raise ConfigCompositionException() from e
+    return cfg
+
+
+_COMPOSED: Dict[Tuple[Any, ...], DictConfig] = {}
+"""Hydra's compositions by (registration, config name, overrides choosing configs),
+oldest first; never changed (``compose`` returns copies)."""
+
+_COMPOSED_KEPT = 64
+
+
+def _sets_a_value(override: Any) -> bool:
+    """Whether Hydra applies ``override`` to the composed config (a dotted key of the
+    run config: set, added, deleted) rather than to the choice of configs."""
+    key = override.key_or_group
+    return ("." in key and not key.startswith("hydra.") and override.package is None
+            and not override.is_sweep_override())
+
+
+def _hydra_compose(overrides: List[str], config_name: str) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    register_configs(pm)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=expand_shorthands(overrides))
-    return cfg
+        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:

@@ -171,3 +171,74 @@ def test_compose_agreed_alone_is_compose_resolved_with_its_errors_as_config_erro
     assert OmegaConf.to_yaml(got) == OmegaConf.to_yaml(compose_resolved(["model=tiny", "trainer.seed=5"], pm))
     with pytest.raises(ConfigError, match="trainer.no_such_key"):
         compose_agreed(["trainer.no_such_key=1"], pm)
+
+
+SAME_AS_HYDRA = [
+    [],
+    ["model=tiny-moe", "model.moe.num_experts=8", "parallel.ep=2", "trainer.steps=3"],
+    ["trainer.steps=3", "model=llama3-8b", "model.n_layers=2"],  # a value before the preset it changes
+    ["experiment=tiny_long", "trainer.steps=7"],  # a preset of the whole config, then a value it set
+    ["optim=muon", "optim.outer=diloco", "optim.outer.every=4"],  # the shorthand spells a value
+    ["parallel=3d", "parallel.tp=1", "comm=mpi"],  # a plugin's preset
+    ["++trainer.steps=9", "+trainer.newkey=1", "trainer.seq_len=${trainer.micro_batch_size}"],
+    ["hydra.job.name=x", "trainer.steps=2"],  # Hydra's own keys compose through Hydra
+]
+
+
+@pytest.mark.parametrize("overrides", SAME_AS_HYDRA, ids=lambda o: " ".join(o) or "defaults")
+def test_compose_gives_what_hydra_composes_from_the_whole_command_line(pm, overrides):
+    """``compose`` keeps Hydra's composition per choice of presets and sets the values
+    on a copy: the config must be the one Hydra composes from every override at once."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.store import _hydra_compose, expand_shorthands
+
+    ours = compose(overrides, pm)
+    compose(["model=tiny", "trainer.steps=1"], pm)  # other compositions in between
+    again = compose(overrides, pm)
+    hydras = _hydra_compose(expand_shorthands(overrides), "train")
+    for cfg in (ours, again):
+        assert OmegaConf.to_container(cfg) == OmegaConf.to_container(hydras)
+        assert OmegaConf.is_struct(cfg) and OmegaConf.is_struct(hydras)
+
+
+BAD_LIKE_HYDRA = [
+    ["trainer.steps=many"],
+    ["model=tiny", "trainer.stepz=5"],
+    ["model=gpt5"],
+    ["+trainer.steps=3"],  # an addition where a value is
+    ["~trainer.nokey"],
+    ["~trainer.seed"],  # a deletion from a typed section
+    ["optim.lr=1e-3,1e-2"],  # a sweep outside --multirun
+    ["trainer.steps=[1"],  # does not parse
+]
+
+
+@pytest.mark.parametrize("overrides", BAD_LIKE_HYDRA, ids=lambda o: " ".join(o))
+def test_a_bad_override_fails_as_in_hydras_composition(pm, overrides):
+    """The same exception and the same ``hpctrain: error:`` line (``explain``)."""
+    from hpctrain.config.explain import explain
+    from hpctrain.config.store import _hydra_compose, expand_shorthands
+
+    with pytest.raises(Exception) as ours:
+        compose(overrides, pm)
+    with pytest.raises(Exception) as hydras:
+        _hydra_compose(expand_shorthands(overrides), "train")
+    assert type(ours.value) is type(hydras.value)
+    assert explain(ours.value, pm) == explain(hydras.value, pm) is not None
+
+
+def test_hydra_composes_once_per_choice_of_presets_and_each_config_is_a_copy(pm, monkeypatch):
+    from hpctrain.config import store
+
+    calls = []
+    real = store._hydra_compose
+    monkeypatch.setattr(store, "_hydra_compose", lambda o, n: calls.append(list(o)) or real(o, n))
+    store._COMPOSED.clear()
+    first = compose(["model=tiny", "trainer.steps=3"], pm)
+    first.trainer.seed = 99
+    second = compose(["model=tiny", "trainer.steps=4", "optim.lr=0.01"], pm)
+    assert calls == [["model=tiny"]]
+    assert (second.trainer.steps, second.optim.lr) == (4, 0.01) and second.trainer.seed != 99
+    compose(["model=tiny-moe", "trainer.steps=3"], pm)
+    assert calls == [["model=tiny"], ["model=tiny-moe"]]
