@@ -186,6 +186,7 @@ _COMPOSED: Dict[Tuple[Any, ...], DictConfig] = {}
 oldest first; never changed (``compose`` returns copies)."""
 
 _COMPOSED_KEPT = 64
+"""How many compositions ``_COMPOSED`` keeps (the 2-rank test session chooses presets 9 ways)."""
 
 
 def _sets_a_value(override: Any) -> bool:
