@@ -155,24 +155,32 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
     Hydra reads, copies and merges every preset and schema node at each
     composition (0.3-0.5 s), and a process that composes many configs (the
     tests, the planner, ``hpctrain-tune``) mostly changes values, not presets.
-    So Hydra composes the overrides that choose configs (groups, additions and
-    deletions of groups, ``hydra.*``, sweeps), kept per choice
-    (``_COMPOSED``), and the ones that set a value are applied to a copy by
-    Hydra's own last step of a composition, with the same errors."""
+    So Hydra composes the overrides that choose presets, once per choice in a
+    process (``_COMPOSED``), and the overrides of dotted keys are applied to a
+    copy by Hydra's own last step of a composition (Hydra too applies them
+    after composing, in command-line order), with the same errors. A command
+    line with an override Hydra applies in order with those (``trainer={...}``,
+    an undotted key that is no group) or of Hydra's own keys (``hydra.*``: the
+    search path, the environment) is composed by Hydra whole, every time.
+    Presets are read once per process: one stored again under the same name
+    in the ConfigStore, or edited on disk, is not seen by later compositions."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import OmegaConfBaseException
 
     register_configs(pm)
-    parsed = OverridesParser.create().parse_overrides(expand_shorthands(overrides))
+    full = expand_shorthands(overrides)
+    parsed = OverridesParser.create().parse_overrides(full)
+    groups = _group_names()
+    if not all(_sets_a_value(o) or _chooses_a_preset(o, groups) for o in parsed):
+        return _hydra_compose(full, config_name)
     values = [o for o in parsed if _sets_a_value(o)]
-    choices = tuple(str(o.input_line) for o in parsed if not _sets_a_value(o))
-    key = (_registered, config_name, choices)
+    key = (_registered, config_name, tuple(str(o.input_line) for o in parsed if not _sets_a_value(o)))
     if key not in _COMPOSED:
         if len(_COMPOSED) >= _COMPOSED_KEPT:
             _COMPOSED.pop(next(iter(_COMPOSED)))
-        _COMPOSED[key] = _hydra_compose(list(choices), config_name)
+        _COMPOSED[key] = _hydra_compose(list(key[2]), config_name)
     cfg = copy.deepcopy(_COMPOSED[key])
     try:
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
@@ -182,7 +190,7 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
 
 
 _COMPOSED: Dict[Tuple[Any, ...], DictConfig] = {}
-"""Hydra's compositions by (registration, config name, overrides choosing configs),
+"""Hydra's compositions by (registration, config name, overrides choosing presets),
 oldest first; never changed (``compose`` returns copies)."""
 
 _COMPOSED_KEPT = 64
@@ -191,10 +199,27 @@ _COMPOSED_KEPT = 64
 
 def _sets_a_value(override: Any) -> bool:
     """Whether Hydra applies ``override`` to the composed config (a dotted key of the
-    run config: set, added, deleted) rather than to the choice of configs."""
+    run config: set, added, deleted) rather than to the choice of presets."""
     key = override.key_or_group
     return ("." in key and not key.startswith("hydra.") and override.package is None
             and not override.is_sweep_override())
+
+
+def _chooses_a_preset(override: Any, groups: frozenset) -> bool:
+    """Whether ``override`` names a preset of a config group (``model=tiny``,
+    ``+experiment=x``, ``~model``): Hydra reads these to choose what to compose."""
+    return (override.key_or_group in groups and override.package is None and not override.is_sweep_override()
+            and (override.is_delete() or isinstance(override.value(), str)))
+
+
+def _group_names() -> frozenset:
+    """The config groups a composition can choose from: the preset directories and
+    the groups in Hydra's ConfigStore (the schema's, the plugins')."""
+    from hydra.core.config_store import ConfigStore
+
+    found = {d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d))}
+    found.update(name for name, node in ConfigStore.instance().repo.items() if isinstance(node, dict))
+    return frozenset(found)
 
 
 def _hydra_compose(overrides: List[str], config_name: str) -> DictConfig:

@@ -182,6 +182,8 @@ SAME_AS_HYDRA = [
     ["parallel=3d", "parallel.tp=1", "comm=mpi"],  # a plugin's preset
     ["++trainer.steps=9", "+trainer.newkey=1", "trainer.seq_len=${trainer.micro_batch_size}"],
     ["hydra.job.name=x", "trainer.steps=2"],  # Hydra's own keys compose through Hydra
+    ["trainer.steps=3", "trainer={steps:5}"],  # a section set whole is applied in order with the values
+    ["model.n_layers=3", "model=tiny", "model={n_layers:4}"],
 ]
 
 
@@ -211,6 +213,9 @@ BAD_LIKE_HYDRA = [
     ["~trainer.seed"],  # a deletion from a typed section
     ["optim.lr=1e-3,1e-2"],  # a sweep outside --multirun
     ["trainer.steps=[1"],  # does not parse
+    ["trainer.stepz=5", "nokey=1"],  # the first of two problems is the one named
+    ["trainer.steps=many", "+run_dir={a:1}"],
+    ["foo.a=2", "+foo={a:1}"],
 ]
 
 
