@@ -223,6 +223,7 @@ def _group_names() -> frozenset:
 
 
 def _hydra_compose(overrides: List[str], config_name: str) -> DictConfig:
+    """Hydra's own composition of all of ``overrides`` (its compose API)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
