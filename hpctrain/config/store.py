@@ -175,8 +175,11 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
     groups = _group_names()
     if not all(_sets_a_value(o) or _chooses_a_preset(o, groups) for o in parsed):
         return _hydra_compose(full, config_name)
-    values = [o for o in parsed if _sets_a_value(o)]
-    key = (_registered, config_name, tuple(str(o.input_line) for o in parsed if not _sets_a_value(o)))
+    values: List[Any] = []
+    choices: List[Any] = []
+    for o in parsed:
+        (values if _sets_a_value(o) else choices).append(o)
+    key = (_registered, config_name, tuple(str(o.input_line) for o in choices))
     if key not in _COMPOSED:
         if len(_COMPOSED) >= _COMPOSED_KEPT:
             _COMPOSED.pop(next(iter(_COMPOSED)))
