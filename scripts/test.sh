@@ -34,15 +34,20 @@ else
   echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
 fi
 
-# (the limits only catch a hang: about 3 and 17 minutes on a quiet 2-core machine)
+# (the limits only catch a hang: the unit tests take about 3 minutes on a quiet 2-core machine,
+# the launcher tests about 7 beside each other and 9 alone)
 section "unit tests (one process each, two at a time)"
 timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --junitxml="$LOGDIR/unit.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
-# one at a time: each starts MPI jobs of up to 8 ranks, and several time a
-# running job from outside (a second run while the first trains, a hang, a stop)
+# each starts MPI jobs of up to 8 ranks: two modules at a time (a module's
+# shared job runs once), then one at a time those marked `alone`, which time a
+# running job from outside (a hang, a straggler, a signal, a second run beside it)
 section "launcher tests"
-timeout 2100 python -m pytest -q -p no:cacheprovider tests/launch --junitxml="$LOGDIR/launch.xml"
+timeout 1500 python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not alone" tests/launch \
+  --junitxml="$LOGDIR/launch.xml"
+rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
+timeout 1500 python -m pytest -q -p no:cacheprovider -m alone tests/launch --junitxml="$LOGDIR/launch-alone.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
 sizes="2 4 8"; [ $quick = 1 ] && sizes="2"

@@ -34,6 +34,7 @@ def _launch(n, exe, *args, cwd=None):
                           text=True, timeout=TIMEOUT, cwd=cwd)
 
 
+@pytest.mark.alone  # with test_report.py, the one session that runs readme_3d_run (8 ranks)
 def test_readme_3d_run_trains(readme_3d_run):
     r, run = readme_3d_run  # (tests/launch/conftest.py; its report is rendered in test_report.py)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -107,6 +107,8 @@ def test_an_allowed_batch_change_continues_the_sample_stream_and_says_how(saved,
     assert [(m["step"], m["consumed_samples"]) for m in _metrics(tmp_path)] == [(5, 96), (6, 128)]
 
 
+# alone: a job beside it would make its ranks stragglers for real
+@pytest.mark.alone
 def test_the_readme_demo_for_450_steps_names_no_straggler(tmp_path):
     """``scripts/demo.sh`` (``mpirun -n 4 hpctrain-train``, default straggler
     settings) for 450 steps: on small steps the ranks' compute times differ

@@ -73,6 +73,7 @@ def run_3d(readme_3d_run):
     return run
 
 
+@pytest.mark.alone  # with test_layout_commands.py, the one session that runs readme_3d_run
 def test_the_report_of_a_3d_run_renders_every_section_in_chromium(run_3d, tmp_path):
     ids, drawn, problems, outside = render(_report(run_3d), tmp_path / "page.png")
     assert ids == RUN_SECTIONS and problems == [] and outside == [], (ids, problems, outside)

@@ -18,7 +18,8 @@ import pytest
 
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
-pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+# alone: signals sent to a running job and trainer.max_time; another job beside it would skew what it times
+pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 COMMON = ["trainer.steps=10", "trainer.log_every=1", "trainer.progress=off"]
 RANKS = 2

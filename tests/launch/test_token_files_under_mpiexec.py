@@ -51,6 +51,7 @@ def test_a_damaged_token_file_stops_every_rank_before_step_1(tmp_path, size, fra
     assert "Traceback" not in r.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.alone  # cuts the file while the job trains
 def test_a_token_file_cut_under_a_running_job_stops_every_rank_at_that_step(tmp_path):
     """Rank 0's steps are slowed so the file can be cut during the run (after
     step 2). It is cut just past the last window rank 0 reads up to step

@@ -70,6 +70,7 @@ def test_printed_command_runs_as_printed(tmp_path):
     assert glob.glob(str(tmp_path / "tune.runs" / "*" / "metrics.jsonl"))
 
 
+@pytest.mark.alone  # reliability.hang_timeout_s=2
 def test_a_layout_failing_on_rank_0_only_ends_the_job_with_the_watchdogs_line(tmp_path):
     # rank 0 records the failure and waits to agree on it while rank 1 waits inside the step's collective
     r = subprocess.run([MPIEXEC, "-n", "2", str(BIN / "hpctrain-tune"), *TINY, "reliability.hang_timeout_s=2",
