@@ -13,7 +13,8 @@ import pytest
 from test_faults import _errors, _verify
 from test_launchers import MPIEXEC, TIMEOUT, _env
 
-# alone: times a job from outside: a second run beside it, the seconds from a full disk to the exit; another job beside it would skew what it times
+# alone (a job beside it would skew what it times): a second run beside it, the seconds from a full
+# disk to the exit
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 BASE = ["trainer.progress=off", "trainer.log_every=1", "checkpoint.keep=0"]

@@ -14,7 +14,8 @@ import pytest
 
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
-# alone: stalls, freezes, stragglers and a killed rank, found by the watchdog's timeouts; another job beside it would skew what it times
+# alone (a job beside it would skew what it times): stalls, freezes, stragglers and a killed rank,
+# found by the watchdog's timeouts
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 HANG_TIMEOUT = 5

@@ -17,7 +17,7 @@ import pytest
 
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
-# alone: a rank dies and the watchdog's hang timeout ends the job; another job beside it would skew what it times
+# alone (a job beside it would skew what it times): a rank dies and the watchdog's hang timeout ends the job
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 STEPS = 26

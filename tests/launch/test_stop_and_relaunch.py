@@ -18,7 +18,7 @@ import pytest
 
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
-# alone: signals sent to a running job and trainer.max_time; another job beside it would skew what it times
+# alone (a job beside it would skew what it times): signals sent to a running job and trainer.max_time
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 COMMON = ["trainer.steps=10", "trainer.log_every=1", "trainer.progress=off"]

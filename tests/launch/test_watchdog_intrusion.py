@@ -15,7 +15,7 @@ import pytest
 from test_faults import HANG_TIMEOUT, _one_error
 from test_launchers import MPIEXEC, TIMEOUT, _env, _metrics
 
-# alone: the watchdog's channel and a real stall after it; another job beside it would skew what it times
+# alone (a job beside it would skew what it times): the watchdog's channel and a real stall after it
 pytestmark = [pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"), pytest.mark.alone]
 
 LISTENS = re.compile(r"hang watchdog: rank 0 listens on ([\d.]+):(\d+)")
