@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime
 
-from hpctrain_h5ckpt import options
+from hpctrain_h5ckpt import options, store
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.checkpoint import Checkpointer
@@ -54,7 +54,22 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         out.append(f"checkpoint.every={ck.every} must be >= 0")
     if checkpoint_dir(cfg) is None and (ck.every or ck.resume == "auto"):
         out.append("checkpoint.dir is not set and the run has no run directory; set checkpoint.dir=PATH")
+    if not ck.resume:
+        out += another_runs_checkpoints(checkpoint_dir(cfg))
     return out or None
+
+
+def another_runs_checkpoints(directory: Optional[str]) -> List[str]:
+    """A run starting afresh that may save is refused a directory that already holds committed checkpoints:
+    saved beside them, its files and the other run's would mix (``checkpoint.keep`` prunes by step, so one
+    run's files go for the other's, and ``resume=auto`` continues whichever reached the higher step)."""
+    found = store.committed(directory) if directory else []
+    if not found:
+        return []
+    return [f"checkpoint.dir {os.path.abspath(str(directory))} already holds checkpoints of another run (newest "
+            f"{os.path.basename(found[0])}) and this run starts afresh (checkpoint.resume is not set): its saves "
+            "would mix with them, and checkpoint.resume=auto would then continue whichever run reached the higher "
+            "step; continue that run with checkpoint.resume=auto, or give this one its own checkpoint.dir"]
 
 
 @hookimpl
@@ -66,10 +81,11 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Opt
     ck = cfg.checkpoint
     comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator
     # a run that saves periodically or resumes locks its directory at once; one that
-    # may only save when stopped, at that save
+    # may only save when stopped, at that save; one that never saves reads without a lock
+    read_only = not (ck.every or ck.get("save_on_stop", False))
     return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
-                          run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None)
+                          run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None, read_only=read_only)
 
 
 @hookimpl

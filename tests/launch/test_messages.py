@@ -107,6 +107,22 @@ def test_an_allowed_batch_change_continues_the_sample_stream_and_says_how(saved,
     assert [(m["step"], m["consumed_samples"]) for m in _metrics(tmp_path)] == [(5, 96), (6, 128)]
 
 
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_they_stay(saved, tmp_path):
+    """A run without checkpoint.resume whose checkpoint.dir holds another run's checkpoints would save beside
+    them (keep prunes by step; resume=auto would continue whichever run is further): refused before step 1,
+    on every rank in one line, with the directory as it was. save_on_stop alone is enough to be refused."""
+    before = {p.name: p.stat().st_mtime_ns for p in saved.iterdir()}
+    code, out = _launch(["trainer.steps=3", f"checkpoint.dir={saved}"], tmp_path)
+    assert code == 2, out
+    assert _errors(out) == [
+        f"checkpoint.dir {saved} already holds checkpoints of another run (newest step_00000004.h5) and this run "
+        "starts afresh (checkpoint.resume is not set): its saves would mix with them, and checkpoint.resume=auto "
+        "would then continue whichever run reached the higher step; continue that run with "
+        "checkpoint.resume=auto, or give this one its own checkpoint.dir"], out
+    assert "Traceback" not in out and not (tmp_path / "metrics.jsonl").exists(), out
+    assert {p.name: p.stat().st_mtime_ns for p in saved.iterdir()} == before
+
+
 # alone: a job beside it would make its ranks stragglers for real
 @pytest.mark.alone
 def test_the_readme_demo_for_450_steps_names_no_straggler(tmp_path):

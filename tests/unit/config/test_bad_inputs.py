@@ -238,6 +238,20 @@ def test_an_unwritable_checkpoint_dir_fails_before_the_first_step(make_config, p
     assert validate(make_config("checkpoint.every=5", f"checkpoint.dir={tmp_path}/ok"), 1, pm) == []
 
 
+def test_a_fresh_run_is_refused_a_directory_holding_another_runs_checkpoints(make_config, pm, tmp_path):
+    """Only a run that starts afresh and may save (every, or save_on_stop alone) is refused."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "step_00000080.h5").write_bytes(b"")
+    where = f"checkpoint.dir={tmp_path}/ck"
+    for saves in (["checkpoint.every=5"], []):  # save_on_stop is on by default
+        problems = validate(make_config(where, *saves), 1, pm)
+        assert [p for p in problems if "already holds checkpoints of another run (newest step_00000080.h5)" in p
+                and "checkpoint.resume=auto" in p], problems
+    assert validate(make_config(where, "checkpoint.every=5", "checkpoint.resume=auto"), 1, pm) == []
+    assert validate(make_config(where, "checkpoint.save_on_stop=false"), 1, pm) == []
+    assert validate(make_config(f"checkpoint.dir={tmp_path}/new", "checkpoint.every=5"), 1, pm) == []
+
+
 def test_an_unwritable_logging_dir_fails_before_the_first_step(make_config, pm, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
