@@ -34,6 +34,15 @@ def preset_groups(config_dir: str) -> Dict[str, List[str]]:
     return out
 
 
+EVAL = """Load a checkpoint at the layout given and report its validation loss (one pass, no training step);
+rank 0 writes validation.json in the run directory. It needs the checkpoint, checkpoint.resume=<file> or
+checkpoint.resume=auto with the run's checkpoint.dir, and the training run's validation data:
+data=indexed with data.split=<fraction> or data.validation.paths=[<shards>]. It saves nothing and takes no
+lock, so it can read the checkpoints of a run that is still training. e.g.
+  mpirun -n 2 hpctrain-eval data=indexed data.paths=[data/corpus.json] model.vocab_size=auto data.split=0.01 \\
+      checkpoint.resume=auto checkpoint.dir=ckpt/corpus"""
+
+
 def help_text(config_dir: str, prog: str = "hpctrain-train") -> str:
     groups = preset_groups(config_dir)
     width = max(len(g) for g in groups)
@@ -41,16 +50,24 @@ def help_text(config_dir: str, prog: str = "hpctrain-train") -> str:
     commands = [
         (f"{prog} --plugins", "installed plugins and what each provides (backends, axes, loggers)"),
         (f"{prog} --hydra-help", "Hydra's own options (sweeps, launchers, output directories)"),
+        ("hpctrain-train", "train with the same config and launcher"),
+        ("hpctrain-prepare", "tokenize a corpus into indexed shards (data=indexed)"),
+        ("hpctrain-eval", "the validation loss of a checkpoint, at any layout"),
         ("hpctrain-plan", "predict memory and step time of every layout and pick one"),
+        ("hpctrain-tune", "measure the planner's best layouts here and keep the fastest"),
         ("hpctrain-parity", "check a layout: the same losses and gradients as one process"),
         ("hpctrain-ckpt", "inspect, verify and export checkpoints"),
         ("hpctrain-report RUN_DIR", "one HTML page of a run (or a sweep) directory"),
+        ("hpctrain-bench", "hpctrain against its peers (DDP, DCP, ...) on this machine"),
         ("docs", DOCS),
     ]
+    commands = [(c, what) for c, what in commands if c != prog]
     more = "\n".join(f"  {c:<28} {what}" for c, what in commands)
+    what = (EVAL if prog == "hpctrain-eval" else
+            "Train a transformer in one process or under mpirun/srun (every rank runs the same command).")
     return f"""usage: {prog} [group=preset ...] [key=value ...] [--multirun] [--cfg job] [--plugins]
 
-Train a transformer in one process or under mpirun/srun (every rank runs the same command).
+{what}
 
 == Configuration groups ==
 Pick one preset per group (group=preset), e.g. {prog} model=gpt2-124m parallel=3d

@@ -117,6 +117,8 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
     try:
         if evaluate_only:
             _check_evaluation(cfg)  # a config problem: before any collective
+            # it saves nothing, so it reads without the directory's lock: a running training job may hold it
+            cfg.checkpoint.every, cfg.checkpoint.save_on_stop = 0, False
         # hpctrain-eval writes validation.json only: no logger backend run (no training step to log)
         trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder, loggers=not evaluate_only)
         history = evaluate(trainer, run_dir) if evaluate_only else trainer.fit()

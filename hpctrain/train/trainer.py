@@ -154,8 +154,6 @@ class Trainer:
                           self.cursor.consumed_samples)
         if self.local_tier is not None:
             self._resume_local()
-        if self.step == 0 and cfg.checkpoint.resume:
-            log_rank0("checkpoint.resume=%s: nothing to resume from; starting from step 0", cfg.checkpoint.resume)
 
     def extra_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the loop besides tensors, step and cursor (the same on every rank)."""
@@ -415,6 +413,8 @@ class Trainer:
                   self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
         if is_main and self.run_dir:
             write_layout(self.run_dir, self.mesh, self.logical_params, str(self.device))
+        if self.step == 0 and cfg.checkpoint.resume:  # said here, not by hpctrain-eval, which trains nothing
+            log_rank0("checkpoint.resume=%s: nothing to resume from; starting from step 0", cfg.checkpoint.resume)
         hook.hpctrain_on_train_start(trainer=self)
         progress = Progress(is_main, total, cfg.trainer.progress)
         unsaved = why_no_stop_save(cfg, self.pm, self.checkpointer is not None)  # None: a stop saves

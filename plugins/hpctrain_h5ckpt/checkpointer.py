@@ -69,10 +69,16 @@ class SaveStats:
 
 class H5Checkpointer:
     def __init__(self, comm: Any, opts: IOOptions, directory: Optional[str], keep: int, async_save: bool,
-                 staging: str = "overlap", lock_now: bool = False, run_dir: Optional[str] = None):
+                 staging: str = "overlap", lock_now: bool = False, run_dir: Optional[str] = None,
+                 read_only: bool = False):
         """``lock_now``: take the directory's lock at once (a run that saves
-        periodically or resumes); otherwise at the first save. Collective."""
+        periodically or resumes); otherwise at the first save. ``read_only``:
+        the run never saves (``hpctrain-eval``; ``every=0`` with
+        ``save_on_stop=false``), so it takes no lock and removes nothing: it
+        reads only committed files, which a training run writing the same
+        directory never changes. Collective."""
         self.comm, self.opts, self.directory, self.keep = comm, opts, directory, keep
+        self.read_only = read_only
         self.run_dir = run_dir
         self._lock: Optional[lock.DirLock] = None
         self._locked = False
@@ -100,7 +106,7 @@ class H5Checkpointer:
         """Take the directory's lock once (collective: rank 0 takes it, every
         rank learns the outcome); then remove what crashed saves left, which
         only the holder can tell from a live run's files."""
-        if self._locked or not self.directory:
+        if self._locked or not self.directory or self.read_only:
             return
         problem = None
         if self.rank == 0:

@@ -4,10 +4,14 @@
 perplexity to ``metrics.jsonl`` at the steps it validates and at the end,
 and ``data_wait_s`` at every step; ``model.vocab_size=auto`` takes the
 shards' recorded vocabulary. ``hpctrain-eval`` then validates the saved
-checkpoint at another layout (tp 2) and finds the run's last validation
-loss; without validation data it stops with one line and status 2."""
+checkpoint at another layout (tp 2), while another process holds the
+directory's lock as a running training job would, and finds the run's last
+validation loss; without a checkpoint or without validation data it stops
+with one line and status 2."""
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -55,14 +59,33 @@ def test_validation_in_training_and_hpctrain_eval_at_another_layout(tmp_path):
     assert "step 4: validation loss" in log and "(books " in log, log
     assert f"model.vocab_size=auto: {VOCAB}, the data tokenizer's vocabulary" in r.stderr
 
-    e = _launch(2, "hpctrain-eval", *data, "parallel.tp=2", "checkpoint.resume=auto", f"hydra.run.dir={tmp_path}/eval")
+    # as while the training job still runs: another process holds the checkpoint directory's lock,
+    # which hpctrain-eval (it saves nothing) does not need
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom hpctrain_h5ckpt import lock\n"
+                               "lock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(600)",
+                               f"{tmp_path}/ckpt"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        e = _launch(2, "hpctrain-eval", *data, "parallel.tp=2", "checkpoint.resume=auto",
+                    f"hydra.run.dir={tmp_path}/eval")
+    finally:
+        holder.kill()
+        holder.wait()
     assert e.returncode == 0, e.stderr[-3000:]
+    assert "nothing to resume from" not in e.stderr and "in use" not in e.stderr, e.stderr
     found = json.loads((tmp_path / "eval" / "validation.json").read_text())
     assert found["step"] == 4
     for key in ("val_loss", "val_loss.books", "val_loss.web"):
         # the same weights and batches at tp 2 instead of dp 2: fp32 sums in another order
         assert found[key] == pytest.approx(rows[3][key], rel=1e-6), key
     assert not (tmp_path / "eval" / "metrics.jsonl").exists()  # no training step ran
+
+    empty = [o for o in data if not o.startswith("checkpoint.dir=")] + [f"checkpoint.dir={tmp_path}/empty"]
+    none = _launch(2, "hpctrain-eval", *empty, "checkpoint.resume=auto", f"hydra.run.dir={tmp_path}/none")
+    assert none.returncode == 2, none.stderr[-3000:]
+    [line] = _errors(none.stderr)
+    assert f"checkpoint.resume=auto found no checkpoint in {tmp_path}/empty" in line, line
+    assert "nothing to resume from" not in none.stderr and not (tmp_path / "empty").exists(), none.stderr
 
     bad = _launch(2, "hpctrain-eval", "trainer.progress=off", *SMALL, f"checkpoint.dir={tmp_path}/ckpt",
                   "checkpoint.resume=auto", f"hydra.run.dir={tmp_path}/bad")

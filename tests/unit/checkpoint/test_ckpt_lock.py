@@ -108,3 +108,24 @@ def test_without_flock_a_holder_whose_slurm_job_ended_is_stale(monkeypatch):
     assert lock.is_stale(elsewhere)
     assert not lock.is_stale({**elsewhere, "slurm_job": "7"})
     assert not lock.is_stale({**elsewhere, "slurm_job": None})  # nothing proves it gone
+
+
+def test_a_run_that_never_saves_reads_a_locked_directory_without_its_lock(tmp_path, holder):
+    """hpctrain-eval (and any run with every=0, save_on_stop=false) reads committed checkpoints while a
+    training run holds the directory; a run that may save is refused it, and the reader leaves the
+    training run's unfinished saves alone."""
+    from mpi4py import MPI
+
+    from hpctrain_h5ckpt import options
+    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
+    from hpctrain_h5ckpt.errors import CheckpointDirInUse
+
+    d = tmp_path / "ck"
+    (d / "step_00000003.h5").write_bytes(b"")
+    (d / "step_00000004.h5.tmp").write_bytes(b"")  # the holder's save in flight
+    opts = options.resolve(options.H5Config())
+    reader = H5Checkpointer(MPI.COMM_SELF, opts, str(d), 3, False, lock_now=True, read_only=True)
+    assert reader.resolve("auto") == str(d / "step_00000003.h5")
+    assert (d / "step_00000004.h5.tmp").exists()
+    with pytest.raises(CheckpointDirInUse, match=f"in use by the run on .*pid {holder.pid}"):
+        H5Checkpointer(MPI.COMM_SELF, opts, str(d), 3, False, lock_now=True)
