@@ -4,7 +4,8 @@ its ``metrics.jsonl`` measured.
 The run's layout comes from its ``.hydra/config.yaml`` (mesh sizes from ``layout.json`` when the run
 wrote it, the micro-batch, ZeRO stage, recompute mode and schedule from the config), each passed to
 the planner as a pin, with the run's own overrides (``.hydra/overrides.yaml``) and any given on the
-command line after them (the cluster, when the run's config does not name one). Measured: the median
+command line after them (the cluster, when the run's config does not name one; its GPU count is the run's
+number of ranks unless ``cluster.gpus`` is given). Measured: the median
 step time of the steps after the first, the last logged peak memory (CUDA: the allocator's maximum
 allocated bytes; CPU: the peak resident set, which includes the interpreter and libraries), bytes
 per group per step (median).
@@ -12,6 +13,7 @@ per group per step (median).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from typing import Any, Dict, List, Sequence
@@ -96,6 +98,13 @@ def compare(run_dir: str, extra: Sequence[str], calibration: Any, pm) -> str:
     keep = [o for o in run["overrides"] if not o.split("=", 1)[0].lstrip("+~").startswith(
         ("parallel.", "trainer.micro_batch_size", "trainer.precision", "model.recompute", "hydra.",
           "trainer.global_batch_size", "trainer.seq_len"))]
-    overrides = keep + pins_of(run) + list(extra)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in list(keep) + list(extra)}
+    ranks = math.prod(run["sizes"].values())
+    if not (run["cfg"].get("cluster") or {}).get("gpus") and not any(k.startswith("cluster") for k in given):
+        raise ConfigError(f"--compare {run_dir}: the run's config names no cluster to predict for; give the "
+                          f"machine it ran on after the directory, e.g. hpctrain-plan --compare {run_dir} "
+                          f"cluster=cpu-8 (its {ranks} ranks are taken from the run)")
+    # the run's own world, whatever the machine's preset says: a 4-rank run on an 8-rank node is a 4-GPU plan
+    overrides = keep + pins_of(run) + list(extra) + ([] if "cluster.gpus" in given else [f"cluster.gpus={ranks}"])
     plan, *_ = make_plan(overrides, calibration, pm)
     return compare_text(plan.best.layout.label(), plan.best, measured(run["rows"]))

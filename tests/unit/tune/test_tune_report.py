@@ -82,3 +82,23 @@ def test_compare_reads_a_run_directory(tmp_path, capsys):
     assert out[1].split()[-2:] == ["60.0", "ms"]  # the median of the steps after the first
     assert "0.400 GB (peak_rss_bytes.max)" in out[2] and "measured per group tp 0.95 MiB" in out[3]
     assert main(["--compare", str(tmp_path / "nothing")]) == 2
+
+
+def test_compare_plans_for_the_runs_own_ranks_and_asks_for_a_cluster_the_run_did_not_name(tmp_path, capsys):
+    """A 4-rank run (the README's demo) on the 8-rank CPU preset: the plan is for its 4 ranks; with no
+    cluster at all, one line says which to give."""
+    from hpctrain.planner.cli import main
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text(
+        "cluster: {name: local, gpus: 0}\nmodel: {recompute: none}\n"
+        "parallel: {tp: 1, cp: 1, ep: 1, dp: -1, pp: 1, zero: {stage: 0}}\n"
+        "trainer: {micro_batch_size: 4, global_batch_size: 16, seq_len: 128, precision: fp32}\n")
+    (tmp_path / "layout.json").write_text(json.dumps({"sizes": {"tp": 1, "cp": 1, "ep": 1, "dp": 4, "pp": 1}}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "step_time_s": 0.1}) for s in (1, 2)))
+    assert main(["--compare", str(tmp_path), "cluster=cpu-8"]) == 0
+    assert capsys.readouterr().out.startswith("layout dp4: predicted against measured")
+    assert main(["--compare", str(tmp_path)]) == 2
+    assert (f"--compare {tmp_path}: the run's config names no cluster to predict for; give the machine it ran on "
+            f"after the directory, e.g. hpctrain-plan --compare {tmp_path} cluster=cpu-8 (its 4 ranks are taken "
+            "from the run)") in capsys.readouterr().err
