@@ -173,6 +173,14 @@ def data_tokenizer(data: Any) -> Tuple[List[str], Dict[str, Any]]:
     return [], {}
 
 
+def _readable_as_umask_allows(path: str) -> None:
+    """safetensors creates its files 0600; give them the mode ``open`` gives config.json (0666 less the
+    umask), so that the others on a cluster who may read the directory can load the weights too."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "float32",
                  max_shard_bytes: int = 5 * 10**9, tokenizer_from: Optional[List[str]] = None,
                  metadata: Optional[Dict[str, str]] = None, token_ids: Optional[Dict[str, Any]] = None) -> List[str]:
@@ -220,6 +228,7 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
             tensors[name] = take(whole).to(torch_dtype, copy=True).contiguous()  # a copy: experts are views
             weight_map[name] = file
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt", **(metadata or {})})
+        _readable_as_umask_allows(os.path.join(out, file))
     written = list(files)
     if len(files) > 1:
         with open(os.path.join(out, INDEX), "w") as f:

@@ -65,6 +65,9 @@ def test_bfloat16_export_loads(tmp_path):
     src = save(llama_config(), tmp_path / "src")
     assert cli.main(["import-hf", src, str(tmp_path / "ck.h5")]) == 0
     assert cli.main(["export", str(tmp_path / "ck.h5"), "--to", str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    # the weights as readable as the config beside them (safetensors alone makes them 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] and modes["config.json"] & 0o044, modes
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
