@@ -73,10 +73,11 @@ class H5Checkpointer:
                  read_only: bool = False):
         """``lock_now``: take the directory's lock at once (a run that saves
         periodically or resumes); otherwise at the first save. ``read_only``:
-        the run never saves (``hpctrain-eval``; ``every=0`` with
-        ``save_on_stop=false``), so it takes no lock and removes nothing: it
-        reads only committed files, which a training run writing the same
-        directory never changes. Collective."""
+        the run does not save by itself (``hpctrain-eval``; ``every=0`` with
+        ``save_on_stop=false``), so it reads without the lock and removes
+        nothing: it reads only committed files, which a training run writing
+        the same directory never changes. A save asked for in code
+        (``trainer.save_checkpoint()``) still takes the lock. Collective."""
         self.comm, self.opts, self.directory, self.keep = comm, opts, directory, keep
         self.read_only = read_only
         self.run_dir = run_dir
@@ -102,11 +103,12 @@ class H5Checkpointer:
             self._ensure_lock()
 
     # -- the directory's lock --------------------------------------------------
-    def _ensure_lock(self) -> None:
+    def _ensure_lock(self, saving: bool = False) -> None:
         """Take the directory's lock once (collective: rank 0 takes it, every
         rank learns the outcome); then remove what crashed saves left, which
-        only the holder can tell from a live run's files."""
-        if self._locked or not self.directory or self.read_only:
+        only the holder can tell from a live run's files. A read-only
+        checkpointer takes it only to save."""
+        if self._locked or not self.directory or (self.read_only and not saving):
             return
         problem = None
         if self.rank == 0:
@@ -150,7 +152,7 @@ class H5Checkpointer:
             path = os.path.join(self.directory, store.checkpoint_name(step))
         final = os.path.abspath(path)
         if self.directory and os.path.dirname(final) == os.path.abspath(self.directory):
-            self._ensure_lock()
+            self._ensure_lock(saving=True)
         if self.rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         if self._static is None or self._static[0] is not trainer.cfg:

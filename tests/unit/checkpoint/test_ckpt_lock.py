@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -127,5 +128,7 @@ def test_a_run_that_never_saves_reads_a_locked_directory_without_its_lock(tmp_pa
     reader = H5Checkpointer(MPI.COMM_SELF, opts, str(d), 3, False, lock_now=True, read_only=True)
     assert reader.resolve("auto") == str(d / "step_00000003.h5")
     assert (d / "step_00000004.h5.tmp").exists()
+    with pytest.raises(CheckpointDirInUse):  # a save asked for in code still needs the lock
+        reader.save(types.SimpleNamespace(step=5))  # (refused before anything of the trainer is read)
     with pytest.raises(CheckpointDirInUse, match=f"in use by the run on .*pid {holder.pid}"):
         H5Checkpointer(MPI.COMM_SELF, opts, str(d), 3, False, lock_now=True)
