@@ -63,11 +63,11 @@ def help_text(config_dir: str, prog: str = "hpctrain-train") -> str:
     ]
     commands = [(c, what) for c, what in commands if c != prog]
     more = "\n".join(f"  {c:<28} {what}" for c, what in commands)
-    what = (EVAL if prog == "hpctrain-eval" else
-            "Train a transformer in one process or under mpirun/srun (every rank runs the same command).")
+    summary = (EVAL if prog == "hpctrain-eval" else
+               "Train a transformer in one process or under mpirun/srun (every rank runs the same command).")
     return f"""usage: {prog} [group=preset ...] [key=value ...] [--multirun] [--cfg job] [--plugins]
 
-{what}
+{summary}
 
 == Configuration groups ==
 Pick one preset per group (group=preset), e.g. {prog} model=gpt2-124m parallel=3d
