@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import HpctrainError, write_error
 
 _STOP = "stop"
 _RUN = "run"
@@ -48,11 +48,9 @@ def _print_plugins() -> int:
     return 0
 
 
-def _fail(message: str, rank: int, code: int, prefix: str = "error", program: str = "hpctrain") -> int:
+def _fail(message: str, rank: int, code: int, prefix: str = "error") -> int:
     if rank == 0:
-        for line in message.splitlines():
-            sys.stderr.write(f"{program}: {prefix}: {line}\n")
-        sys.stderr.flush()
+        write_error(message, prefix)
     return code
 
 
@@ -162,9 +160,13 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
             raise SystemExit(code)
         return code
 
+    prog = "hpctrain-eval" if evaluate else "hpctrain-train"
+    complaint = _bad_flags(expand_shorthands(argv))
+    if complaint is not None:
+        return _fail(f"{prog}: {complaint} (see {prog} --help)", 0, 2)
     app = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(task)
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "hpctrain-train"] + expand_shorthands(argv)
+    sys.argv = [saved[0] if saved else prog] + expand_shorthands(argv)
     os.environ[_FULL_ERROR] = "1"  # Hydra raises composition errors to us instead of printing seven lines
     try:
         app()
@@ -180,6 +182,32 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
         else:
             os.environ[_FULL_ERROR] = user_full_error
     return code
+
+
+def _bad_flags(args: List[str]) -> Optional[str]:
+    """What Hydra's command-line parser would say about ``args`` (an unknown
+    ``--flag``, a bad ``--cfg`` choice), or None: said as our one line instead
+    of Hydra's usage block. Its parser is Hydra's internal one; without it
+    Hydra says it itself."""
+    if "--version" in args:  # Hydra prints its version and exits: its own business
+        return None
+    try:
+        from hydra._internal.utils import get_args_parser
+    except ImportError:
+        return None
+    parser = get_args_parser()
+    complaints: List[str] = []
+
+    def error(message: str):
+        complaints.append(message)
+        raise SystemExit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    try:
+        parser.parse_args(args)
+    except SystemExit:
+        pass
+    return complaints[0] if complaints else None
 
 
 def _swept_keys(argv: List[str]) -> List[str]:

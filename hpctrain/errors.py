@@ -1,5 +1,46 @@
-"""Exceptions with messages meant for the person who launched the job."""
+"""Exceptions with messages meant for the person who launched the job, and
+the one way every hpctrain command writes them."""
 from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+LAUNCHER_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+"""Where mpirun, srun and other launchers put a process's rank, readable before MPI starts."""
+
+
+def write_error(message: str, kind: str = "error") -> None:
+    """Write ``message`` on stderr, each line as ``hpctrain: <kind>: <line>``.
+
+    Every command (hpctrain-train, -eval, -plan, -tune, -prepare, -ckpt,
+    -report, -parity, -bench) starts its error lines this way, so one
+    pattern finds them in any job's log."""
+    for line in message.splitlines() or [""]:
+        sys.stderr.write(f"hpctrain: {kind}: {line}\n")
+    sys.stderr.flush()
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when not launched by one)."""
+    for name in LAUNCHER_RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose bad argument is one ``hpctrain: error:`` line naming the
+    command and pointing at its ``--help``, status 2, written by rank 0 only
+    (argparse's own prints the usage block, starts the line with the
+    command's name, and does so on every rank of an MPI job)."""
+
+    def error(self, message: str) -> NoReturn:
+        if launcher_rank() == 0:
+            write_error(f"{self.prog}: {message} (see {self.prog} --help)")
+        sys.exit(2)
 
 
 class HpctrainError(Exception):

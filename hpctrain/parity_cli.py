@@ -28,12 +28,12 @@ import sys
 from typing import List, Optional
 
 from hpctrain.bootstrap import idle_wait
-from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.errors import ArgumentParser, ConfigError, HpctrainError
 from hpctrain.parity import StepDiff, compare, record
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hpctrain-parity", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="hpctrain-parity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
     p.add_argument("--loss-rtol", type=float, default=1e-5, help="largest relative loss difference (default 1e-5)")

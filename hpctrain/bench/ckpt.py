@@ -53,7 +53,6 @@ to ``--dir`` (default: a fresh directory under /tmp).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -73,6 +72,7 @@ from hpctrain.bench.common import (
     print_rank0,
     timed_call,
 )
+from hpctrain.errors import ArgumentParser
 
 
 def _shapes(d: int, layers: int, vocab: int) -> List[Tuple[str, Tuple[int, int]]]:
@@ -162,7 +162,7 @@ def _dir_size(path: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="hpctrain-bench ckpt", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="hpctrain-bench ckpt", description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
     ap.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
     ap.add_argument("--vocab", type=int, default=32768,

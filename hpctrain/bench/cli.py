@@ -15,6 +15,7 @@ import sys
 from typing import Dict, List, Optional
 
 import hpctrain.bench as _pkg
+from hpctrain.errors import write_error
 
 _NOT_BENCHMARKS = {"cli", "__main__", "common", "torch_peer"}
 
@@ -47,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in names:
-        print(f"hpctrain-bench: unknown benchmark {name!r}; choose one of: {', '.join(names)}", file=sys.stderr)
+        write_error(f"hpctrain-bench: unknown benchmark {name!r}; choose one of: {', '.join(names)}")
         return 2
     return int(importlib.import_module(found[name]).main(rest) or 0)
 

@@ -53,6 +53,7 @@ from hpctrain.bench.common import (
     size_ladder,
     time_interleaved,
 )
+from hpctrain.errors import ArgumentParser
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -260,7 +261,7 @@ def run(args, rt, pm) -> Dict[str, Table]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench comm", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench comm", description=__doc__.splitlines()[0])
     p.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS), help=f"comma list of {','.join(OPS)}")
     p.add_argument("--backends", type=lambda s: s.split(","), default=None,
                    help="comma list of hpctrain backends (default: every one a plugin serves that can run here)")

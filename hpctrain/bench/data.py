@@ -52,10 +52,11 @@ import numpy as np
 
 from hpctrain.bench import _data_loader as loader
 from hpctrain.bench.common import Column, Table, machine_summary, parse_size, print_rank0, refuse, time_interleaved
+from hpctrain.errors import ArgumentParser
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hpctrain-bench data", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="hpctrain-bench data", description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all", choices=["all", *SECTIONS],
                     help="the section to run (default: all, in order)")
     ap.add_argument("--markdown", action="store_true", help="GitHub markdown tables")

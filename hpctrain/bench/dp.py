@@ -61,6 +61,7 @@ from hpctrain.bench.common import (
     refuse,
     time_interleaved,
 )
+from hpctrain.errors import ArgumentParser
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Mesh
@@ -269,7 +270,7 @@ def phase_table(runners: List[Contender], world: Any, warmup: int) -> Table:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench dp", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench dp", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, e.g. comm.bucket_mb=4")
     p.add_argument("--backends", type=lambda s: s.split(","), default=None,
                    help="comma list of hpctrain backends (default: every one a plugin serves that can run here)")

@@ -27,12 +27,13 @@ from typing import List, Optional
 
 from hpctrain.bench.common import machine_summary, make_config, print_rank0
 from hpctrain.bench.dp import DEFAULT_OVERRIDES
+from hpctrain.errors import ArgumentParser
 
 ALL = "logging.backends=[jsonl,tensorboard,wandb,mlflow]"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench loggers", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench loggers", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="measured steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="steps left out first (default 3)")
     p.add_argument("overrides", nargs="*", help="more hpctrain-train overrides (e.g. model.d_model=512)")

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from hpctrain.bench.common import Column, Table, machine_summary, metric_reader, print_rank0, time_interleaved
 from hpctrain.bench.torch_peer import start
+from hpctrain.errors import ArgumentParser
 
 DEFAULT_OVERRIDES = (  # the tp bench's 3.3M-parameter model, one micro-batch of 8 per step
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -130,7 +131,7 @@ SECTIONS: Dict[str, Callable[[argparse.Namespace, Any, Any, Any], int]] = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench optim", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench optim", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     p.add_argument("--part", default="all", choices=["all", *SECTIONS], help="one section (default: all)")
     p.add_argument("--optimizers", type=lambda s: s.split(","), default=list(OPTIMIZERS),

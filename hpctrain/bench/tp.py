@@ -44,6 +44,7 @@ from hpctrain.bench.common import (
     time_interleaved,
 )
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
+from hpctrain.errors import ArgumentParser
 
 DEFAULT_OVERRIDES = (  # the dp/zero benches' 3.3M-parameter model, one micro-batch of 8 per step
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -148,7 +149,7 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench tp", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench tp", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     p.add_argument("--backends", type=lambda s: s.split(","), default=["mpi", "torch"],
                    help="comm.backend of our contenders (default mpi,torch)")

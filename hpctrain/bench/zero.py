@@ -60,6 +60,7 @@ from hpctrain.bench.common import (
     time_interleaved,
 )
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
+from hpctrain.errors import ArgumentParser
 
 DEFAULT_OVERRIDES = (  # as hpctrain-bench dp: 3.3M parameters, a step well under a second per core
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -206,7 +207,7 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any, overrides: List[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench zero", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench zero", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     p.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3],
                    help="ZeRO stages to run (default 0,1,2,3)")

@@ -97,6 +97,10 @@ def resolve(entries: List[str], key: str) -> Tuple[List[str], List[dict], List[s
                 problems.append(f"{key}: manifest {entry} cannot be read ({e}); write it again with hpctrain-prepare")
                 continue
             manifests.append(manifest)
+        elif entry.endswith(".json"):  # a manifest that is not there, not a shard named x.json
+            problems.append(f"{key}: manifest {entry} does not exist; give the OUT.json hpctrain-prepare wrote, "
+                            "the shards' directory, or their prefixes")
+            continue
         elif os.path.isdir(entry):
             found = [_strip(p) for p in sorted(glob.glob(os.path.join(entry, "*.idx")))]
         elif any(ch in entry for ch in "*?["):

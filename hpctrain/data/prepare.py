@@ -50,7 +50,7 @@ job's log, or under mpirun, which hands rank 0 a pipe) a line after 5 s,
 
 **Errors.** A bad argument, a missing input, a bad tokenizer, a JSON Lines
 line without the text key, an unreadable Parquet or compressed file, are
-one ``hpctrain-prepare: error:`` line naming the file (and line) and the
+one ``hpctrain: error:`` line naming the file (and line) and the
 fix, on rank 0, and exit status 2 on every rank. A rank that fails tells
 rank 0, which tells the others to stop (they stop at their next batch, not
 at the end of their files); the ranks then agree on the outcome with one
@@ -78,6 +78,7 @@ import numpy as np
 from hpctrain.data.indexed import IndexedWriter, bin_path, idx_path, prefix_of
 from hpctrain.data.inputs import FORMATS, TEXT_DOCUMENTS, DocumentReader, InputError, InputFile, expand_inputs
 from hpctrain.data.tokenize import BYTES, Encoder, TokenizerError, TokenizerSpec, resolve_tokenizer
+from hpctrain.errors import write_error
 
 PROG = "hpctrain-prepare"
 BATCH_BYTES = 1 << 20
@@ -443,8 +444,7 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
 # -- the run ----------------------------------------------------------------------------------
 
 def _error(line: str) -> None:
-    sys.stderr.write(f"{PROG}: error: {line}\n")
-    sys.stderr.flush()
+    write_error(line)
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -25,13 +25,13 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ArgumentParser, HpctrainError, write_error
 
 DEFAULT_PRECISION = "bf16"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="hpctrain-plan",
         description="Rank parallel layouts by predicted step time among those that fit GPU memory.",
         epilog="Overrides as for hpctrain-train, e.g. model=llama3-8b cluster=h100-80gb cluster.gpus=64 "
@@ -201,8 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             print(compare(args.compare, args.overrides, args.calibration, create_manager()))
         except HpctrainError as e:
-            for line in str(e).splitlines():
-                sys.stderr.write(f"hpctrain-plan: error: {line}\n")
+            write_error(str(e))
             return 2
         return 0
     try:
@@ -212,8 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         overrides = report.train_overrides(user, best.layout, work.precision)
         missing, problems = check_with_training(cfg, overrides, cluster.gpus, pm)
     except HpctrainError as e:
-        for line in str(e).splitlines():
-            sys.stderr.write(f"hpctrain-plan: error: {line}\n")
+        write_error(str(e))
         return 2
     if args.json:
         print(json.dumps(report.as_json(plan, arch, work, cluster, args.top, overrides, missing, problems), indent=1))

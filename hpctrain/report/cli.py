@@ -6,11 +6,11 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import ArgumentParser, HpctrainError, write_error
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-report", description=(
+    p = ArgumentParser(prog="hpctrain-report", description=(
         "One self-contained HTML page of a run: curves, layout, peak memory per rank, bytes per axis against the "
         "planner's prediction, stragglers, skipped steps and spikes, the pipeline timeline; of a sweep "
         "directory: its points side by side."))
@@ -53,10 +53,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(out, "w") as f:
             f.write(text)
     except HpctrainError as e:
-        sys.stderr.write(f"hpctrain: error: {e}\n")
+        write_error(str(e))
         return e.exit_code
     except OSError as e:
-        sys.stderr.write(f"hpctrain: error: cannot write the report: {e}; choose another -o FILE\n")
+        write_error(f"cannot write the report: {e}; choose another -o FILE")
         return 2
     print(out)
     return 0

@@ -14,7 +14,7 @@
    measured layout and its ``hpctrain-train`` command as ``hpctrain-plan`` prints commands, and writes
    everything to ``--out`` (JSON).
 
-A bad argument or override is one ``hpctrain-tune: error:`` line on rank 0 before any collective,
+A bad argument or override is one ``hpctrain: error:`` line on rank 0 before any collective,
 exit status 2. Without a cluster preset (``cluster.gpus=0``) the planner is told this allocation:
 ``cluster.gpus`` the world size, ``cluster.gpus_per_node`` the ranks per node, the memory per device
 (CUDA: the device's; CPU: host memory / ranks per node), and the measured numbers; those planning
@@ -29,12 +29,12 @@ import shlex
 import sys
 from typing import Any, List, Optional, Tuple
 
-from hpctrain.errors import ConfigError, HpctrainError
+from hpctrain.errors import ArgumentParser, ConfigError, HpctrainError
 from hpctrain.log import log_rank0
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="hpctrain-tune",
         description="Measure this allocation, re-rank the planner's layouts with it, train the best few, "
                     "print the fastest command.",
@@ -196,13 +196,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         rt = init_runtime()
     except HpctrainError as e:
-        return _fail(str(e), 0, 2, program="hpctrain-tune")
+        return _fail(str(e), 0, 2)
     try:
         return tune(args, rt, get_manager())
     except JobStopped as e:
         return e.exit_code  # the watchdog's line already says which rank and operation
     except HpctrainError as e:
-        code = _fail(str(e), rt.world_rank, e.exit_code, program="hpctrain-tune")
+        code = _fail(str(e), rt.world_rank, e.exit_code)
         if rt.world_size > 1:
             rt.mpi_comm.Barrier()  # rank 0's line is out before any rank exits
         return code

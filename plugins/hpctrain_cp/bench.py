@@ -33,6 +33,7 @@ from typing import Any, List, Optional
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, refuse, time_collective
+from hpctrain.errors import ArgumentParser
 
 
 def _inputs(args: Any, seed: int = 0):
@@ -117,7 +118,7 @@ def run(args: Any, rt: Any, pm: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench cp", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench cp", description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=4096, help="whole sequence length (default 4096)")
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")

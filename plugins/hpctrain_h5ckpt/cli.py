@@ -25,6 +25,8 @@ import signal
 import sys
 from typing import Any, List, Optional
 
+from hpctrain.errors import ArgumentParser, write_error
+
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.options import IOOptions
 
@@ -159,7 +161,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hpctrain-ckpt",
+    ap = ArgumentParser(prog="hpctrain-ckpt",
                                  description="Inspect, verify and export hpctrain HDF5 checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="tree, shapes, step, layout, size")
@@ -194,12 +196,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as e:  # bad usage: the one line every hpctrain command prints, status 2
-        for line in str(e).splitlines():
-            print(f"hpctrain: error: {line}", file=sys.stderr)
+        write_error(str(e))
         return 2
     except CheckpointError as e:
-        for line in str(e).splitlines():
-            print(f"hpctrain-ckpt: error: {line}", file=sys.stderr)
+        write_error(str(e))
         return 1
 
 

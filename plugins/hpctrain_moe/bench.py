@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, ca
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, paired_ratio, print_rank0, time_interleaved
+from hpctrain.errors import ArgumentParser
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Group
@@ -236,7 +237,7 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench moe", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench moe", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     p.add_argument("--backends", type=lambda s: s.split(","), default=["mpi", "torch"],
                    help="comm.backend of our contenders (default mpi,torch; the layer uses the first)")

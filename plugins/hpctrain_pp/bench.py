@@ -50,6 +50,7 @@ from hpctrain.bench.common import (
     time_interleaved,
 )
 from hpctrain.bench.torch_peer import fill_from_init, start
+from hpctrain.errors import ArgumentParser
 
 DEFAULT_OVERRIDES = (  # 8 blocks of d_model 256: 2 per virtual stage at pp 2 x vpp 2; 8 micro-batches per step
     "model.d_model=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=4",
@@ -230,7 +231,7 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain-bench pp", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="hpctrain-bench pp", description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
     p.add_argument("--schedules", type=lambda s: s.split(","), default=list(SCHEDULES),
                    help=f"schedules to compare (default {','.join(SCHEDULES)})")

@@ -86,6 +86,6 @@ def test_bad_arguments_are_one_line_and_status_2(tmp_path):
     r = subprocess.run([MPIEXEC, "-n", "2", str(BIN / "hpctrain-tune"), *TINY, "--steps", "0"], env=_env(),
                        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
-    errors = [x for x in r.stderr.splitlines() if x.startswith("hpctrain-tune: error:")]
-    assert errors == ["hpctrain-tune: error: --steps 0: give the steps per layout (>= 1; 3 or more to time steps "
+    errors = [x for x in r.stderr.splitlines() if x.startswith("hpctrain: error:")]
+    assert errors == ["hpctrain: error: --steps 0: give the steps per layout (>= 1; 3 or more to time steps "
                       "after the warm-up)"], r.stderr

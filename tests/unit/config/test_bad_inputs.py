@@ -145,6 +145,8 @@ BAD = [
     ("data.blend=[{paths:[/y],weight:-1}] data.source=indexed",
      "data.blend[0].weight=-1.0: must be a finite number > 0"),
     ("data.blend=[{weight:0.5}] data.source=indexed", "data.blend[0].paths is empty; give the source's shards"),
+    ("data.paths=[/nonexistent/corpus.json] data.source=indexed",
+     "data.paths: manifest /nonexistent/corpus.json does not exist; give the OUT.json hpctrain-prepare wrote"),
     ("data.split=0.1 data.source=indexed data.paths=[/x] data.validation.paths=[/z]",
      "data.split=0.1 and data.validation.paths both choose the validation documents; set one"),
     ("logging.backends=[nosuch]", "logging.backends: 'nosuch' is not provided by any installed plugin; choose from"),

@@ -124,7 +124,7 @@ def test_files_are_balanced_over_ranks_by_size():
     assert balance([7, 7, 7], 4) == [[0], [1], [2], []]  # a file is never split: a rank may get none
 
 
-# -- every bad input: one "hpctrain-prepare: error:" line naming the file (and line) and the fix, exit 2 --
+# -- every bad input: one "hpctrain: error:" line naming the file (and line) and the fix, exit 2 --
 
 def _bpe(tmp_path, specials=("</s>",)):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -235,7 +235,7 @@ def test_every_bad_input_is_one_line(tmp_path, capsys, name):
     code, out, err = _run(args + ["-o", tmp_path / "o"], capsys)
     assert code == 2 and out == ""
     lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("hpctrain-prepare: error: "), err
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: "), err
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     assert set(tmp_path.rglob("*")) == before  # no shard, no manifest, no temporary file left
@@ -243,5 +243,5 @@ def test_every_bad_input_is_one_line(tmp_path, capsys, name):
 
 def test_no_output_named(tmp_path, capsys):
     code, out, err = _run([_good(tmp_path)], capsys)
-    assert code == 2 and err == "hpctrain-prepare: error: name the output: -o OUT (writes OUT.bin, OUT.idx and " \
+    assert code == 2 and err == "hpctrain: error: name the output: -o OUT (writes OUT.bin, OUT.idx and " \
                                 "OUT.json) (see hpctrain-prepare --help)\n"

@@ -53,4 +53,4 @@ def test_plan_pins_the_optimizer():
 def test_a_bad_optimizer_pin_is_one_line(capsys):
     assert main(LLAMA_64[:5] + ["--pin", "optim=sgd"]) == 2
     err = capsys.readouterr().err
-    assert "hpctrain-plan: error: --pin optim=sgd: use" in err and "optim=adamw|lamb|lars|muon" in err
+    assert "hpctrain: error: --pin optim=sgd: use" in err and "optim=adamw|lamb|lars|muon" in err
