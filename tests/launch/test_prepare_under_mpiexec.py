@@ -144,7 +144,7 @@ def test_a_bad_line_on_one_rank_ends_every_rank_with_one_line(tmp_path):
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"txt": "no key"}) + "\n")
     r = _mpiexec([good, bad, "-o", tmp_path / "out" / "c"])
     assert r.returncode == 2
-    errors = [line for line in r.stderr.splitlines() if "error" in line.lower() and "hpctrain-prepare" in line]
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower() and "hpctrain" in line]
     assert errors == [f"hpctrain: error: input {bad} line 2 has no key 'text' (its keys: txt); pass "
                       f"--text-key KEY, or fix the line"], r.stderr
     assert "Traceback" not in r.stderr
