@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import List, Optional
 
-from hpctrain.errors import HpctrainError, write_error
+from hpctrain.errors import HpctrainError, launcher_rank, write_error
 
 _STOP = "stop"
 _RUN = "run"
@@ -34,9 +34,9 @@ _FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
 def _print_plugins() -> int:
-    from hpctrain.plugins import DISABLE_ENV, blocked_names, create_manager, describe
+    from hpctrain.plugins import DISABLE_ENV, blocked_names, describe, get_manager
 
-    pm = create_manager()
+    pm = get_manager()
     rows = describe(pm)
     width = max([len(r.name) for r in rows] + [6])
     print(f"{'plugin':<{width}}  {'distribution':<24} {'version':<9} provides")
@@ -267,6 +267,13 @@ def _announce(world, message):
 def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
     """``hpctrain-train`` (or with ``evaluate``, ``hpctrain-eval``) on this process; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # every plugin loaded and its config sections checked: a broken one is one line, before MPI starts
+        from hpctrain.config.store import build_schema
+        from hpctrain.plugins import get_manager
+
+        build_schema(get_manager())
+    except HpctrainError as e:
+        return _fail(str(e), launcher_rank(), e.exit_code)
     if "--plugins" in argv:
         return _print_plugins()
     if "--help" in argv or "-h" in argv:

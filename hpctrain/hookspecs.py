@@ -9,9 +9,12 @@ Call order in a run: register_configs / config_sections (before composition)
 -> validate (every rank, before any collective) -> make_backend (per group)
 -> make_module (while the model is built on the meta device) -> parallelize
 (per axis, in the order tp, cp, ep, pp, dp; only the plugin chosen for the
-axis answers, with a handle: ``hpctrain.parallel``) -> make_checkpointer ->
-on_train_start -> [after_finalize_grads / after_optimizer_step /
-step_metrics / on_step_end]* -> on_train_end.
+axis answers, with a handle: ``hpctrain.parallel``) -> weight_source
+(``checkpoint.init_from``) -> make_optimizer -> make_checkpointer ->
+make_logger (rank 0) -> on_train_start -> [after_finalize_grads /
+after_optimizer_step / step_metrics / on_step_end, on_checkpoint]* ->
+on_train_end. capabilities is asked whenever a name is looked up, and
+benchmarks by ``hpctrain-bench`` only.
 
 What happens between the hooks (the axes' order, the gradients' reduction,
 the optimizer and the step schedule) is the core's, written once in

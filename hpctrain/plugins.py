@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, cast
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import pluggy
 from omegaconf import OmegaConf
 
 from hpctrain import hookspecs
-from hpctrain.errors import PluginError
+from hpctrain.errors import HpctrainError, PluginError
 from hpctrain.log import get_logger
 
 ENTRY_POINT_GROUP = "hpctrain"
@@ -53,25 +53,65 @@ def blocked_hint() -> str:
 
 
 def create_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A fresh manager with the specs and (by default) every installed plugin."""
+    """A fresh manager with the specs and (by default) every installed plugin.
+
+    A plugin that cannot be loaded (its import raises, a hook function with a
+    misspelt name or argument, an entry-point name two distributions use) is
+    a PluginError naming it and the fix, never a bare traceback."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     blocked = blocked_names()
     for name in blocked:
         pm.set_blocked(name)
     if load_entry_points:
-        try:
-            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        except Exception as e:  # a broken third-party plugin must not look like our bug
-            raise PluginError(f"loading an '{ENTRY_POINT_GROUP}' entry point failed: {e}; "
-                              f"block it with {DISABLE_ENV}=<name> or fix its installation") from e
+        _load_installed(pm)
         known = {ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
         for name in blocked:
             if name not in known:
                 get_logger(__name__).warning("%s names %r, which is not an installed plugin (installed: %s)",
                                              DISABLE_ENV, name, ", ".join(sorted(known)))
-    pm.check_pending()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        name = pm.get_name(e.plugin) or repr(e.plugin)
+        raise PluginError(f"plugin {name!r}: {e}; name each hook function after a hook of hpctrain/hookspecs.py "
+                          f"(docs/plugins.md lists them), or block the plugin with {DISABLE_ENV}={name}") from e
     return pm
+
+
+def _distribution(ep: md.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.metadata['Name']} {dist.version}" if dist is not None else "an unknown distribution"
+
+
+def installed_entry_points() -> Dict[str, md.EntryPoint]:
+    """{entry-point name: its entry point} of the ``hpctrain`` group. Two
+    distributions using one name is an error naming both: the plugin loaded
+    would otherwise depend on the order of ``sys.path``."""
+    found: Dict[str, md.EntryPoint] = {}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):  # (one distribution shadowed by another copy: once)
+        if ep.name in found and _distribution(found[ep.name]) != _distribution(ep):
+            raise PluginError(f"two installed distributions register the hpctrain plugin {ep.name!r}: "
+                              f"{_distribution(found[ep.name])} and {_distribution(ep)}; uninstall one, or rename "
+                              f"its entry point in its pyproject.toml")
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def _load_installed(pm: pluggy.PluginManager) -> None:
+    for name, ep in installed_entry_points().items():
+        if pm.is_blocked(name) or pm.has_plugin(name):
+            continue
+        fix = f"fix or reinstall {_distribution(ep)}, or block it with {DISABLE_ENV}={name}"
+        try:
+            plugin = ep.load()
+        except Exception as e:  # a broken third-party plugin must not look like our bug
+            raise PluginError(f"plugin {name!r} ({ep.value}) cannot be imported: {type(e).__name__}: {e}; "
+                              f"{fix}") from e
+        try:
+            pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:  # a hook function whose arguments no spec has
+            raise PluginError(f"plugin {name!r}: {e}; {fix}") from e
 
 
 def get_manager() -> pluggy.PluginManager:
@@ -82,45 +122,75 @@ def get_manager() -> pluggy.PluginManager:
     return _manager
 
 
+def call_each(pm: pluggy.PluginManager, hook: str, **kwargs: Any) -> List[Tuple[str, Any]]:
+    """[(plugin name, its answer)] of every implementation of ``hook``, in the
+    order pluggy calls them. An exception other than hpctrain's own is a
+    PluginError naming the plugin and the hook (a plugin's bug is not ours)."""
+    out: List[Tuple[str, Any]] = []
+    for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        try:
+            out.append((impl.plugin_name, impl.function(**{a: kwargs[a] for a in impl.argnames})))
+        except HpctrainError:
+            raise
+        except Exception as e:
+            raise PluginError(f"plugin {impl.plugin_name!r} raised in {hook}: {type(e).__name__}: {e}; fix the "
+                              f"plugin, or block it with {DISABLE_ENV}={impl.plugin_name}") from e
+    return out
+
+
+def broke_contract(plugin: str, hook: str, answer: Any, wanted: str) -> PluginError:
+    return PluginError(f"plugin {plugin!r}: {hook} returned {type(answer).__name__} {answer!r:.60}, not {wanted} "
+                       f"(hpctrain/hookspecs.py); fix the plugin, or block it with {DISABLE_ENV}={plugin}")
+
+
+def capabilities_by_plugin(pm: pluggy.PluginManager) -> List[Tuple[str, Dict[str, List[str]]]]:
+    """[(plugin name, {kind: names it serves})], each answer checked."""
+    out = []
+    for plugin, caps in call_each(pm, "hpctrain_capabilities"):
+        caps = caps or {}
+        if not (isinstance(caps, dict) and all(isinstance(k, str) and isinstance(v, (list, tuple))
+                                               and all(isinstance(n, str) for n in v) for k, v in caps.items())):
+            raise broke_contract(plugin, "hpctrain_capabilities", caps, "a dict of kind -> list of names")
+        out.append((plugin, {k: list(v) for k, v in caps.items()}))
+    return out
+
+
 def capabilities(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
     """Every name served, by kind, over all loaded plugins."""
     merged: Dict[str, List[str]] = {}
-    for caps in pm.hook.hpctrain_capabilities():
-        for kind, names in (caps or {}).items():
+    for _, caps in capabilities_by_plugin(pm):
+        for kind, names in caps.items():
             merged.setdefault(kind, [])
             merged[kind] += [n for n in names if n not in merged[kind]]
     return merged
 
 
 def describe(pm: pluggy.PluginManager) -> List[PluginInfo]:
-    dists = {id(p): d for p, d in pm.list_plugin_distinfo()}
+    eps = installed_entry_points()
+    served = dict(capabilities_by_plugin(pm))
     out = []
     for name, plugin in pm.list_name_plugin():
         if plugin is None:
             continue
-        dist = dists.get(id(plugin))
-        caps: Dict[str, List[str]] = {}
-        impl = getattr(plugin, "hpctrain_capabilities", None)
-        if impl is not None:
-            caps = impl() or {}
+        dist = getattr(eps.get(name), "dist", None)
         out.append(PluginInfo(
             name=name,
             module=getattr(plugin, "__name__", type(plugin).__name__),
-            distribution=dist.project_name if dist else "-",
-            version=dist.version if dist else "-",
-            capabilities=caps,
+            distribution=dist.metadata["Name"] if dist is not None else "-",
+            version=dist.version if dist is not None else "-",
+            capabilities=served.get(name, {}),
         ))
     return sorted(out, key=lambda p: p.name)
 
 
 def axis_plugins(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
     """{axis: names of the plugins whose capabilities list it under ``parallel``}."""
+    served = dict(capabilities_by_plugin(pm))
     out: Dict[str, List[str]] = {}
-    for name, plugin in pm.list_name_plugin():
-        impl = getattr(plugin, "hpctrain_capabilities", None) if plugin is not None else None
-        if impl is None:
-            continue
-        for axis in (impl() or {}).get("parallel", []):
+    for name, _ in pm.list_name_plugin():  # in the order the plugins were registered
+        for axis in served.get(name, {}).get("parallel", []):
             out.setdefault(axis, []).append(name)
     return out
 

@@ -222,7 +222,8 @@ class OptimConfig:
     """The optimizer (AdamW, LAMB, LARS or Muon; ``hpctrain.optimizers``) with linear warmup and cosine decay."""
 
     name: str = "adamw"
-    """Optimizer: adamw, lamb, lars or muon (the presets optim=...), or a plugin's; ZeRO shards any of them."""
+    """Optimizer: adamw, lamb, lars or muon (the presets optim=...), or a plugin's (``hpctrain_make_optimizer``;
+    ZeRO shards the first four only)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1

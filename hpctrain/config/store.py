@@ -44,22 +44,26 @@ GROUPS: Dict[str, type] = {
 
 def _extend(cls: type, name: str, section: type) -> type:
     """A subclass of dataclass ``cls`` with one more field ``name: section``."""
-    if name in {f.name for f in dataclasses.fields(cls)}:
-        raise PluginError(f"config section {name!r} is declared twice (in {cls.__name__})")
     return dataclasses.make_dataclass(
         cls.__name__, [(name, section, dataclasses.field(default_factory=section))], bases=(cls,)
     )
 
 
-def _sections(pm) -> Tuple[Tuple[str, Any], ...]:
-    """Every plugin's (key, section) pairs, in hook order (the schema's inputs)."""
+def _sections(pm) -> Tuple[Tuple[str, str, Any], ...]:
+    """Every plugin's (plugin name, key, section), in hook order (the schema's inputs)."""
     if pm is None:
         return ()
-    return tuple((key, section) for sections in pm.hook.hpctrain_config_sections()
-                 for key, section in (sections or {}).items())
+    from hpctrain.plugins import broke_contract, call_each
+
+    out = []
+    for plugin, sections in call_each(pm, "hpctrain_config_sections"):
+        if not isinstance(sections or {}, dict):
+            raise broke_contract(plugin, "hpctrain_config_sections", sections, "a dict of key -> dataclass")
+        out += [(plugin, key, section) for key, section in (sections or {}).items()]
+    return tuple(out)
 
 
-_schemas: Dict[Tuple[Tuple[str, Any], ...], Tuple[type, Dict[str, type]]] = {}
+_schemas: Dict[Tuple[Tuple[str, str, Any], ...], Tuple[type, Dict[str, type]]] = {}
 """build_schema's results per plugin section set: one schema class per set, so
 registration and ``to_config`` can tell it is the one they already hold."""
 
@@ -78,21 +82,42 @@ def build_schema(pm=None) -> Tuple[type, Dict[str, type]]:
     return top, dict(groups)
 
 
-def _make_schema(sections: Tuple[Tuple[str, Any], ...]) -> Tuple[type, Dict[str, type]]:
+def _check_section(plugin: str, key: str, section: Any, owner: Dict[str, str]) -> None:
+    """A plugin's section: a dataclass that can be made from its defaults, under a key no one else has."""
+    def refuse(problem: str) -> PluginError:
+        return PluginError(f"plugin {plugin!r}: config section {key!r} {problem}; fix the plugin, or block it "
+                           f"with HPCTRAIN_DISABLE_PLUGINS={plugin}")
+
+    if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
+        raise refuse(f"must be a dataclass, got {section!r}")
+    parts = key.split(".")
+    if not (len(parts) == 1 or (len(parts) == 2 and parts[0] in GROUPS)):
+        raise refuse("must be 'name' or '<core group>.name'")
+    if len(parts) == 1 and key in GROUPS:
+        raise refuse("has the name of a core group")
+    if len(parts) == 2 and parts[1] in {f.name for f in dataclasses.fields(GROUPS[parts[0]])}:
+        raise refuse(f"is a core key ({key} is in the core's {GROUPS[parts[0]].__name__}); choose another name")
+    if key in owner:
+        raise refuse(f"is declared by plugin {owner[key]!r} too; rename one of them")
+    try:
+        section()
+    except TypeError as e:
+        raise refuse(f"cannot be made from its defaults ({e}); give every field a default "
+                     "(omegaconf.MISSING for one the user must set)") from e
+    owner[key] = plugin
+
+
+def _make_schema(sections: Tuple[Tuple[str, str, Any], ...]) -> Tuple[type, Dict[str, type]]:
     groups = dict(GROUPS)
     extra_top: List[Tuple[str, type]] = []
-    for key, section in sections:
-        if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
-            raise PluginError(f"config section {key!r} must be a dataclass, got {section!r}")
+    owner: Dict[str, str] = {}
+    for plugin, key, section in sections:
+        _check_section(plugin, key, section, owner)
         parts = key.split(".")
         if len(parts) == 1:
-            if parts[0] in groups:
-                raise PluginError(f"plugin config section {key!r} clashes with the core group of that name")
             extra_top.append((parts[0], section))
-        elif len(parts) == 2 and parts[0] in groups:
-            groups[parts[0]] = _extend(groups[parts[0]], parts[1], section)
         else:
-            raise PluginError(f"plugin config section {key!r}: use 'name' or '<core group>.name'")
+            groups[parts[0]] = _extend(groups[parts[0]], parts[1], section)
     top = dataclasses.make_dataclass(
         "TrainConfig",
         [(g, cls, dataclasses.field(default_factory=cls)) for g, cls in groups.items()]

@@ -356,6 +356,10 @@ def validate(cfg: Any, world_size: int, pm=None) -> List[str]:
         return out_of_range
     problems = _core_checks(cfg, world_size, pm)
     if pm is not None:
-        for found in pm.hook.hpctrain_validate(cfg=cfg, world_size=world_size):
+        from hpctrain.plugins import broke_contract, call_each
+
+        for plugin, found in call_each(pm, "hpctrain_validate", cfg=cfg, world_size=world_size):
+            if not (isinstance(found or [], (list, tuple)) and all(isinstance(p, str) for p in found or [])):
+                raise broke_contract(plugin, "hpctrain_validate", found, "a list of problems (str)")
             problems += [p for p in (found or []) if p not in problems]
     return problems

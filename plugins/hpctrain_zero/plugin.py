@@ -49,6 +49,7 @@ from hpctrain.errors import PluginError
 from hpctrain.grad_sync.buckets import cap_bytes_from_mb
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Group, Mesh
+from hpctrain.optimizers.kinds import OPTIMIZERS
 from hpctrain.parallel.handles import DataHandle
 from hpctrain.shard import ShardSpec, get_spec, set_spec
 
@@ -284,6 +285,11 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     if z.offload != "none" and z.stage > 0 and cfg.optim.name != "adamw":
         problems.append(f"parallel.zero.offload={z.offload} offloads AdamW's moments only; with "
                         f"optim={cfg.optim.name} set parallel.zero.offload=none or use optim=adamw")
+    if z.stage > 0 and cfg.optim.name not in OPTIMIZERS:
+        # its shards are flat pieces of many tensors: an optimizer has to know the ShardSpecs to update them
+        problems.append(f"optim.name={cfg.optim.name!r} (a plugin's optimizer) with parallel.zero.stage={z.stage}: "
+                        f"ZeRO builds the optimizer of its shards itself and knows {', '.join(OPTIMIZERS)}; use one "
+                        "of those, or parallel.zero.stage=0 (the plugin's optimizer over whole tensors)")
     if z.stage > 0 and OmegaConf.select(cfg, "optim.outer.name", default="none") == "diloco":
         # a replica trains alone, so its optimizer state cannot be cut over the other replicas
         problems.append(f"parallel.zero.stage={z.stage} with optim.outer=diloco: DiLoCo's dp replicas train alone, "
