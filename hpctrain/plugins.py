@@ -157,12 +157,26 @@ def capabilities_by_plugin(pm: pluggy.PluginManager) -> List[Tuple[str, Dict[str
     return out
 
 
+SHARED_KINDS = ("parallel",)
+"""Kinds of capability several plugins may serve under one name: an axis goes
+to the plugin the config chooses (``axis_plugin``). Any other name is made by
+a first-result hook, so two plugins serving it would leave the choice to the
+order they were installed in."""
+
+
 def capabilities(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
     """Every name served, by kind, over all loaded plugins."""
     merged: Dict[str, List[str]] = {}
-    for _, caps in capabilities_by_plugin(pm):
+    server: Dict[Tuple[str, str], str] = {}
+    for plugin, caps in capabilities_by_plugin(pm):
         for kind, names in caps.items():
             merged.setdefault(kind, [])
+            for n in names:
+                other = server.setdefault((kind, n), plugin)
+                if other != plugin and kind not in SHARED_KINDS:
+                    raise PluginError(f"plugins {other!r} and {plugin!r} both serve {kind} {n!r}, and which one is "
+                                      f"used would depend on the order they were installed in; block one with "
+                                      f"{DISABLE_ENV}=<name>")
             merged[kind] += [n for n in names if n not in merged[kind]]
     return merged
 

@@ -5,6 +5,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from hpctrain.errors import PluginError
 from hpctrain.mesh import Mesh
 from hpctrain.shard import ShardSpec
 
@@ -23,6 +24,7 @@ def build_optimizer(tensors: Sequence[torch.nn.Parameter], optim: Any, mesh: Mes
     if name == "adamw":
         return build_adamw(tensors, optim)
     made = {"lamb": Lamb, "lars": Lars, "muon": Muon}.get(name)
-    if made is None:
-        raise ValueError(f"optim.name={name!r} is not one of adamw, lamb, lars, muon")
+    if made is None:  # validation passed it: a plugin lists it, but its hpctrain_make_optimizer made none
+        raise PluginError(f"optim.name={name!r}: the plugin that lists it under 'optim' in hpctrain_capabilities "
+                          "made no optimizer (its hpctrain_make_optimizer returned None); fix the plugin")
     return made(tensors, optim, mesh, specs)

@@ -135,10 +135,18 @@ def open_loggers(cfg: Any, pm, run_dir: str) -> Loggers:
             if made is None:
                 raise ConfigError(f"logging.backends: no plugin made a {name!r} logger; install its plugin "
                                   "or remove it from logging.backends")
+            lacking = [m for m in ("log", "flush", "close") if not callable(getattr(made, m, None))]
+            if lacking:
+                raise ConfigError(f"logging.backends: the {name!r} logger its plugin made has no "
+                                  f"{', '.join(lacking)} method; fix the plugin (hpctrain_make_logger's object has "
+                                  "log(step, metrics), flush() and close()) or remove it from logging.backends")
             opened.append(made)
     except Exception as e:
         for lg in opened:
-            lg.close()
+            try:
+                lg.close()
+            except Exception:  # noqa: BLE001 - the error that stopped the start is the one to report
+                pass
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"logging.backends: the {name!r} logger could not start: {type(e).__name__}: {e}; "

@@ -207,3 +207,39 @@ def test_a_plugins_optimizer_under_zero_is_refused_before_the_run():
     assert problems == ["optim.name='signsgd' (a plugin's optimizer) with parallel.zero.stage=1: ZeRO builds the "
                         "optimizer of its shards itself and knows adamw, lamb, lars, muon; use one of those, or "
                         "parallel.zero.stage=0 (the plugin's optimizer over whole tensors)"]
+
+
+def test_one_name_served_by_two_plugins_is_refused():
+    pm = _manager(("a", Capabilities({"logging.backend": ["mine"]})),
+                  ("b", Capabilities({"logging.backend": ["mine"]})))
+    with pytest.raises(PluginError, match="plugins '[ab]' and '[ab]' both serve logging.backend 'mine'"):
+        capabilities(pm)
+
+
+class MakesLogger:
+    @hookimpl
+    def hpctrain_capabilities(self):
+        return {"logging.backend": ["mine"]}
+
+    @hookimpl
+    def hpctrain_make_logger(self, name, cfg, run_dir):
+        return object() if name == "mine" else None
+
+
+def test_a_logger_without_its_methods_is_named_and_the_others_closed(tmp_path):
+    from hpctrain.errors import ConfigError
+    from hpctrain.train.loggers import open_loggers
+
+    pm = _manager(("mine", MakesLogger()))
+    cfg = compose_resolved(["logging.backends=[jsonl,mine]"], pm)
+    with pytest.raises(ConfigError, match="the 'mine' logger its plugin made has no log, flush, close method"):
+        open_loggers(cfg, pm, str(tmp_path))
+
+
+def test_a_plugin_optimizer_that_is_not_made_is_named():
+    from types import SimpleNamespace
+
+    from hpctrain.optimizers.build import build_optimizer
+
+    with pytest.raises(PluginError, match="optim.name='myopt': the plugin that lists it under 'optim'"):
+        build_optimizer([], SimpleNamespace(name="myopt"), None)
