@@ -147,6 +147,8 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
             if HydraConfig.get().mode == RunMode.MULTIRUN:
                 return code
             raise SystemExit(code) from None
+        if get_runtime().world_rank == 0:
+            _write_resolved(run_dir, cfg_yaml)
         if world is not None:
             _announce(world, (_RUN, cfg_yaml, run_dir))
         code = _execute(cfg_yaml, run_dir, evaluate)
@@ -182,6 +184,21 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
         else:
             os.environ[_FULL_ERROR] = user_full_error
     return code
+
+
+def _write_resolved(run_dir: str, cfg_yaml: str) -> None:
+    """The config every rank runs, beside Hydra's (``store.RESOLVED_FILE``: what the report,
+    ``hpctrain-plan --compare`` and a person reading the run should see)."""
+    from hpctrain.config.store import RESOLVED_FILE
+
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, RESOLVED_FILE), "w") as f:
+            f.write(cfg_yaml)
+    except OSError as e:  # the run itself reports an unwritable run directory; this file is a record
+        from hpctrain.log import get_logger
+
+        get_logger(__name__).warning("could not write %s in %s: %s", RESOLVED_FILE, run_dir, e)
 
 
 def _bad_flags(args: List[str]) -> Optional[str]:

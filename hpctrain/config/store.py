@@ -328,6 +328,21 @@ def _reraise_explained(e: Exception, pm) -> None:
         raise ConfigError(message) from e
 
 
+RESOLVED_FILE = "resolved_config.yaml"
+"""In a run directory, beside ``.hydra/``: the config the run trained with, as
+every rank received it. ``.hydra/config.yaml`` is Hydra's composition, written
+before ``model.vocab_size=auto`` and ``model.hf_dir``'s shape are filled in."""
+
+
+def run_config_path(run_dir: str) -> Optional[str]:
+    """The config a run trained with (``RESOLVED_FILE``; Hydra's for runs older
+    than it), or None when the directory holds neither."""
+    for path in (os.path.join(run_dir, RESOLVED_FILE), os.path.join(run_dir, ".hydra", "config.yaml")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def to_config(data: Any, pm=None) -> DictConfig:
     """A typed DictConfig from a plain dict or YAML string (rank 0's resolved
     config, as received by the other ranks)."""

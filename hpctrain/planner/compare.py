@@ -1,8 +1,9 @@
 """``hpctrain-plan --compare RUN_DIR``: the prediction for a finished run's own layout beside what
 its ``metrics.jsonl`` measured.
 
-The run's layout comes from its ``.hydra/config.yaml`` (mesh sizes from ``layout.json`` when the run
-wrote it, the micro-batch, ZeRO stage, recompute mode and schedule from the config), each passed to
+The run's layout comes from the config it trained with (``store.run_config_path``; mesh sizes from
+``layout.json`` when the run wrote it, the micro-batch, ZeRO stage, recompute mode, schedule and the
+model's shape from the config), each passed to
 the planner as a pin, with the run's own overrides (``.hydra/overrides.yaml``) and any given on the
 command line after them (the cluster, when the run's config does not name one; its GPU count is the run's
 number of ranks unless ``cluster.gpus`` is given). Measured: the median
@@ -25,15 +26,22 @@ GB = 1e9
 
 def read_run(run_dir: str) -> Dict[str, Any]:
     """The run's config, overrides, mesh sizes and metric rows; ConfigError naming what is missing."""
+    from hpctrain.config.store import run_config_path
+
     hydra = os.path.join(run_dir, ".hydra")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    for path in (os.path.join(hydra, "config.yaml"), metrics):
+    config = run_config_path(run_dir)
+    for path in (config or os.path.join(hydra, "config.yaml"), metrics):
         if not os.path.isfile(path):
             raise ConfigError(f"--compare {run_dir}: {path} does not exist; give the run directory of a finished "
                               "hpctrain-train run (it holds .hydra/ and metrics.jsonl)")
     from omegaconf import OmegaConf
 
-    cfg: Any = OmegaConf.to_container(OmegaConf.load(os.path.join(hydra, "config.yaml")))
+    cfg: Any = OmegaConf.to_container(OmegaConf.load(config))
+    vocab = (cfg.get("model") or {}).get("vocab_size")
+    if isinstance(vocab, str):  # auto, in a run older than its resolved_config.yaml
+        raise ConfigError(f"--compare {run_dir}: the run's config has model.vocab_size={vocab}; compare a run "
+                          "made by this version (it records the number it used)")
     overrides: List[str] = []
     if os.path.isfile(os.path.join(hydra, "overrides.yaml")):
         given: Any = OmegaConf.to_container(OmegaConf.load(os.path.join(hydra, "overrides.yaml")))
@@ -50,6 +58,11 @@ def read_run(run_dir: str) -> Dict[str, Any]:
     return {"cfg": cfg, "overrides": overrides, "sizes": sizes, "rows": rows}
 
 
+MODEL_SHAPE_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "ffn_multiple_of",
+                    "tie_embeddings")
+"""The model keys the planner's arithmetic reads (``ModelShape.from_config``)."""
+
+
 def pins_of(run: Dict[str, Any]) -> List[str]:
     """Overrides that pin the planner to the run's own layout."""
     cfg = run["cfg"]
@@ -59,6 +72,9 @@ def pins_of(run: Dict[str, Any]) -> List[str]:
             f"trainer.seq_len={cfg['trainer']['seq_len']}"]
     out.append(f"trainer.precision={cfg['trainer']['precision']}")
     out.append(f"model.recompute={cfg['model'].get('recompute', 'none')}")
+    # the shape the run trained (model.vocab_size=auto and model.hf_dir's shape are filled in at the run's start)
+    out += [f"model.{k}={'null' if cfg['model'].get(k) is None else cfg['model'][k]}" for k in MODEL_SHAPE_KEYS
+            if k in cfg["model"]]
     zero = (cfg.get("parallel", {}).get("zero") or {}).get("stage")
     if zero is not None:
         out.append(f"parallel.zero.stage={zero}")

@@ -24,6 +24,8 @@ def _prediction(run) -> Tuple[Optional[Dict[str, float]], str]:
 
     if run.config is None or not run.layout:
         return None, "the run directory has no .hydra/config.yaml or layout.json"
+    if not isinstance(run.config.model.vocab_size, int):  # a run older than its resolved_config.yaml
+        return None, f"the run's config has model.vocab_size={run.config.model.vocab_size}, not a number"
     try:
         return predicted_bytes(run.config, run.layout["sizes"]), ""
     except (HpctrainError, KeyError, ValueError) as e:

@@ -14,7 +14,7 @@ class Run:
     path: str
     metrics: List[Dict[str, Any]]
     config: Optional[Any] = None
-    """The run's config (``.hydra/config.yaml``, typed), when present."""
+    """The run's config (``store.run_config_path``, typed), when present."""
     layout: Dict[str, Any] = field(default_factory=dict)
     peaks: Dict[str, List[float]] = field(default_factory=dict)
     timeline_png: Optional[bytes] = None
@@ -37,11 +37,12 @@ def _json(path: str, default: Any) -> Any:
 
 
 def _config(run_dir: str) -> Optional[Any]:
-    path = os.path.join(run_dir, ".hydra", "config.yaml")
-    if not os.path.exists(path):
-        return None
-    from hpctrain.config.store import to_config
+    from hpctrain.config.store import run_config_path, to_config
     from hpctrain.plugins import get_manager
+
+    path = run_config_path(run_dir)
+    if path is None:
+        return None
 
     try:
         return to_config(open(path).read(), get_manager())

@@ -58,6 +58,7 @@ def test_validation_in_training_and_hpctrain_eval_at_another_layout(tmp_path):
     log = (tmp_path / "train" / "train.log").read_text()
     assert "step 4: validation loss" in log and "(books " in log, log
     assert f"model.vocab_size=auto: {VOCAB}, the data tokenizer's vocabulary" in r.stderr
+    _the_run_reads_back_with_its_vocabulary(tmp_path / "train")
 
     # as while the training job still runs: another process holds the checkpoint directory's lock,
     # which hpctrain-eval (it saves nothing) does not need
@@ -93,6 +94,22 @@ def test_validation_in_training_and_hpctrain_eval_at_another_layout(tmp_path):
     [line] = _errors(bad.stderr)
     assert "hpctrain-eval needs validation data: data.source=indexed with data.split=<fraction>" in line, line
     assert "Traceback" not in bad.stderr
+
+
+def _the_run_reads_back_with_its_vocabulary(run):
+    """The run records the config it trained with (``resolved_config.yaml``: the number ``auto`` became),
+    so its report and ``hpctrain-plan --compare`` model the model it trained (they failed on ``auto``)."""
+    import yaml
+
+    from hpctrain.planner.cli import main as plan
+    from hpctrain.report.cli import main as report
+
+    assert yaml.safe_load((run / "resolved_config.yaml").read_text())["model"]["vocab_size"] == VOCAB
+    assert yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["model"]["vocab_size"] == "auto"
+    assert plan(["--compare", str(run), "cluster=cpu-8"]) == 0
+    assert report([str(run), "-o", str(run / "report.html")]) == 0
+    page = (run / "report.html").read_text()
+    assert "cannot model" not in page and "vocab_size=auto" not in page
 
 
 def test_the_readme_data_example(tmp_path):
