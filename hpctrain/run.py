@@ -120,7 +120,8 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
             # it saves nothing, so it reads without the directory's lock: a running training job may hold it
             cfg.checkpoint.every, cfg.checkpoint.save_on_stop = 0, False
         # hpctrain-eval writes validation.json only: no logger backend run (no training step to log)
-        trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder, loggers=not evaluate_only)
+        trainer = prepare_run(cfg, run_dir, pm, watchdog_holder=holder, loggers=not evaluate_only,
+                              trains=not evaluate_only)
         history = evaluate(trainer, run_dir) if evaluate_only else trainer.fit()
         done = True
         return history
@@ -181,9 +182,10 @@ def start_watchdog(cfg: Any, rt: Runtime, run_dir: Optional[str] = None):
 
 
 def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holder: Optional[List[Any]] = None,
-                loggers: bool = True):
+                loggers: bool = True, trains: bool = True):
     """Validate (agreed over all ranks), build the mesh and the Trainer; no step yet; with ``loggers``,
-    open the logger backends (else the trainer opens them at its first logged step, if any).
+    open the logger backends (else the trainer opens them at its first logged step, if any). Without
+    ``trains`` (``hpctrain-eval``) a checkpoint of another optimizer is accepted: no step is taken.
 
     With ``watchdog_holder`` (a list), the hang watchdog is started after
     validation and appended to it; the caller stops it."""
@@ -213,6 +215,8 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
         for line in [*notes, elastic.describe(cfg, mesh)]:
             log_rank0("%s", line)
     trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
+    if trains:
+        trainer.refuse_another_optimizer()
     if loggers:  # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
         trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
     return trainer

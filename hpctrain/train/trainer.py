@@ -46,7 +46,7 @@ from hpctrain.data import DataCursor, SampleOrder
 from hpctrain.data.orders import Orders, sample_orders
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sequence import cp_positions
-from hpctrain.errors import PluginError
+from hpctrain.errors import ConfigError, PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.aux import objective_scale
@@ -144,16 +144,33 @@ class Trainer:
         self._comm_logged: set = set()
         self.resumed_from = "none"
         """The tier this run resumed from: local, persistent or none (``hpctrain.train.recovery``)."""
+        self.resumed_checkpoint: Optional[str] = None
+        """The persistent checkpoint this run resumed from."""
+        self.resumed_optimizer: Optional[str] = None
+        """The ``optim.name`` that saved it, where its checkpointer records one (``refuse_another_optimizer``)."""
         if self.checkpointer is not None and cfg.checkpoint.resume:
             path = self.checkpointer.resolve(str(cfg.checkpoint.resume))
             if path is not None:
                 # load may fall back to an older checkpoint (resume=auto) and returns what it loaded
                 path = self.checkpointer.load(self, path) or path
-                self.resumed_from = "persistent"
+                self.resumed_from, self.resumed_checkpoint = "persistent", path
                 log_rank0("resumed from %s at step %d (%d samples consumed)", path, self.step,
                           self.cursor.consumed_samples)
         if self.local_tier is not None:
             self._resume_local()
+
+    def refuse_another_optimizer(self) -> None:
+        """A ConfigError, on every rank alike, when the checkpoint resumed was saved by
+        another optimizer: its state is not this one's (AdamW fails at its first step
+        without its moments; LARS would carry AdamW's along into every later save).
+        Asked before training, not by ``hpctrain-eval``, which takes no step."""
+        saved, now = self.resumed_optimizer, str(self.cfg.optim.name)
+        if saved is None or saved == now:
+            return
+        path = self.resumed_checkpoint
+        raise ConfigError(f"checkpoint {path} holds the optimizer state of optim.name={saved!r}, and this run uses "
+                          f"{now!r}; resume with optim={saved}, or start {now} from its weights alone in another "
+                          f"checkpoint.dir with checkpoint.init_from={path} (step 0, a fresh optimizer state)")
 
     def extra_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the loop besides tensors, step and cursor (the same on every rank)."""

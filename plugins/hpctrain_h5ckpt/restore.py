@@ -147,6 +147,10 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
     if problem:  # the index is the same on every rank: every rank raises
         raise ConfigError(f"checkpoint {reader.path}: {problem}")
     _refuse_another_model(trainer, reader, shapes)
+    saved_optimizer = meta.get("optimizer")
+    if saved_optimizer is None:  # files before the attribute: from the config (parsed for them only)
+        saved_optimizer = _select(_saved_config(reader), "optim.name")
+    trainer.resumed_optimizer = None if saved_optimizer is None else str(saved_optimizer)  # (the trainer decides)
     cursor_state = json.loads(meta["data_cursor"]) if "data_cursor" in meta else {}  # older files: no blend state
     cursor_state["consumed_samples"] = int(meta["consumed_samples"])
     if "global_batch_size" not in cursor_state:  # files before the cursor saved it: from the config

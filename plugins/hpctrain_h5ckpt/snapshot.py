@@ -13,7 +13,8 @@ The tree (``h5ls -r`` shows it)::
     /meta/rng/torch_cuda                the same for the rank's GPU generator (GPU runs)
     /meta  attributes                   format, format_version, step,
                                         consumed_samples, world_size, layout,
-                                        scheduler, data_cursor, trainer_state
+                                        optimizer (optim.name), scheduler,
+                                        data_cursor, trainer_state
                                         (the trainer's ``extra_state()``, JSON),
                                         versions, created_unix, ...
 
@@ -220,6 +221,7 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
     view.attrs = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(trainer.step),
         "consumed_samples": consumed, "world_size": mesh.world_size, "model": str(cfg.model.name),
+        "optimizer": str(o.name),
         "layout": json.dumps({"sizes": dict(mesh.sizes), "order": "-".join(mesh.order), "world_size": mesh.world_size}),
         "scheduler": json.dumps({"name": "warmup_cosine", "next_lr": lr_at(int(trainer.step), o, total),
                                  "lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio),

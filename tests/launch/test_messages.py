@@ -88,6 +88,24 @@ def test_resume_auto_says_once_that_it_tries_no_older_checkpoint(saved, tmp_path
     assert len(lines) == 6 and "skipping" not in out and "Traceback" not in out, out
 
 
+def test_another_optimizer_is_refused_before_the_first_step(saved, tmp_path):
+    """AdamW's state resumed by LARS (it would carry AdamW's moments into every later save) or the other way
+    (AdamW failed at its first step without its moments): one line naming both and the fixes."""
+    def files():  # (the lock file is taken by every run that resumes here)
+        return {p.name: p.stat().st_mtime_ns for p in saved.iterdir() if p.name != ".hpctrain.lock"}
+
+    before = files()
+    code, out = _launch(["optim=lars", "checkpoint.resume=auto", f"checkpoint.dir={saved}"], tmp_path)
+    assert code == 2, out
+    path = f"{saved}/step_00000004.h5"
+    assert _errors(out) == [
+        f"checkpoint {path} holds the optimizer state of optim.name='adamw', and this run uses 'lars'; resume with "
+        f"optim=adamw, or start lars from its weights alone in another checkpoint.dir with "
+        f"checkpoint.init_from={path} (step 0, a fresh optimizer state)"], out
+    assert "Traceback" not in out and not (tmp_path / "metrics.jsonl").exists(), out
+    assert files() == before
+
+
 def test_another_global_batch_is_refused_through_an_explicit_path(saved, tmp_path):
     code, out = _launch(["trainer.global_batch_size=32", f"checkpoint.resume={saved}/step_00000004.h5"], tmp_path)
     assert code == 2, out
@@ -120,7 +138,7 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_they_stay(save
         "would then continue whichever run reached the higher step; continue that run with "
         "checkpoint.resume=auto, or give this one its own checkpoint.dir"], out
     assert "Traceback" not in out and not (tmp_path / "metrics.jsonl").exists(), out
-    assert {p.name: p.stat().st_mtime_ns for p in saved.iterdir()} == before
+    assert files() == before
 
 
 # alone: a job beside it would make its ranks stragglers for real

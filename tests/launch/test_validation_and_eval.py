@@ -67,7 +67,8 @@ def test_validation_in_training_and_hpctrain_eval_at_another_layout(tmp_path):
                                f"{tmp_path}/ckpt"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        e = _launch(2, "hpctrain-eval", *data, "parallel.tp=2", "checkpoint.resume=auto",
+        # another optimizer than the one that saved (AdamW): eval takes no step, so it is not refused
+        e = _launch(2, "hpctrain-eval", *data, "parallel.tp=2", "optim=lars", "checkpoint.resume=auto",
                     f"hydra.run.dir={tmp_path}/eval")
     finally:
         holder.kill()
