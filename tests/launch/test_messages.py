@@ -138,7 +138,7 @@ def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_they_stay(save
         "would then continue whichever run reached the higher step; continue that run with "
         "checkpoint.resume=auto, or give this one its own checkpoint.dir"], out
     assert "Traceback" not in out and not (tmp_path / "metrics.jsonl").exists(), out
-    assert files() == before
+    assert {p.name: p.stat().st_mtime_ns for p in saved.iterdir()} == before
 
 
 # alone: a job beside it would make its ranks stragglers for real
