@@ -125,6 +125,18 @@ def _locate(arg: str) -> Tuple[str, str]:
     return HUGGINGFACE, path
 
 
+def tokenizer_vocab_size(arg: str) -> int:
+    """How many ids ``--tokenizer arg`` (a tokenizer.json, a .model, a directory holding one) can
+    produce, added tokens included; ``TokenizerError`` with one line when it cannot be read."""
+    _limit_threads()
+    kind, path = _locate(arg)
+    if kind == BYTES:
+        return 256
+    if kind == HUGGINGFACE:
+        return int(_load_hf(path, arg).get_vocab_size(with_added_tokens=True))
+    return int(_load_sp(path, arg).get_piece_size())
+
+
 def _config_token(directory: str, key: str) -> Tuple[Optional[str], Optional[dict]]:
     """``key`` (e.g. eos_token) from tokenizer_config.json or special_tokens_map.json, and the config."""
     config = None

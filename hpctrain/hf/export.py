@@ -239,9 +239,10 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(generation_config(config), f, indent=2)
     written += ["config.json", "generation_config.json"]
-    for src in tokenizer_from or []:
+    for src in tokenizer_from or []:  # a later source's file replaces an earlier one's of the same name
         for path in ([os.path.join(src, n) for n in TOKENIZER_FILES] if os.path.isdir(src) else [src]):
             if os.path.isfile(path):
                 shutil.copy(path, os.path.join(out, os.path.basename(path)))
-                written.append(os.path.basename(path))
+                if os.path.basename(path) not in written:
+                    written.append(os.path.basename(path))
     return written

@@ -12,8 +12,10 @@ PATH is a checkpoint file or a checkpoint directory (inspect and export:
 its newest committed checkpoint; verify: every one, and the orphaned
 temporary files and a stale ``latest`` are named). One
 process, the default HDF5 driver, read-only; nothing is ever unpickled.
-Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage (one ``hpctrain: error:`` line: an export
-target whose parent does not exist, a Hugging Face directory that cannot be imported).
+Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage (one ``hpctrain: error:`` line: a PATH that
+does not exist, an export target whose parent does not exist, an export ``--tokenizer`` that does not
+exist or has more tokens than the model's vocabulary, a Hugging Face directory that cannot be imported).
+A failed export removes the directory it made.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 from typing import Any, List, Optional
@@ -39,8 +42,11 @@ def _resolve(path: str) -> str:
         if not found:
             raise CheckpointError(f"{path}: no committed checkpoint (step_*.h5) in this directory")
         return found[0]
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file")
+    if not os.path.exists(path):  # a mistyped path: bad usage (2), not a bad checkpoint (1)
+        from hpctrain.errors import ConfigError
+
+        raise ConfigError(f"{path}: no such file or directory; give a checkpoint file (step_*.h5) or the "
+                          "checkpoint.dir holding them")
     return path
 
 
@@ -146,7 +152,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     check_target(args.to)  # before the checkpoint is even looked for
     path = _resolve(args.path)
-    files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
+    made = not os.path.exists(args.to)
+    try:
+        files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
+    except BaseException:
+        if made and os.path.isdir(args.to):  # a failed export leaves no directory it made (a partial model)
+            shutil.rmtree(args.to, ignore_errors=True)
+        raise
     print(f"wrote {args.to}: {', '.join(files)} (Hugging Face {args.dtype}; q/k rows in rotate_half order)")
     return 0
 

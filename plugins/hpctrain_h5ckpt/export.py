@@ -20,6 +20,8 @@ import h5py
 import numpy as np
 import torch
 
+from hpctrain.errors import ConfigError
+
 from hpctrain_h5ckpt import checksum
 from hpctrain_h5ckpt.errors import CheckpointError
 
@@ -70,15 +72,36 @@ def _order(logical: str) -> tuple:
     return (2, 0 if logical.startswith("norm") else 1, logical)
 
 
+def _check_tokenizer(tokenizer: str, model_vocab: Any) -> None:
+    """``--tokenizer``: one that exists and whose ids all have a row in the model's embedding."""
+    from hpctrain.data.tokenize import TokenizerError, tokenizer_vocab_size
+
+    try:
+        vocab = tokenizer_vocab_size(tokenizer)
+    except TokenizerError as e:
+        raise ConfigError(str(e)) from None
+    if isinstance(model_vocab, int) and vocab > model_vocab:
+        raise ConfigError(f"--tokenizer {tokenizer} has {vocab} tokens, more than the model's vocabulary of "
+                          f"{model_vocab} (model.vocab_size): its ids from {model_vocab} on have no embedding row; "
+                          "give the tokenizer the model was trained with")
+
+
 def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
               tokenizer: Optional[str] = None) -> List[str]:
     """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written."""
     from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 
     check_target(out)
-    with h5py.File(path, "r") as f:
+    try:
+        f = h5py.File(path, "r")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: cannot be opened as HDF5 ({e}); the file is truncated, torn "
+                              "or not a checkpoint") from None
+    with f:
         cfg = run_config(f)
         model = cfg.model
+        if tokenizer:
+            _check_tokenizer(tokenizer, model.vocab_size)
         group = f["model"]
         entries = [Entry(name, tuple(group[name].shape), _reader(path, group[name]))
                    for name in sorted(group, key=_order)]

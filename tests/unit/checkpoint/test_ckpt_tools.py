@@ -174,3 +174,51 @@ def test_nonfinite_checkpoints_are_flagged_skipped_and_orphans_cleaned(tmp_path,
     assert all(bool(torch.isfinite(p).all()) for p in resumed.model.parameters())
     assert any("checkpoint.resume=auto: 2 checkpoint(s) in" in s and "steps 2, 1" in s for s in said), said
     assert any("non-finite values" in s and "step_00000002.h5" in s for s in said)
+
+
+def _word_tokenizer(path, n: int) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    Tokenizer(WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0")).save(str(path))
+    return str(path)
+
+
+BAD_EXPORTS = {  # name: (the arguments after export, exit status, how the one line starts)
+    "not-a-checkpoint": (lambda d, t, c: [str(t / "notes.txt")], 1,
+                         "checkpoint {t}/notes.txt: cannot be opened as HDF5"),
+    "truncated": (lambda d, t, c: [c()], 1, "checkpoint {t}/step_00000004.h5: cannot be opened as HDF5"),
+    "no-such-path": (lambda d, t, c: [str(t / "nothing.h5")], 2, "{t}/nothing.h5: no such file or directory; give"),
+    "no-such-tokenizer": (lambda d, t, c: [d, "--tokenizer", str(t / "nothere.json")], 2,
+                          "--tokenizer {t}/nothere.json does not exist"),
+    "a-larger-tokenizer": (lambda d, t, c: [d, "--tokenizer", _word_tokenizer(t / "big.json", 300)], 2,
+                           "--tokenizer {t}/big.json has 300 tokens, more than the model's vocabulary of 256 "
+                           "(model.vocab_size)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXPORTS))
+def test_a_bad_export_is_one_line_and_leaves_no_directory(ckpt_dir, copy_of, tmp_path, capsys, case):
+    (tmp_path / "notes.txt").write_text("not hdf5\n")
+
+    def truncated():
+        path = copy_of()
+        os.truncate(path, 50_000)
+        return path
+
+    args, status, start = BAD_EXPORTS[case]
+    out = tmp_path / "hf"
+    assert cli.main(["export", *args(ckpt_dir, tmp_path, truncated), "--to", str(out)]) == status
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("hpctrain: error: " + start.format(t=tmp_path)), err
+    assert not out.exists()
+
+
+def test_a_tokenizer_within_the_vocabulary_is_exported_once(ckpt_dir, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    _word_tokenizer(tok / "tokenizer.json", 200)
+    out = tmp_path / "hf"
+    assert cli.main(["export", ckpt_dir, "--to", str(out), "--tokenizer", str(tok)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert capsys.readouterr().out.count("tokenizer.json") == 1
