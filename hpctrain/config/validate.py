@@ -58,7 +58,8 @@ def check_layout(sizes: Mapping[str, int], trainer: Any, model: Any, world_size:
             f"trainer.micro_batch_size({mb}) = {m}; use a multiple of {m} (e.g. {lo} or {hi})"
         )
     if trainer.seq_len > model.max_seq_len:
-        problems.append(f"trainer.seq_len={trainer.seq_len} exceeds model.max_seq_len={model.max_seq_len}")
+        problems.append(f"trainer.seq_len={trainer.seq_len} exceeds model.max_seq_len={model.max_seq_len}; "
+                        "shorten trainer.seq_len or raise model.max_seq_len")
     problems += _tensor_parallel_checks(sizes["tp"], sizes["cp"], trainer.seq_len, model, sequence_parallel)
     cp = sizes["cp"]
     if cp > 1 and trainer.seq_len % (2 * cp):

@@ -350,6 +350,6 @@ def _stored_dtype(info: Any) -> torch.dtype:
 def _layout_str(layout: Any) -> str:
     try:
         d = json.loads(layout)
-        return " * ".join(f"{a}={d['sizes'][a]}" for a in d["order"].split("-")) + f" ({d['world_size']} ranks)"
+        return " * ".join(f"{a}={d['sizes'][a]}" for a in d["order"].split("-")) + f" ({d['world_size']} rank{'s' if d['world_size'] != 1 else ''})"
     except (TypeError, ValueError, KeyError):
         return "an unknown layout"
