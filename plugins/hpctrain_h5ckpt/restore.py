@@ -350,6 +350,7 @@ def _stored_dtype(info: Any) -> torch.dtype:
 def _layout_str(layout: Any) -> str:
     try:
         d = json.loads(layout)
-        return " * ".join(f"{a}={d['sizes'][a]}" for a in d["order"].split("-")) + f" ({d['world_size']} rank{'s' if d['world_size'] != 1 else ''})"
+        ranks = f"{d['world_size']} rank{'s' if d['world_size'] != 1 else ''}"
+        return " * ".join(f"{a}={d['sizes'][a]}" for a in d["order"].split("-")) + f" ({ranks})"
     except (TypeError, ValueError, KeyError):
         return "an unknown layout"
