@@ -122,13 +122,18 @@ def get_manager() -> pluggy.PluginManager:
     return _manager
 
 
-def call_each(pm: pluggy.PluginManager, hook: str, **kwargs: Any) -> List[Tuple[str, Any]]:
+def call_each(pm: pluggy.PluginManager, hook: str, name_errors: bool = True, **kwargs: Any) -> List[Tuple[str, Any]]:
     """[(plugin name, its answer)] of every implementation of ``hook``, in the
-    order pluggy calls them. An exception other than hpctrain's own is a
-    PluginError naming the plugin and the hook (a plugin's bug is not ours)."""
+    order pluggy calls them. With ``name_errors``, an exception other than
+    hpctrain's own is a PluginError naming the plugin and the hook (a plugin's
+    bug is not ours); without, it propagates as raised (a hook inside a step,
+    where one rank's exception must end in a traceback and an MPI abort)."""
     out: List[Tuple[str, Any]] = []
     for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
         if impl.hookwrapper or impl.wrapper:
+            continue
+        if not name_errors:
+            out.append((impl.plugin_name, impl.function(**{a: kwargs[a] for a in impl.argnames})))
             continue
         try:
             out.append((impl.plugin_name, impl.function(**{a: kwargs[a] for a in impl.argnames})))

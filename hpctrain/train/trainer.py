@@ -54,6 +54,7 @@ from hpctrain.model.compile import report_once
 from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.compose import parallelize
 from hpctrain.parallel.finalize import finalize_grads
+from hpctrain.plugins import call_each
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.grad_norm import clip_, gradient_pairs, reduce_totals
 from hpctrain.train.guard import LossSpikes, NonFiniteGuard
@@ -408,11 +409,12 @@ class Trainer:
             self.peaks_per_rank = gather_peaks(mesh, self.device)
             self.metrics.update(summarise(self.peaks_per_rank))
             self._comm_seen = self._comm_totals()
-        for extra in self.pm.hook.hpctrain_step_metrics(trainer=self, step=self.step, metrics=dict(self.metrics)):
+        for plugin, extra in call_each(self.pm, "hpctrain_step_metrics", name_errors=False, trainer=self,
+                                       step=self.step, metrics=dict(self.metrics)):
             for key, value in (extra or {}).items():
                 if key in self.metrics:
-                    raise PluginError(f"a plugin's hpctrain_step_metrics returned {key!r}, which is already a metric; "
-                                      "prefix plugin metrics with the plugin's name")
+                    raise PluginError(f"plugin {plugin!r}: its hpctrain_step_metrics returned {key!r}, which is "
+                                      f"already a metric; prefix plugin metrics with the plugin's name")
                 self.metrics[key] = value
         return self.metrics
 

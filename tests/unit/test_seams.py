@@ -124,8 +124,9 @@ def test_a_step_metric_may_not_replace_a_core_metric(pm, make_config):
         def hpctrain_step_metrics(self, trainer, step, metrics):
             return {"loss": 0.0}
 
-    pm.register(Clobber())
+    pm.register(Clobber(), name="clobber")
     trainer = reference_trainer(make_config("trainer.steps=1", "trainer.global_batch_size=2",
                                             "trainer.micro_batch_size=2"), pm)
-    with pytest.raises(PluginError, match="'loss', which is already a metric"):
+    with pytest.raises(PluginError, match="plugin 'clobber': its hpctrain_step_metrics returned 'loss', which is "
+                                          "already a metric"):
         trainer.train_step()
