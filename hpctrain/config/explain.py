@@ -80,8 +80,12 @@ def _missing_preset(exc: Any) -> str:
     options = [o for o in (getattr(exc, "options", None) or []) if not o.endswith("_schema")]
     if not group:
         return f"no config named {wanted!r}" + (f"; choose one of: {', '.join(options)}" if options else "")
+    from hpctrain.plugins import blocked_hint
+
+    hint = blocked_hint()  # the preset may be a blocked plugin's
     return (f"{group}={name}: there is no preset {name!r} in group {group}; choose one of: "
-            f"{', '.join(options) or '(none)'} (hpctrain/conf/{group}/*.yaml)")
+            f"{', '.join(options) or '(none)'} (hpctrain/conf/{group}/*.yaml and the plugins')"
+            + (f"; {hint}" if hint else ""))
 
 
 def _omegaconf_problem(cause: Any, pm: Any) -> str:

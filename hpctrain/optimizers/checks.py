@@ -13,8 +13,9 @@ def optimizer_problems(cfg: Any, pm: Any, plugin_names: Sequence[str] = ()) -> L
     o = cfg.optim
     out = []
     if o.name not in OPTIMIZERS and o.name not in plugin_names:
-        out.append(f"optim.name={o.name!r} is not one of {', '.join(list(OPTIMIZERS) + list(plugin_names))}; "
-                   "choose a preset: optim=adamw, optim=lamb, optim=lars or optim=muon")
+        names = list(OPTIMIZERS) + [n for n in plugin_names if n not in OPTIMIZERS]
+        out.append(f"optim.name={o.name!r} is not one of {', '.join(names)}; choose a preset: "
+                   + ", ".join(f"optim={n}" for n in names[:-1]) + f" or optim={names[-1]}")
     bad = [k for k in o.exclude_from_adaptation if k not in ADAPTATION_KINDS]
     if bad:
         out.append(f"optim.exclude_from_adaptation={list(o.exclude_from_adaptation)}: {', '.join(map(repr, bad))} "

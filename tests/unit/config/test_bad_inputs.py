@@ -182,6 +182,8 @@ BAD = [
     ("parallel.zero.stag=1", "did you mean parallel.zero.stage?"),
     ("comm.per_axis.pp=mpi", "comm.per_axis is a mapping with no entry 'pp' yet; add one with +comm.per_axis.pp="),
     ("model=gpt5", "model=gpt5: there is no preset 'gpt5' in group model; choose one of: gpt2-124m,"),
+    ("HPCTRAIN_DISABLE_PLUGINS=zero optim=mine",
+     "(hpctrain/conf/optim/*.yaml and the plugins'); blocked by HPCTRAIN_DISABLE_PLUGINS: zero; to unblock"),
     ("trainer.steps=[1", "cannot parse the override 'trainer.steps=[1'"),
     # a plugin blocked by the environment: the message names the variable and how to unblock
     ("HPCTRAIN_DISABLE_PLUGINS=h5ckpt checkpoint.every=5",
