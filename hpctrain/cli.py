@@ -103,7 +103,10 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     from hpctrain.config.store import CONF_DIR, expand_shorthands, register_configs
     from hpctrain.plugins import get_manager
 
-    register_configs(get_manager())
+    try:
+        register_configs(get_manager())
+    except HpctrainError as e:  # a plugin's presets (two plugins storing one): its one line
+        return _fail(str(e), 0, e.exit_code)
     codes: List[int] = []
     swept = _swept_keys(argv)
     user_full_error = os.environ.get(_FULL_ERROR)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import pluggy
 from omegaconf import OmegaConf
@@ -122,9 +122,11 @@ def get_manager() -> pluggy.PluginManager:
     return _manager
 
 
-def call_each(pm: pluggy.PluginManager, hook: str, name_errors: bool = True, **kwargs: Any) -> List[Tuple[str, Any]]:
+def call_each(pm: pluggy.PluginManager, hook: str, name_errors: bool = True,
+              per_plugin: Optional[Callable[[str], Dict[str, Any]]] = None, **kwargs: Any) -> List[Tuple[str, Any]]:
     """[(plugin name, its answer)] of every implementation of ``hook``, in the
-    order pluggy calls them. With ``name_errors``, an exception other than
+    order pluggy calls them (``per_plugin(name)``: arguments of that plugin's
+    call on top of ``kwargs``). With ``name_errors``, an exception other than
     hpctrain's own is a PluginError naming the plugin and the hook (a plugin's
     bug is not ours); without, it propagates as raised (a hook inside a step,
     where one rank's exception must end in a traceback and an MPI abort)."""
@@ -132,11 +134,12 @@ def call_each(pm: pluggy.PluginManager, hook: str, name_errors: bool = True, **k
     for impl in reversed(getattr(pm.hook, hook).get_hookimpls()):
         if impl.hookwrapper or impl.wrapper:
             continue
+        given = {**kwargs, **(per_plugin(impl.plugin_name) if per_plugin is not None else {})}
         if not name_errors:
-            out.append((impl.plugin_name, impl.function(**{a: kwargs[a] for a in impl.argnames})))
+            out.append((impl.plugin_name, impl.function(**{a: given[a] for a in impl.argnames})))
             continue
         try:
-            out.append((impl.plugin_name, impl.function(**{a: kwargs[a] for a in impl.argnames})))
+            out.append((impl.plugin_name, impl.function(**{a: given[a] for a in impl.argnames})))
         except HpctrainError:
             raise
         except Exception as e:

@@ -153,9 +153,35 @@ def register_configs(pm=None) -> type:
     for group, cls in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=cls)
     if pm is not None:
-        pm.hook.hpctrain_register_configs(config_store=cs)
+        from hpctrain.plugins import call_each
+
+        stored: Dict[Tuple[Optional[str], str], str] = {}
+        call_each(pm, "hpctrain_register_configs",
+                  per_plugin=lambda plugin: {"config_store": _PluginStore(cs, stored, plugin)})
     _registered = key
     return top
+
+
+class _PluginStore:
+    """The ConfigStore as each plugin's ``hpctrain_register_configs`` sees it: a
+    preset another plugin stored under the same group and name is refused
+    (the later one would silently win, in install order)."""
+
+    def __init__(self, store: Any, stored: Dict[Tuple[Optional[str], str], str], plugin: str):
+        self._store, self._stored, self.plugin = store, stored, plugin
+
+    def store(self, name: str, node: Any, group: Optional[str] = None, **kwargs: Any) -> None:
+        where = (group, str(name).removesuffix(".yaml"))
+        owner = self._stored.setdefault(where, self.plugin)
+        if owner != self.plugin:
+            shown = f"{group}={where[1]}" if group else where[1]
+            raise PluginError(f"plugins {owner!r} and {self.plugin!r} both store the preset {shown}; the one used "
+                              "would depend on the order they were installed in; rename one, or block one with "
+                              "HPCTRAIN_DISABLE_PLUGINS=<name>")
+        self._store.store(name=name, node=node, group=group, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._store, attr)
 
 
 SHORTHANDS: Dict[str, str] = {"optim.outer": "optim.outer.name"}

@@ -243,3 +243,22 @@ def test_a_plugin_optimizer_that_is_not_made_is_named():
 
     with pytest.raises(PluginError, match="optim.name='myopt': the plugin that lists it under 'optim'"):
         build_optimizer([], SimpleNamespace(name="myopt"), None)
+
+
+class StoresPreset:
+    @hookimpl
+    def hpctrain_register_configs(self, config_store):
+        config_store.store(group="optim", name="test_twice", node={"name": "adamw"})
+
+
+def test_one_preset_stored_by_two_plugins_is_refused():
+    from hydra.core.config_store import ConfigStore
+
+    from hpctrain.config.store import register_configs
+
+    try:
+        with pytest.raises(PluginError, match="plugins '[ab]' and '[ab]' both store the preset optim=test_twice; the "
+                                              "one used would depend on the order they were installed in"):
+            register_configs(_manager(("a", StoresPreset()), ("b", StoresPreset())))
+    finally:  # (the first plugin's preset reached the process-wide store)
+        ConfigStore.instance().repo["optim"].pop("test_twice.yaml", None)
