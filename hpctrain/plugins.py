@@ -87,10 +87,12 @@ def _distribution(ep: md.EntryPoint) -> str:
 def installed_entry_points() -> Dict[str, md.EntryPoint]:
     """{entry-point name: its entry point} of the ``hpctrain`` group. Two
     distributions using one name is an error naming both: the plugin loaded
-    would otherwise depend on the order of ``sys.path``."""
+    would otherwise depend on the order of ``sys.path`` (unless the name is
+    blocked: neither is loaded)."""
     found: Dict[str, md.EntryPoint] = {}
+    blocked = set(blocked_names())
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):  # (one distribution shadowed by another copy: once)
-        if ep.name in found and _distribution(found[ep.name]) != _distribution(ep):
+        if ep.name in found and _distribution(found[ep.name]) != _distribution(ep) and ep.name not in blocked:
             raise PluginError(f"two installed distributions register the hpctrain plugin {ep.name!r}: "
                               f"{_distribution(found[ep.name])} and {_distribution(ep)}; uninstall one, or rename "
                               f"its entry point in its pyproject.toml")

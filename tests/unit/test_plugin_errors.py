@@ -83,6 +83,13 @@ def test_two_distributions_with_one_plugin_name_are_refused(site):
         create_manager()
 
 
+def test_blocking_a_name_two_distributions_use_loads_neither(site, monkeypatch):
+    _install(site, "hpw-first", "mine", GOOD)
+    _install(site, "hpw-second", "mine", GOOD, version="2.0")
+    monkeypatch.setenv("HPCTRAIN_DISABLE_PLUGINS", "mine")
+    assert "mine" not in {p.name for p in describe(create_manager())}
+
+
 def test_an_installed_plugin_is_listed_with_its_distribution(site):
     _install(site, "hpw-good", "mine", GOOD, version="1.2")
     pm = create_manager()
