@@ -93,8 +93,8 @@ def _check_section(plugin: str, key: str, section: Any, owner: Dict[str, str]) -
     parts = key.split(".")
     if not (len(parts) == 1 or (len(parts) == 2 and parts[0] in GROUPS)):
         raise refuse("must be 'name' or '<core group>.name'")
-    if len(parts) == 1 and key in GROUPS:
-        raise refuse("has the name of a core group")
+    if len(parts) == 1 and (key in GROUPS or key in ("run_dir", "hydra")):
+        raise refuse("has the name of a core group or key")
     if len(parts) == 2 and parts[1] in {f.name for f in dataclasses.fields(GROUPS[parts[0]])}:
         raise refuse(f"is a core key ({key} is in the core's {GROUPS[parts[0]].__name__}); choose another name")
     if key in owner:

@@ -147,7 +147,8 @@ SECTIONS = {
                    "plugin 'a': config section 'logging.name' is a core key (logging.name is in the core's "
                    "LoggingConfig); choose another name"),
     "a-core-group": ([("a", Sections({"trainer": Section}))],
-                     "plugin 'a': config section 'trainer' has the name of a core group"),
+                     "plugin 'a': config section 'trainer' has the name of a core group or key"),
+    "the-run-dir": ([("a", Sections({"run_dir": Section}))], "config section 'run_dir' has the name of a core"),
     "no-default": ([("a", Sections({"mine": Required}))],
                    "plugin 'a': config section 'mine' cannot be made from its defaults"),
     "not-a-dataclass": ([("a", Sections({"mine": dict}))], "plugin 'a': config section 'mine' must be a dataclass"),
