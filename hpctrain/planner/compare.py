@@ -35,6 +35,7 @@ def read_run(run_dir: str) -> Dict[str, Any]:
         if not os.path.isfile(path):
             raise ConfigError(f"--compare {run_dir}: {path} does not exist; give the run directory of a finished "
                               "hpctrain-train run (it holds .hydra/ and metrics.jsonl)")
+    assert config is not None  # (the loop refused a directory without one)
     from omegaconf import OmegaConf
 
     cfg: Any = OmegaConf.to_container(OmegaConf.load(config))
