@@ -28,7 +28,7 @@ import signal
 import sys
 from typing import Any, List, Optional
 
-from hpctrain.errors import ArgumentParser, write_error
+from hpctrain.errors import ArgumentParser, ConfigError, write_error
 
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.options import IOOptions
@@ -43,8 +43,6 @@ def _resolve(path: str) -> str:
             raise CheckpointError(f"{path}: no committed checkpoint (step_*.h5) in this directory")
         return found[0]
     if not os.path.exists(path):  # a mistyped path: bad usage (2), not a bad checkpoint (1)
-        from hpctrain.errors import ConfigError
-
         raise ConfigError(f"{path}: no such file or directory; give a checkpoint file (step_*.h5) or the "
                           "checkpoint.dir holding them")
     return path
@@ -173,8 +171,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = ArgumentParser(prog="hpctrain-ckpt",
-                                 description="Inspect, verify and export hpctrain HDF5 checkpoints.")
+    ap = ArgumentParser(prog="hpctrain-ckpt", description="Inspect, verify and export hpctrain HDF5 checkpoints.")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="tree, shapes, step, layout, size")
     p.add_argument("path")
@@ -203,8 +200,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv is None and hasattr(signal, "SIGPIPE"):  # as a command: `hpctrain-ckpt inspect X | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
-    from hpctrain.errors import ConfigError
-
     try:
         return int(args.func(args))
     except ConfigError as e:  # bad usage: the one line every hpctrain command prints, status 2
