@@ -34,7 +34,7 @@ from hpctrain.parity import StepDiff, compare, record
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
     p = ArgumentParser(prog="hpctrain-parity", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3, help="training steps to compare (default 3)")
     p.add_argument("--loss-rtol", type=float, default=1e-5, help="largest relative loss difference (default 1e-5)")
     p.add_argument("--grad-tol", type=float, default=1e-4,
@@ -46,6 +46,9 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
         p.error(f"--steps={args.steps}: compare at least 1 step")
     if not (args.loss_rtol >= 0 and args.grad_tol >= 0):
         p.error("--loss-rtol and --grad-tol must be >= 0")
+    steps = [o for o in args.overrides if o.lstrip("+").split("=", 1)[0] == "trainer.steps"]
+    if steps:  # it would be ignored: both runs take --steps steps
+        p.error(f"{steps[0]}: hpctrain-parity compares --steps N steps (default 3); give --steps instead")
     return args
 
 

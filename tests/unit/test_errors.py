@@ -77,3 +77,17 @@ def test_only_the_launchers_rank_0_says_it(variable, capsys, monkeypatch):
     monkeypatch.setenv(variable, "0")
     assert _run("hpctrain.planner.cli", ["--no-such-flag"]) == 2
     assert capsys.readouterr().err.startswith("hpctrain: error: hpctrain-plan: ")
+
+
+def test_hpctrain_parity_says_which_flag_sets_its_steps(capsys, monkeypatch):
+    """``trainer.steps=5`` was ignored (both runs take ``--steps`` steps): said instead of ignored."""
+    from hpctrain.parity_cli import parse_args
+
+    for name in LAUNCHER_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["parallel.dp=2", "trainer.steps=5"])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "hpctrain: error: hpctrain-parity: trainer.steps=5: hpctrain-parity compares --steps N steps (default 3); "
+        "give --steps instead (see hpctrain-parity --help)"]
+    assert parse_args(["--steps", "5", "parallel.dp=2"]).steps == 5
