@@ -48,7 +48,10 @@ class Checkpointer(Protocol):
         """Restore ``trainer`` (model, optimizer, step, cursor, RNG) from ``path``
         on the trainer's current layout. Returns the path actually loaded
         (with resume=auto a corrupt ``path`` may be skipped for an older
-        checkpoint), or None meaning ``path``."""
+        checkpoint), or None meaning ``path``. A format that records the
+        ``optim.name`` that saved it sets ``trainer.resumed_optimizer`` to it,
+        and training then refuses another optimizer's state
+        (``Trainer.refuse_another_optimizer``)."""
 
     def resolve(self, resume: str) -> Optional[str]:
         """Turn ``checkpoint.resume`` ("auto" or a path) into a checkpoint path,

@@ -137,16 +137,16 @@ def call_each(pm: pluggy.PluginManager, hook: str, name_errors: bool = True,
         if impl.hookwrapper or impl.wrapper:
             continue
         given = {**kwargs, **(per_plugin(impl.plugin_name) if per_plugin is not None else {})}
-        if not name_errors:
-            out.append((impl.plugin_name, impl.function(**{a: given[a] for a in impl.argnames})))
-            continue
         try:
-            out.append((impl.plugin_name, impl.function(**{a: given[a] for a in impl.argnames})))
+            answer = impl.function(**{a: given[a] for a in impl.argnames})
         except HpctrainError:
             raise
         except Exception as e:
+            if not name_errors:
+                raise
             raise PluginError(f"plugin {impl.plugin_name!r} raised in {hook}: {type(e).__name__}: {e}; fix the "
                               f"plugin, or block it with {DISABLE_ENV}={impl.plugin_name}") from e
+        out.append((impl.plugin_name, answer))
     return out
 
 

@@ -443,10 +443,6 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
 
 # -- the run ----------------------------------------------------------------------------------
 
-def _error(line: str) -> None:
-    write_error(line)
-
-
 def _write_json(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -470,7 +466,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parse_args(argv)
     except _Usage as e:  # every rank parsed the same arguments: rank 0 speaks for all
         if rank == 0:
-            _error(str(e))
+            write_error(str(e))
         return 2
 
     plan, problem = None, None
@@ -482,7 +478,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan, problem = comm.bcast((plan, problem), root=0)
     if problem:
         if rank == 0:
-            _error(problem)
+            write_error(problem)
         return 2
 
     mine = plan.assignment[rank]
@@ -532,7 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if errors:
         if rank == 0:
             for line in dict.fromkeys(errors):
-                _error(line)
+                write_error(line)
         return 2
     if rank == 0:
         elapsed = time.perf_counter() - progress.t0
