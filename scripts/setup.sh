@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian/Ubuntu machine (root or sudo):
+#   bash scripts/setup.sh           what hpctrain and its demo need
+#   bash scripts/setup.sh --tests   also what only the test suite needs (scripts/test.sh passes it)
 #   1. Open MPI + parallel HDF5 from apt, when missing;
 #   2. a virtual environment (.venv, or $HPCTRAIN_VENV);
 #   3. h5py built against the MPI HDF5, kept in a wheelhouse outside the repo
@@ -17,8 +19,15 @@ TORCH_SPEC=${HPCTRAIN_TORCH_SPEC:-torch==2.13.0}
 say() { printf '[setup] %s\n' "$*"; }
 
 export DEBIAN_FRONTEND=noninteractive
-# chromium: the headless browser the report test (tests/launch/test_report.py) renders hpctrain-report pages in
-apt_pkgs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools gcc libc6-dev pkg-config chromium)
+apt_pkgs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools gcc libc6-dev pkg-config)
+# --tests (scripts/test.sh): also what only the tests need: chromium, the headless browser the report
+# test (tests/launch/test_report.py) renders hpctrain-report pages in. The demo needs no browser.
+for arg in "$@"; do
+  case "$arg" in
+    --tests) apt_pkgs+=(chromium) ;;
+    *) echo "usage: bash scripts/setup.sh [--tests]" >&2; exit 2 ;;
+  esac
+done
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

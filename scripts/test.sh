@@ -12,7 +12,9 @@
 # Usage: bash scripts/test.sh [--quick]   (--quick: unit + 2 ranks only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || { echo "hpctrain: set-up failed"; exit 1; }
+t_setup=$SECONDS
+# --tests: also what only the tests need (the headless browser the report test renders pages in)
+bash scripts/setup.sh --tests || { echo "hpctrain: set-up failed"; exit 1; }
 # shellcheck disable=SC1091
 source .venv/bin/activate
 
@@ -24,9 +26,21 @@ rm -rf "$LOGDIR" && mkdir -p "$LOGDIR"
 status=0
 quick=0; [ "${1:-}" = "--quick" ] && quick=1
 
-section() { printf '\n==== %s ====\n' "$*"; }
+# each section's wall time: printed when it ends ("section time: NAME 4m12s") and listed in the summary
+times=()
 
-section "lint (ruff, mypy)"
+fmt() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+end_section() {
+  [ -n "${sec_name:-}" ] || return 0
+  local took=$((SECONDS - sec_t0))
+  echo "section time: $sec_name $(fmt $took)"
+  times+=("$(printf '  %-32s %s' "$sec_name" "$(fmt $took)")")
+  sec_name=""
+}
+section() { end_section; printf '\n==== %s ====\n' "$*"; sec_name=$1; sec_t0=$SECONDS; }
+times+=("$(printf '  %-32s %s' "set-up" "$(fmt $((SECONDS - t_setup)))")")
+
+section "lint" "(ruff, mypy)"
 if python scripts/lint.py "$LOGDIR/lint.xml"; then
   echo "lint: clean"
 else
@@ -36,7 +50,7 @@ fi
 
 # (the limits only catch a hang: the unit tests take about 3 minutes on a quiet 2-core machine,
 # the launcher tests about 7 beside each other and 9 alone)
-section "unit tests (one process each, two at a time)"
+section "unit tests" "(one process each, two at a time)"
 timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --junitxml="$LOGDIR/unit.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
@@ -66,7 +80,7 @@ for n in $sizes; do
 done
 
 if [ $quick = 0 ]; then
-  section "SLURM tests (local single-node SLURM)"
+  section "SLURM tests" "(local single-node SLURM)"
   # three emulated nodes (one slurmd each): the restart-inside-the-allocation test loses one
   if HPCTRAIN_SLURM_NODES=3 bash slurm/local/start.sh > "$LOGDIR/slurm-start.log" 2>&1; then
     # shellcheck disable=SC1091
@@ -80,6 +94,10 @@ if [ $quick = 0 ]; then
   fi
 fi
 
+end_section
 section "summary"
 python scripts/summarize_tests.py "$LOGDIR"/*.xml || status=1
+echo "section times:"
+printf '%s\n' "${times[@]}"
+echo "  total                            $(fmt $SECONDS)"
 exit $status
