@@ -1,6 +1,7 @@
 """The app as users launch it: a plain process, ``python -m hpctrain``, and
-real ``mpiexec`` jobs (started from this one-process pytest), including the
-bad-input paths: one clear line, non-zero exit, no hang, no traceback wall."""
+real ``mpiexec`` jobs (started from this one-process pytest). The bad-input
+paths (one clear line, non-zero exit on every rank, no hang, no traceback
+wall) run in the 2-rank session's ranks: tests/mpi/test_cli_messages.py."""
 import json
 import os
 import shutil
@@ -73,53 +74,11 @@ def test_mpiexec_four_ranks_one_run_dir(tmp_path):
     assert "[rank 1]" not in r.stderr and "step 12/12" in r.stderr
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_bad_layout_one_line_every_rank_exits(tmp_path):
-    r = _run(["parallel.dp=3", f"hydra.run.dir={tmp_path}"], n=4)
-    assert r.returncode != 0
-    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
-    assert lines == ["hpctrain: error: tp(1) * cp(1) * ep(1) * dp(3) * pp(1) = 3 != world size 4; "
-                     "launch 3 ranks or set parallel.dp=-1"]
-    assert "Traceback" not in r.stderr and not (tmp_path / "metrics.jsonl").exists()
-
-
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_several_problems_reported_together(tmp_path):
-    r = _run(["trainer.global_batch_size=10", "trainer.micro_batch_size=2", "data=tokens",
-              f"data.path={tmp_path}/nope.bin", f"hydra.run.dir={tmp_path}"], n=2)
-    assert r.returncode == 2
-    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
-    assert len(errors) == 2
-    assert "not divisible by dp(2) x trainer.micro_batch_size(2)" in errors[0]
-    assert "does not exist" in errors[1] and "hpctrain-prepare" in errors[1]
-    assert "Traceback" not in r.stderr
-
-
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_unknown_preset_under_mpi_does_not_hang(tmp_path):
-    r = _run(["model=gpt5", f"hydra.run.dir={tmp_path}"], n=2)
-    assert r.returncode == 2
-    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
-    assert len(lines) == 1 and "model=gpt5: there is no preset 'gpt5'" in lines[0] and "tiny" in lines[0], r.stderr
-
-
 def test_multirun_sweep_one_process(tmp_path):
     r = _run(["--multirun", "trainer.steps=2", "trainer.seed=0,1", f"hydra.sweep.dir={tmp_path}"])
     assert r.returncode == 0, r.stderr
     a, b = _metrics(tmp_path / "0"), _metrics(tmp_path / "1")
     assert len(a) == len(b) == 2 and a[0]["loss"] != b[0]["loss"]
-
-
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_multirun_sweep_under_mpi(tmp_path):
-    r = _run(["--multirun", "trainer.steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path}"], n=2)
-    assert r.returncode == 0, r.stderr
-    assert len(_metrics(tmp_path / "0")) == len(_metrics(tmp_path / "1")) == 2
-    # summary.jsonl: one line per point, with its overrides and last metrics
-    summary = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
-    assert [(p["dir"], p["overrides"], p["exit_code"]) for p in summary] == [
-        ("0", ["trainer.steps=2", "optim.lr=0.001"], 0), ("1", ["trainer.steps=2", "optim.lr=0.003"], 0)]
-    assert summary[1]["last"] == _metrics(tmp_path / "1")[-1]
 
 
 def test_python_m_and_plugins_listing():
@@ -155,22 +114,6 @@ def test_tensor_parallel_from_the_command_line(tmp_path, one_process_losses):
         got = _metrics(tmp_path / name)
         assert [m["loss"] for m in got] == pytest.approx(want, rel=1e-6)
         assert all(m["comm_bytes.tp"] > 0 for m in got)
-
-
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
-def test_a_diverged_run_stops_with_one_line_and_status_3(tmp_path):
-    """optim.lr=1e6: the gradient norm is NaN at step 2 on every rank; the
-    job ends with exit status 3, one error line from rank 0, no traceback,
-    and its checkpoints (every step) hold only finite steps."""
-    r = _run(["optim.lr=1e6", "trainer.steps=6", "trainer.progress=off", "checkpoint.every=1",
-              f"checkpoint.dir={tmp_path}/ckpt",
-              f"hydra.run.dir={tmp_path}"], n=2)
-    assert r.returncode == 3, r.stderr
-    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
-    assert len(errors) == 1 and "step 2:" in errors[0] and "not all finite" in errors[0]
-    assert "Traceback" not in r.stderr
-    assert [m["step"] for m in _metrics(tmp_path)] == [1]
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.h5")) == ["step_00000001.h5"]
 
 
 def test_a_relaunch_of_the_same_experiment_finds_its_checkpoints(tmp_path):

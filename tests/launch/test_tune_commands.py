@@ -1,8 +1,8 @@
 """``mpiexec -n 4 hpctrain-tune ...`` as users launch it: it ends with the fastest measured layout's
 command, and that command, run as printed, trains (with srun when a Slurm controller answers; else the
 same hpctrain-train argument list under mpiexec with the printed task count). A layout failing on one
-rank only ends the job through the hang watchdog instead of hanging. Bad arguments: one line, exit 2,
-before any collective."""
+rank only ends the job through the hang watchdog instead of hanging. (Bad arguments: one line, exit 2,
+before any collective: tests/mpi/test_cli_tools.py.)"""
 import glob
 import json
 import os
@@ -80,12 +80,3 @@ def test_a_layout_failing_on_rank_0_only_ends_the_job_with_the_watchdogs_line(tm
     assert r.returncode == 5, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [x for x in r.stderr.splitlines() if x.startswith("hpctrain: error: hang watchdog:")]
     assert len(lines) == 1 and "rank 0 " in lines[0] and "left the job in step 1" in lines[0], r.stderr[-3000:]
-
-
-def test_bad_arguments_are_one_line_and_status_2(tmp_path):
-    r = subprocess.run([MPIEXEC, "-n", "2", str(BIN / "hpctrain-tune"), *TINY, "--steps", "0"], env=_env(),
-                       capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path)
-    assert r.returncode == 2, r.stderr[-3000:]
-    errors = [x for x in r.stderr.splitlines() if x.startswith("hpctrain: error:")]
-    assert errors == ["hpctrain: error: --steps 0: give the steps per layout (>= 1; 3 or more to time steps "
-                      "after the warm-up)"], r.stderr
