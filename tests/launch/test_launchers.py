@@ -74,13 +74,6 @@ def test_mpiexec_four_ranks_one_run_dir(tmp_path):
     assert "[rank 1]" not in r.stderr and "step 12/12" in r.stderr
 
 
-def test_multirun_sweep_one_process(tmp_path):
-    r = _run(["--multirun", "trainer.steps=2", "trainer.seed=0,1", f"hydra.sweep.dir={tmp_path}"])
-    assert r.returncode == 0, r.stderr
-    a, b = _metrics(tmp_path / "0"), _metrics(tmp_path / "1")
-    assert len(a) == len(b) == 2 and a[0]["loss"] != b[0]["loss"]
-
-
 def test_python_m_and_plugins_listing():
     r = _run(["--plugins"])
     assert r.returncode == 0 and "comm_torch" in r.stdout and "dp" in r.stdout
@@ -114,28 +107,6 @@ def test_tensor_parallel_from_the_command_line(tmp_path, one_process_losses):
         got = _metrics(tmp_path / name)
         assert [m["loss"] for m in got] == pytest.approx(want, rel=1e-6)
         assert all(m["comm_bytes.tp"] > 0 for m in got)
-
-
-def test_a_relaunch_of_the_same_experiment_finds_its_checkpoints(tmp_path):
-    """Without checkpoint.dir, checkpoints go to checkpoints/<model>-<hash> under
-    the launch directory: a relaunch with the same experiment (a longer
-    trainer.steps is the same experiment) resumes from them with
-    resume=auto; another learning rate is another experiment."""
-    common = ["trainer.progress=off", "checkpoint.every=2", "checkpoint.resume=auto"]
-    first = _run(["trainer.steps=2", *common, f"hydra.run.dir={tmp_path}/run1"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    dirs = list((tmp_path / "checkpoints").iterdir())
-    assert len(dirs) == 1 and dirs[0].name.startswith("tiny-") and (dirs[0] / "step_00000002.h5").exists()
-    again = _run(["trainer.steps=4", *common, f"hydra.run.dir={tmp_path}/run2"], cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "resumed from" in again.stderr and "step_00000002.h5" in again.stderr
-    assert [m["step"] for m in _metrics(tmp_path / "run2")] == [3, 4]
-    other = _run(["trainer.steps=2", "optim.lr=1e-3", *common, f"hydra.run.dir={tmp_path}/run3"], cwd=tmp_path)
-    assert other.returncode == 0, other.stderr
-    assert "no committed checkpoint" in other.stderr and len(list((tmp_path / "checkpoints").iterdir())) == 2
-    # the earlier experiment's directory is named, with its newest step and how to continue it
-    assert "other experiment settings" in other.stderr and f"{dirs[0].name} (step 4)" in other.stderr, other.stderr
-    assert "checkpoint.resume=<its path>" in other.stderr
 
 
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")

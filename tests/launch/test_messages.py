@@ -1,8 +1,9 @@
-"""``--cfg``, ``--help`` and a bad sweep point of ``python -m hpctrain`` in one
-process, and a 450-step run of the README's 4-rank demo that names no
-straggler. (What a user sees when the command line or the checkpoint does
-not fit the run, on every rank of an MPI job, is checked in the 2-rank
-session: tests/mpi/test_cli_messages.py, test_cli_checkpoint_messages.py.)"""
+"""A 450-step run of the README's 4-rank demo that names no straggler.
+
+(What a user sees when the command line or the checkpoint does not fit the
+run, on every rank of an MPI job, is checked in the 2-rank session:
+tests/mpi/test_cli_messages.py, test_cli_checkpoint_messages.py; ``--cfg``,
+``--help`` and a bad sweep point in one process: tests/unit/test_cli_one_process.py.)"""
 import subprocess
 import sys
 
@@ -24,19 +25,6 @@ def _launch(args, run_dir, n=2, quiet=QUIET):
 
 def _errors(out):
     return [line[len("hpctrain: error: "):] for line in out.splitlines() if line.startswith("hpctrain: error: ")]
-
-
-def test_cfg_help_and_a_bad_sweep_point_in_one_process(tmp_path):
-    """``--cfg job`` and ``--help`` still work; a sweep with a bad value is refused
-    before any point runs, in one line."""
-    code, out = _launch(["--cfg", "job", "trainer.steps=3"], tmp_path, n=0, quiet=[])
-    assert code == 0 and "steps: 3" in out, out
-    code, out = _launch(["--help"], tmp_path, n=0, quiet=[])
-    assert code == 0 and "Configuration groups" in out, out
-    code, out = _launch(["--multirun", "trainer.steps=1", "optim.lr=1e-3,abc", f"hydra.sweep.dir={tmp_path}/sweep"],
-                        tmp_path, n=0, quiet=[])
-    assert code == 2 and _errors(out) == ["optim.lr='abc': must be a number (float), e.g. optim.lr=0.003"], out
-    assert not (tmp_path / "sweep" / "0" / "metrics.jsonl").exists()
 
 
 # alone: a job beside it would make its ranks stragglers for real

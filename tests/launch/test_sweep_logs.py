@@ -1,7 +1,7 @@
 """A Hydra sweep in one process: each point's train.log holds only its own
 lines (file handlers of earlier points are removed), and each point is a
-run of its own in every logger backend, grouped by the sweep. Also
-``--help``: the real presets per group and the other commands."""
+run of its own in every logger backend, grouped by the sweep. (``--help``:
+tests/unit/test_cli_one_process.py.)"""
 import glob
 import os
 import subprocess
@@ -45,15 +45,3 @@ def test_a_3_point_sweep_leaves_three_logs_of_their_own_and_three_runs_per_backe
     exp = client.get_experiment_by_name(str(sweep))
     names = sorted(r.info.run_name for r in client.search_runs([exp.experiment_id]))
     assert names == ["0 optim.lr=0.001", "1 optim.lr=0.002", "2 optim.lr=0.003"]
-
-
-def test_help_lists_the_presets_per_group_and_the_other_commands(tmp_path):
-    code, out = _hpctrain(["--help"], tmp_path)
-    assert code == 0, out
-    assert "_schema" not in out, out
-    conf = os.path.join(os.path.dirname(__file__), "..", "..", "hpctrain", "conf")
-    for group in ("model", "parallel", "cluster"):  # every preset file of the group, in one line
-        presets = sorted(f[:-5] for f in os.listdir(os.path.join(conf, group)) if f.endswith(".yaml"))
-        assert f"  {group:<10}  {', '.join(presets)}\n" in out, (group, out)
-    for command in ("--plugins", "hpctrain-plan", "hpctrain-parity", "hpctrain-ckpt", "docs"):
-        assert command in out, command
