@@ -1,7 +1,7 @@
 """hpctrain-report renders in a real browser: on a 3D run (tp 2 x pp 2 x dp 2,
 8 ranks under mpiexec) and on a 2-point sweep, the page loads in headless
 Chromium (driven by playwright; the browser is Debian's, installed by
-scripts/setup.sh) with every section present and drawn, no console error,
+scripts/setup.sh --tests) with every section present and drawn, no console error,
 no page error and no request leaving the page (self-contained: no network).
 
 The 3D page's figures are checked against the run's own files: the layout's
@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,14 +67,37 @@ def render(page_path, screenshot=None):
 
 
 @pytest.fixture(scope="module")
+def readme_3d_run(tmp_path_factory):
+    """(finished process, run directory) of the README's 3D command,
+    ``mpirun -n 8 hpctrain-train parallel=3d``, for 3 steps, with what its
+    report shows on a CPU: a cluster peak (so MFU is drawn) and a straggler
+    check every step: run once, for the two tests of this module (one
+    module: the launcher tests' workers take a module each, so it runs once)."""
+    run = tmp_path_factory.mktemp("readme-3d")
+    cmd = [MPIEXEC, "-n", "8", str(Path(sys.executable).parent / "hpctrain-train"), "parallel=3d", "trainer.steps=3",
+           "trainer.progress=off", "trainer.log_every=1", "reliability.straggler_every=1", "cluster.peak_tflops=0.1",
+           f"hydra.run.dir={run}"]
+    return subprocess.run(cmd, env=_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=TIMEOUT * 2,
+                          cwd=run), run
+
+
+@pytest.fixture(scope="module")
 def run_3d(readme_3d_run):
-    """The README's 3D run (tests/launch/conftest.py), trained once for this module and test_layout_commands.py."""
     r, run = readme_3d_run
     assert r.returncode == 0, r.stdout + r.stderr
     return run
 
 
-@pytest.mark.alone  # with test_layout_commands.py, the one session that runs readme_3d_run
+def test_readme_3d_run_trains(readme_3d_run):
+    """The README's five-axis command trains: the 3D preset under ``mpiexec -n 8 hpctrain-train parallel=3d``."""
+    r, run = readme_3d_run
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    log = (run / "train.log").read_text()
+    assert "layout tp=2 * cp=1 * ep=1 * dp=2 * pp=2" in log, log
+
+
 def test_the_report_of_a_3d_run_renders_every_section_in_chromium(run_3d, tmp_path):
     ids, drawn, problems, outside = render(_report(run_3d), tmp_path / "page.png")
     assert ids == RUN_SECTIONS and problems == [] and outside == [], (ids, problems, outside)
