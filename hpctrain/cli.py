@@ -260,7 +260,7 @@ def _composition_failed(e: Exception, full_error: bool) -> int:
     ``hpctrain: error:`` line and status 2 (broadcast to every rank by
     ``main``); anything else keeps its traceback (status 1). With
     ``HYDRA_FULL_ERROR=1`` set by the user the traceback comes first."""
-    from hpctrain.config.explain import explain
+    from hpctrain.config.store import explain_error as explain
     from hpctrain.plugins import get_manager
 
     try:

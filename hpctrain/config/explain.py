@@ -10,8 +10,9 @@ status 2 on every rank (``cli.py`` broadcasts rank 0's verdict).
 
 ``explain`` reads the exception's own fields (OmegaConf's ``full_key`` and
 ``value``, Hydra's ``missing_cfg_file``, ``options`` and ``override``) and
-the typed schema (``store.build_schema``, plugin sections included) for the
-expected type, an example value and the keys a misspelt one is near. Of
+the typed schema it is given (``store.explain_error`` passes the one
+``store.build_schema`` makes, plugin sections included) for the expected
+type, an example value and the keys a misspelt one is near. Of
 Hydra's message text it reads only the preset a problem arose in, and
 passes on the text of an error that has no fields. It returns None for an
 exception that is not a composition error (a bug then keeps its traceback).
@@ -30,7 +31,7 @@ from hpctrain.plugins import blocked_hint
 _HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 
-def explain(exc: BaseException, pm: Any = None) -> Optional[str]:
+def explain(exc: BaseException, schema: type) -> Optional[str]:
     """The one line for a composition error ``exc``, or None if it is not one."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
@@ -45,7 +46,7 @@ def explain(exc: BaseException, pm: Any = None) -> Optional[str]:
     cause = (exc.__cause__ or exc.__context__) if isinstance(exc, HydraException) else exc
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         preset = _preset_of(exc)
-        return (f"in preset {preset}: " if preset else "") + _omegaconf_problem(cause, pm)
+        return (f"in preset {preset}: " if preset else "") + _omegaconf_problem(cause, schema)
     if isinstance(exc, HydraException) or _raised_by_hydra(exc):
         text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         if cause is not None and cause is not exc:
@@ -88,16 +89,16 @@ def _missing_preset(exc: Any) -> str:
             + (f"; {hint}" if hint else ""))
 
 
-def _omegaconf_problem(cause: Any, pm: Any) -> str:
+def _omegaconf_problem(cause: Any, schema: type) -> str:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     key = str(cause.full_key)
-    found = _lookup(key, pm)
+    found = _lookup(key, schema)
     if found is None:
-        return _unknown_key(key, pm)
+        return _unknown_key(key, schema)
     typ, default = found
     parent = key.rpartition(".")[0]
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and parent and _is_mapping(parent, pm):
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and parent and _is_mapping(parent, schema):
         return (f"{key}: {parent} is a mapping with no entry {key.rpartition('.')[2]!r} yet; "
                 f"add one with +{key}=<value>")
     if isinstance(cause, ValidationError):
@@ -108,18 +109,18 @@ def _omegaconf_problem(cause: Any, pm: Any) -> str:
     return f"{key}: {_first_line(cause)}"
 
 
-def _is_mapping(key: str, pm: Any) -> bool:
-    found = _lookup(key, pm)
+def _is_mapping(key: str, schema: type) -> bool:
+    found = _lookup(key, schema)
     return found is not None and typing.get_origin(_strip_optional(found[0])) in (dict, typing.Dict)
 
 
-def _unknown_key(key: str, pm: Any) -> str:
+def _unknown_key(key: str, schema: type) -> str:
     parts = key.split(".")
     parent = ".".join(parts[:-1])
     # the longest prefix the schema knows, and its keys
-    known_at, siblings = "", _keys_at("", pm)
+    known_at, siblings = "", _keys_at("", schema)
     for i in range(1, len(parts)):
-        here = _keys_at(".".join(parts[:i]), pm)
+        here = _keys_at(".".join(parts[:i]), schema)
         if here is None:
             break
         known_at, siblings = ".".join(parts[:i]), here
@@ -146,12 +147,6 @@ def _unknown_key(key: str, pm: Any) -> str:
     return text
 
 
-def _schema(pm: Any) -> type:
-    from hpctrain.config.store import build_schema
-
-    return build_schema(pm)[0]
-
-
 def _hints(cls: type) -> dict:
     try:
         return typing.get_type_hints(cls)
@@ -159,9 +154,9 @@ def _hints(cls: type) -> dict:
         return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-def _lookup(key: str, pm: Any) -> Optional[Tuple[Any, Any]]:
+def _lookup(key: str, schema: type) -> Optional[Tuple[Any, Any]]:
     """(declared type, default) of ``key`` in the schema; None if it has no such key."""
-    cls: Any = _schema(pm)
+    cls: Any = schema
     typ: Any = cls
     default: Any = None
     for part in key.split("."):
@@ -181,15 +176,15 @@ def _lookup(key: str, pm: Any) -> Optional[Tuple[Any, Any]]:
     return typ, default
 
 
-def _keys_at(prefix: str, pm: Any) -> Optional[List[str]]:
+def _keys_at(prefix: str, schema: type) -> Optional[List[str]]:
     """The keys under ``prefix`` (a dataclass section); None if it is not one."""
     if prefix:
-        found = _lookup(prefix, pm)
+        found = _lookup(prefix, schema)
         if found is None:
             return None
         typ = _strip_optional(found[0])
     else:
-        typ = _schema(pm)
+        typ = schema
     if not dataclasses.is_dataclass(typ):
         return None
     return [f.name for f in dataclasses.fields(typ)]

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config import schema as S
+from hpctrain.config.explain import explain
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
 
 CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(resources.files("hpctrain") / "conf")
@@ -345,11 +346,15 @@ def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictCo
     return cfg if cfg is not None else to_config(pickle.loads(payload), pm)
 
 
+def explain_error(e: BaseException, pm=None) -> Optional[str]:
+    """The one ``hpctrain: error:`` line for a composition error ``e`` against the
+    schema of ``pm``'s plugins (``config.explain``), or None if it is not one."""
+    return explain(e, build_schema(pm)[0])
+
+
 def _reraise_explained(e: Exception, pm) -> None:
     """Raise ``e`` as a ConfigError when it is a composition error; else return."""
-    from hpctrain.config.explain import explain
-
-    message = explain(e, pm)
+    message = explain_error(e, pm)
     if message is not None:
         raise ConfigError(message) from e
 

@@ -20,6 +20,7 @@ import statistics
 from typing import Any, Dict, List, Sequence
 
 from hpctrain.errors import ConfigError
+from hpctrain.planner.plan import make_plan
 
 GB = 1e9
 
@@ -109,8 +110,6 @@ def compare_text(label: str, est: Any, got: Dict[str, Any]) -> str:
 
 
 def compare(run_dir: str, extra: Sequence[str], calibration: Any, pm) -> str:
-    from hpctrain.planner.cli import make_plan
-
     run = read_run(run_dir)
     keep = [o for o in run["overrides"] if not o.split("=", 1)[0].lstrip("+~").startswith(
         ("parallel.", "trainer.micro_batch_size", "trainer.precision", "model.recompute", "hydra.",

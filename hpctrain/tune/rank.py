@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hpctrain.mesh import AXES
+from hpctrain.planner.plan import make_plan, parse_pins
 from hpctrain.planner.report import train_overrides
 
 
@@ -33,10 +34,8 @@ def describe(est: Any) -> str:
 
 
 def plan(overrides: Sequence[str], calibration: Optional[str], pm) -> Tuple[Any, ...]:
-    """``hpctrain.planner.cli.make_plan``: (plan, arch, workload, cluster, cfg, overrides)."""
-    from hpctrain.planner.cli import _knob_pins, make_plan
-
-    return make_plan(list(overrides), calibration, pm, _knob_pins([]))
+    """``hpctrain.planner.plan.make_plan``: (plan, arch, workload, cluster, cfg, overrides)."""
+    return make_plan(list(overrides), calibration, pm, parse_pins([]))
 
 
 def candidates(ranked: Sequence[Any], user: Sequence[str], precision: str, top: int) -> List[Candidate]:

@@ -222,15 +222,14 @@ BAD_LIKE_HYDRA = [
 @pytest.mark.parametrize("overrides", BAD_LIKE_HYDRA, ids=lambda o: " ".join(o))
 def test_a_bad_override_fails_as_in_hydras_composition(pm, overrides):
     """The same exception and the same ``hpctrain: error:`` line (``explain``)."""
-    from hpctrain.config.explain import explain
-    from hpctrain.config.store import _hydra_compose, expand_shorthands
+    from hpctrain.config.store import _hydra_compose, expand_shorthands, explain_error
 
     with pytest.raises(Exception) as ours:
         compose(overrides, pm)
     with pytest.raises(Exception) as hydras:
         _hydra_compose(expand_shorthands(overrides), "train")
     assert type(ours.value) is type(hydras.value)
-    assert explain(ours.value, pm) == explain(hydras.value, pm) is not None
+    assert explain_error(ours.value, pm) == explain_error(hydras.value, pm) is not None
 
 
 def test_hydra_composes_once_per_choice_of_presets_and_each_config_is_a_copy(pm, monkeypatch):

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from hpctrain.errors import ConfigError
-from hpctrain.planner.cli import make_plan
 from hpctrain.planner.cluster import load_calibration
+from hpctrain.planner.plan import make_plan
 
 TINY = ["model=tiny", "cluster=cpu-8", "trainer.global_batch_size=8", "trainer.seq_len=64",
         "trainer.precision=fp32", "parallel.zero.stage=0", "model.recompute=none"]
@@ -47,7 +47,7 @@ def test_a_slow_measured_axis_moves_layouts_without_it_first(tmp_path, pm):
 
 def test_no_layout_with_fewer_micro_batches_than_stages(tmp_path, pm):
     from hpctrain.config.validate import validate
-    from hpctrain.planner.cli import _compose
+    from hpctrain.planner.plan import compose_config
     from hpctrain.planner.report import train_overrides
 
     plan, _, work, cluster, _, user = make_plan(TINY[:-2], None, pm)  # every ZeRO stage and recompute mode
@@ -57,4 +57,4 @@ def test_no_layout_with_fewer_micro_batches_than_stages(tmp_path, pm):
         lay = e.layout
         assert 8 // (lay.dp * lay.ep * lay.micro_batch) >= lay.pp, lay
     for e in pipelined[:3] + plan.ranked[:3]:  # and the training validator agrees
-        assert validate(_compose(train_overrides(user, e.layout, work.precision), pm), cluster.gpus, pm) == []
+        assert validate(compose_config(train_overrides(user, e.layout, work.precision), pm), cluster.gpus, pm) == []

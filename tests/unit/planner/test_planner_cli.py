@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from hpctrain.planner.cli import main, make_plan
+from hpctrain.planner.cli import main
+from hpctrain.planner.plan import make_plan
 
 LLAMA_64 = ["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=64", "trainer.global_batch_size=512",
             "trainer.seq_len=8192"]

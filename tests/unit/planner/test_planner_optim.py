@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.optimizers.kinds import OPTIMIZERS, state_bytes_per_element
-from hpctrain.planner.cli import main, make_plan
+from hpctrain.planner.cli import main
+from hpctrain.planner.plan import make_plan
 
 LLAMA_64 = ["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=64", "trainer.global_batch_size=512",
             "trainer.seq_len=8192", "--pin", "zero=1"]

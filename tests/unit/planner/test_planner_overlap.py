@@ -14,9 +14,9 @@ import functools
 import pytest
 
 from hpctrain.planner import comm_model as cm
-from hpctrain.planner.cli import plan_inputs
 from hpctrain.planner.estimate import estimate
 from hpctrain.planner.layouts import Layout
+from hpctrain.planner.plan import plan_inputs
 from hpctrain.planner.search import _estimates
 
 LLAMA_64 = ["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=64", "trainer.global_batch_size=512",

@@ -11,7 +11,8 @@ import shlex
 
 import pytest
 
-from hpctrain.planner.cli import main, make_plan
+from hpctrain.planner.cli import main
+from hpctrain.planner.plan import make_plan
 
 # the issue's command, as a user typed it before the preset existed
 LLAMA3_405B = ["model=llama3-8b", "model.name=llama3-405b", "model.d_model=16384", "model.n_layers=126",
@@ -59,10 +60,10 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
 
 def test_the_preset_is_the_issues_model(plan_405b):
     from hpctrain.planner.arch import Arch
-    from hpctrain.planner.cli import _compose
+    from hpctrain.planner.plan import compose_config
     from hpctrain.plugins import create_manager
 
-    assert Arch.from_model_config(_compose(LLAMA3_405B_PRESET, create_manager()).model) == plan_405b[1]
+    assert Arch.from_model_config(compose_config(LLAMA3_405B_PRESET, create_manager()).model) == plan_405b[1]
 
 
 def test_70b_keeps_its_advice():
@@ -125,14 +126,14 @@ def test_uneven_stages_in_the_estimate():
     with [8, 8, 8, 8] the last (8 + 1.84) does. Memory is taken on the
     fullest stage, a middle one when it holds more blocks."""
     from hpctrain.planner.arch import Arch
-    from hpctrain.planner.cli import _compose
     from hpctrain.planner.cluster import cluster_spec
     from hpctrain.planner.estimate import Workload, estimate, memory_stages, stage_memory
     from hpctrain.planner.layouts import Layout
     from hpctrain.planner.memory import HPCTRAIN
+    from hpctrain.planner.plan import compose_config
     from hpctrain.plugins import create_manager
 
-    cfg = _compose(["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=8"], create_manager())
+    cfg = compose_config(["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=8"], create_manager())
     arch, cluster = Arch.from_model_config(cfg.model), cluster_spec(cfg.cluster, {})
     work = Workload(16, 8192, "bf16", HPCTRAIN)
     tokens = 8192  # one sequence per micro-batch, no tp/cp
