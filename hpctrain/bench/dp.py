@@ -86,9 +86,9 @@ class StepLoop:
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model, materialize
+        from hpctrain.optimizers.adamw import build_adamw
         from hpctrain.parallel.handles import LocalData
         from hpctrain.plugins import axis_plugin, parallelize_caller
-        from hpctrain.train.optim import build_adamw
 
         self.cfg, self.pm, self.sync, self.mesh, self.dist = cfg, pm, sync, mesh, dist
         model = build_model(cfg, pm)
@@ -117,7 +117,7 @@ class StepLoop:
         from torch.nn.parallel import DistributedDataParallel
 
         from hpctrain.comm.protocol import ReduceOp
-        from hpctrain.train.optim import lr_at, set_lr
+        from hpctrain.train.lr_schedule import lr_at, set_lr
 
         cfg = self.cfg
         clock = PhaseClock()

@@ -62,7 +62,7 @@ class PeerLoop:
         import torch.distributed as dist
 
         from hpctrain.data import DataCursor, SampleOrder, open_source
-        from hpctrain.train.optim import build_adamw
+        from hpctrain.optimizers.adamw import build_adamw
 
         self.cfg, self.dist, self.model = cfg, dist, model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -78,7 +78,7 @@ class PeerLoop:
     def step(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        from hpctrain.train.optim import lr_at, set_lr
+        from hpctrain.train.lr_schedule import lr_at, set_lr
 
         cfg = self.cfg
         micro = self.cursor.next_step()

@@ -15,10 +15,10 @@ def build_optimizer(tensors: Sequence[torch.nn.Parameter], optim: Any, mesh: Mes
     """AdamW (torch's), LAMB, LARS or Muon over ``tensors`` (``base``
     describes ``specs``: every tensor of the stage, held or not; collective
     set-up for all but AdamW, so every rank calls it)."""
+    from hpctrain.optimizers.adamw import build_adamw
     from hpctrain.optimizers.lamb import Lamb
     from hpctrain.optimizers.lars import Lars
     from hpctrain.optimizers.muon import Muon
-    from hpctrain.train.optim import build_adamw
 
     name = optim.name
     if name == "adamw":

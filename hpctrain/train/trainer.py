@@ -61,9 +61,9 @@ from hpctrain.train.guard import LossSpikes, NonFiniteGuard
 from hpctrain.train.health import ForwardClock, Stragglers, check_replicas
 from hpctrain.train.loggers import Loggers, open_loggers
 from hpctrain.train.loss_scale import DynamicLossScale
+from hpctrain.train.lr_schedule import lr_at, set_lr
 from hpctrain.train.memory import gather_peaks, peak_rss_bytes, summarise
 from hpctrain.train.metrics import Progress, log_step
-from hpctrain.train.optim import lr_at, set_lr
 from hpctrain.train.profile import StepProfiler
 from hpctrain.train.recovery import Recovery, write_failure
 from hpctrain.train.schedule import as_step_result

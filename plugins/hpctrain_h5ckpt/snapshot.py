@@ -47,7 +47,7 @@ import torch
 from hpctrain.log import get_logger
 from hpctrain.mesh import Mesh
 from hpctrain.shard import SPEC_ATTR, Piece, ShardSpec, get_spec, replicated_spec
-from hpctrain.train.optim import lr_at
+from hpctrain.train.lr_schedule import lr_at
 
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, splits_json

@@ -85,9 +85,9 @@ class TorchPipelineLoop:
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model
         from hpctrain.model.shapes import ModelShape
+        from hpctrain.optimizers.adamw import build_adamw
         from hpctrain.pipeline.split import model_end_cost, stage_layers
         from hpctrain.shard import get_spec
-        from hpctrain.train.optim import build_adamw
 
         self.cfg, self.dist = cfg, dist
         cls_name, v = SCHEDULES[schedule]
@@ -117,7 +117,7 @@ class TorchPipelineLoop:
         self.last_loss: Optional[float] = None
 
     def step(self) -> None:
-        from hpctrain.train.optim import lr_at, set_lr
+        from hpctrain.train.lr_schedule import lr_at, set_lr
 
         cfg = self.cfg
         micro = self.cursor.next_step()

@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from hpctrain.mesh import Mesh
+from hpctrain.optimizers.adamw import param_groups
 from hpctrain.optimizers.build import build_optimizer
 from hpctrain.shard import ShardSpec
-from hpctrain.train.optim import param_groups
 
 MASTER = "master"
 """State key of the fp32 master chunk when parameters compute in ``param_dtype``

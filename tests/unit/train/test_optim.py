@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from hpctrain.train.optim import lr_at, param_groups
+from hpctrain.optimizers.adamw import param_groups
+from hpctrain.train.lr_schedule import lr_at
 
 
 class Sched:

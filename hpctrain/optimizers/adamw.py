@@ -1,9 +1,10 @@
-"""The core optimizer: AdamW with decoupled decay on matrices only, and the
-warmup + cosine learning-rate schedule. ZeRO plugins replace the optimizer
-through ``hpctrain_make_optimizer``; the schedule stays the same."""
+"""AdamW (torch's, ``foreach``) with decoupled decay on matrices only.
+
+Which tensors decay is decided from the logical shape (the ShardSpec's), so a
+flat ZeRO shard of a matrix still decays and a norm's shard does not; ZeRO's
+per-shard AdamW uses the same ``param_groups``."""
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, List
 
 import torch
@@ -34,20 +35,3 @@ def build_adamw(params: Iterable[torch.nn.Parameter], optim: Any) -> torch.optim
         eps=optim.eps,
         foreach=True,
     )
-
-
-def lr_at(step: int, optim: Any, total_steps: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup to
-    ``lr`` over ``warmup_steps``, then cosine down to ``lr * min_lr_ratio``."""
-    peak, floor = optim.lr, optim.lr * optim.min_lr_ratio
-    warm = optim.warmup_steps
-    if warm > 0 and step < warm:
-        return peak * (step + 1) / warm
-    span = max(1, total_steps - warm)
-    progress = min(1.0, (step - warm) / span)
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
