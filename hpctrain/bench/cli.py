@@ -3,8 +3,8 @@
 Each benchmark is a module with ``main(argv) -> int`` and a one-line module
 docstring shown by ``hpctrain-bench --list``: the core's are
 ``hpctrain.bench.<NAME>``; a plugin offers its own through
-``hpctrain_benchmarks`` (``cp``, ``moe`` and ``pp`` live in their plugins,
-beside the internals they measure). Run multi-rank ones under the launcher,
+``hpctrain_benchmarks`` (``cp``, ``moe``, ``pp``, ``tp`` and ``zero`` live in
+their plugins, beside the internals they measure). Run multi-rank ones under the launcher,
 e.g. ``mpiexec -n 2 hpctrain-bench comm``.
 """
 from __future__ import annotations

@@ -50,6 +50,11 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
 
 @hookimpl
+def hpctrain_benchmarks() -> Dict[str, str]:
+    return {"tp": "hpctrain_tp.bench"}
+
+
+@hookimpl
 def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     if axis != "tp":
         return None

@@ -256,6 +256,11 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
 
 @hookimpl
+def hpctrain_benchmarks() -> Dict[str, str]:
+    return {"zero": "hpctrain_zero.bench"}
+
+
+@hookimpl
 def hpctrain_config_sections() -> Dict[str, type]:
     return {"parallel.zero": ZeroConfig}
 

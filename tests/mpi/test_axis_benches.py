@@ -20,7 +20,7 @@ def _losses(out, labels):
 
 @pytest.mark.mpi(min_size=2)
 def test_zero_bench_runs_and_agrees_with_fsdp2(world, capsys):
-    from hpctrain.bench import zero
+    from hpctrain_zero import bench as zero
 
     if world.Get_size() > MAX_RANKS:
         pytest.skip(f"smoke-tested at 2..{MAX_RANKS} ranks")
@@ -34,7 +34,7 @@ def test_zero_bench_runs_and_agrees_with_fsdp2(world, capsys):
 
 @pytest.mark.mpi(min_size=2)
 def test_tp_bench_runs_and_agrees_with_torch_tp(world, capsys):
-    from hpctrain.bench import tp
+    from hpctrain_tp import bench as tp
 
     n = world.Get_size()
     if n > MAX_RANKS:
