@@ -127,7 +127,7 @@ def graph_break_reasons() -> Dict[str, int]:
 
 
 @dataclass
-class Regions:
+class CompiledRegions:
     """The compiled regions of one model, and what to report after its first step."""
 
     backend: str
@@ -182,7 +182,7 @@ def _short(reason: str) -> str:
     return first if len(first) <= 200 else first[:197] + "..."
 
 
-def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: bool) -> Optional[Regions]:
+def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: bool) -> Optional[CompiledRegions]:
     """Compile every block ``model`` runs and its loss (``model`` may be a pipeline
     stage or an interleaved rank's chunks). Returns None, after one warning from
     the main rank (``main``), when ``backend`` cannot compile here: the model stays eager."""
@@ -203,7 +203,7 @@ def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: b
         # trainer.deterministic: inductor picks kernels without timing them (timings differ run to run)
         inductor_config.deterministic = bool(deterministic)
     stats = _STATS[backend]
-    regions = Regions(backend, main, 0, 0, stats, stats.graphs, len(stats.failures), graph_break_reasons())
+    regions = CompiledRegions(backend, main, 0, 0, stats, stats.graphs, len(stats.failures), graph_break_reasons())
     for module in model.modules():
         if isinstance(module, Block):
             module.compiled_forward = MethodType(regions.region(_compiled(type(module)._forward, backend)), module)
@@ -218,7 +218,7 @@ def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: b
     return regions
 
 
-def report_once(regions: Optional[Regions]) -> None:
+def report_once(regions: Optional[CompiledRegions]) -> None:
     """Log ``regions``' start-up line from the main rank (after the first step), once:
     a warning when a graph failed to compile."""
     if regions is None or regions.reported:

@@ -47,13 +47,15 @@ from hpctrain.errors import PluginError
 from hpctrain.grad_sync.presummed import scale_presummed
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import build_model, logical_param_count, materialize
-from hpctrain.model.compile import Regions, compile_regions
+from hpctrain.model.compile import CompiledRegions as Regions
+from hpctrain.model.compile import compile_regions
 from hpctrain.model.recompute import set_recompute
 from hpctrain.optimizers.build import build_optimizer
 from hpctrain.parallel.handles import AxisHandle, DataHandle, LocalData, PipelineHandle, tied_parameters
 from hpctrain.plugins import axis_plugin, parallelize_caller
 from hpctrain.train.outer import OUTER_AXIS, DiLoCo
-from hpctrain.train.schedule import GradAccumulation, StepSchedule
+from hpctrain.train.step_runner import GradAccumulation
+from hpctrain.train.step_runner import StepRunner as StepSchedule
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import torch
 
 from hpctrain.train.grad_norm import reduce_totals
-from hpctrain.train.schedule import as_step_result
+from hpctrain.train.step_runner import as_step_result
 
 
 @torch.no_grad()

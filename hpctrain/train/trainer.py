@@ -66,7 +66,7 @@ from hpctrain.train.memory import gather_peaks, peak_rss_bytes, summarise
 from hpctrain.train.metrics import Progress, log_step
 from hpctrain.train.profile import StepProfiler
 from hpctrain.train.recovery import Recovery, write_failure
-from hpctrain.train.schedule import as_step_result
+from hpctrain.train.step_runner import as_step_result
 from hpctrain.train.stopping import (
     StopRequested,
     StopRequests,

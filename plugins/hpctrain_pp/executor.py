@@ -40,7 +40,7 @@ from hpctrain.mesh import Group
 from hpctrain.model.aux import collect_aux_losses, scaled, with_aux
 from hpctrain.parallel.handles import GradientControl
 from hpctrain.pipeline.schedules import Action, actions, forward_actions, splits_weight_pass
-from hpctrain.train.schedule import StepResult
+from hpctrain.train.step_runner import StepResult
 
 from hpctrain_pp.timeline import Recorder
 from hpctrain_pp.weight_pass import WeightPass, backward_input
@@ -56,8 +56,9 @@ def trainable(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-class PipelineSchedule:
-    """A ``StepSchedule`` running ``schedule`` over the pp group."""
+class PipelineRunner:
+    """The ``StepRunner`` (``hpctrain.train.step_runner``) of a pipeline: it
+    executes the programme ``schedule`` names over the pp group."""
 
     def __init__(self, schedule: str, group: Group, vpp: int, hidden: Callable[[torch.Tensor], Tuple[int, ...]],
                  recorder: Optional[Recorder] = None):

@@ -37,7 +37,7 @@ from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp import timeline
 from hpctrain_pp.config import PipelineConfig
-from hpctrain_pp.executor import PipelineSchedule
+from hpctrain_pp.executor import PipelineRunner as PipelineSchedule
 
 
 class PipelineChunks(nn.Module):

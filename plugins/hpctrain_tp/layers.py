@@ -32,7 +32,7 @@ from hpctrain.model.build import narrow_param
 from hpctrain.model.transformer import Linears
 from hpctrain.shard import get_spec
 
-from hpctrain_tp.regions import Regions
+from hpctrain_tp.regions import TensorParallelRegions
 
 
 def column_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1, pieces: Optional[int] = None) -> None:
@@ -52,7 +52,8 @@ class TensorParallelLinears(Linears):
     hold whole (a key/value head shared by their query heads) and the group
     of those ranks, which sum the weight's gradient."""
 
-    def __init__(self, regions: Regions, replicated: Sequence[int] = (), replicas: Optional[Group] = None):
+    def __init__(self, regions: TensorParallelRegions, replicated: Sequence[int] = (),
+                 replicas: Optional[Group] = None):
         self.regions = regions
         self.replicated = tuple(replicated) if replicas is not None else ()
         self.replicas = replicas

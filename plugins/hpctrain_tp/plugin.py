@@ -38,7 +38,7 @@ from hpctrain.parallel.handles import AxisHandle
 from hpctrain.shard import get_spec
 
 from hpctrain_tp.layers import SumOverTensorParallel, TensorParallelLinears, column_parallel, row_parallel
-from hpctrain_tp.regions import Regions
+from hpctrain_tp.regions import TensorParallelRegions as Regions
 from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
 
 log = get_logger(__name__)

@@ -4,7 +4,7 @@ sequence parallelism.
 A tensor-parallel sub-layer (attention or the feed-forward block) takes the
 residual stream in, runs column-parallel projections on this rank's heads or
 columns and a row-parallel projection back to the hidden size, whose
-outputs are partial sums over tp. ``Regions`` names the two boundaries:
+outputs are partial sums over tp. ``TensorParallelRegions`` names the two boundaries:
 
 - without sequence parallelism the stream is whole on every rank:
   ``columns`` enters through ``copy_to_region`` (fwd identity, bwd
@@ -31,7 +31,7 @@ from hpctrain_tp.columns import SEQUENCE_DIM, sequence_parallel_columns
 
 
 @dataclass(frozen=True)
-class Regions:
+class TensorParallelRegions:
     group: Group
     """The tp group."""
     sequence_parallel: bool

@@ -20,14 +20,14 @@ from hpctrain.comm.differentiable import reduce_from_region
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.mesh import Group
 
-from hpctrain_tp.regions import Regions
+from hpctrain_tp.regions import TensorParallelRegions
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[start, start + rows)`` of the table; other tokens give zeros,
     and the ranks' partial embeddings are summed on the way out."""
 
-    def __init__(self, weight: nn.Parameter, start: int, regions: Regions):
+    def __init__(self, weight: nn.Parameter, start: int, regions: TensorParallelRegions):
         super().__init__()
         self.weight = weight
         self.start = start
@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """This rank's columns of the logits (its rows of the output projection)."""
 
-    def __init__(self, weight: nn.Parameter, regions: Regions):
+    def __init__(self, weight: nn.Parameter, regions: TensorParallelRegions):
         super().__init__()
         self.weight = weight
         self.regions = regions

@@ -133,7 +133,7 @@ def test_the_check_catches_each_kind_of_crossing(tmp_path):
     (bad / "plugin.py").write_text(
         "import hpctrain_zero.plugin\n"
         "STATE = '_hpctrain_zero'\n"
-        "from hpctrain_pp.executor import PipelineSchedule\n"
+        "from hpctrain_pp.executor import PipelineRunner\n"
         "def f(model, cfg):\n"
         "    setattr(model, '_ties', True)\n"
         "    x = getattr(model, STATE, None)\n"

@@ -203,7 +203,7 @@ def test_aux_loss_channel_adds_to_the_objective_not_to_the_logged_loss(make_conf
     from hpctrain.model.aux import add_aux_loss, collect_aux_losses
     from hpctrain.model.transformer import SwiGLU
     from hpctrain.parallel.handles import LocalData
-    from hpctrain.train.schedule import GradAccumulation
+    from hpctrain.train.step_runner import GradAccumulation
 
     class PenalisedFFN(SwiGLU):
         def forward(self, x):

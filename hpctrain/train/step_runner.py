@@ -1,10 +1,12 @@
-"""The step schedule: how one optimizer step's micro-batches are run.
+"""The step runner: how one optimizer step's micro-batches are run.
 
-The trainer calls ``schedule.run(...)`` once per step. The default runs
-forward and backward per micro-batch and accumulates gradients; a pipeline
-plugin's handle gives its own schedule (1F1B, ...; ``hpctrain.parallel``).
+The trainer calls its ``StepRunner``'s ``run(...)`` once per step. The
+default (``GradAccumulation``) runs forward and backward per micro-batch and
+accumulates gradients; a pipeline plugin's handle gives its own runner, which
+executes a pipeline programme (1F1B, ...; ``hpctrain.pipeline.schedules``).
+(The learning-rate curve is ``hpctrain.train.lr_schedule``.)
 
-A schedule returns a ``StepResult``: the sum of this rank's per-token losses
+A runner returns a ``StepResult``: the sum of this rank's per-token losses
 and the number of tokens they cover (0 and 0 on ranks that compute no loss,
 such as a pipeline's non-last stages). The trainer adds both up over the
 mesh, so the logged loss is the global mean whatever the layout.
@@ -38,7 +40,7 @@ class StepResult:
     """Tokens the sum covers."""
 
 
-class StepSchedule(Protocol):
+class StepRunner(Protocol):
     def run(
         self,
         model: torch.nn.Module,
@@ -57,7 +59,7 @@ class StepSchedule(Protocol):
 
 
 def as_step_result(out: Union[StepResult, torch.Tensor, None], microbatches: Sequence[MicroBatch]) -> StepResult:
-    """A schedule's return value as a StepResult (a mean-loss tensor counts
+    """A runner's return value as a StepResult (a mean-loss tensor counts
     every target token of ``microbatches``; None: this rank has no loss)."""
     if isinstance(out, StepResult):
         return out
