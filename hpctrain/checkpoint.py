@@ -6,26 +6,32 @@ ShardSpec.logical_name, so any layout can load any checkpoint; each rank
 writes and reads only the pieces it holds (``ShardSpec.pieces``: boxes of
 the logical tensor, padding left out, each with a view of the local tensor).
 
-What the trainer exposes to a checkpointer (read and restore):
-- ``trainer.model.named_parameters()`` with ``hpctrain_spec`` on each, and
+What a checkpointer reads and restores is a ``TrainState``
+(``hpctrain.train.state``), never the trainer:
+- ``state.model.named_parameters()`` with ``hpctrain_spec`` on each, and
   the model's persistent buffers (with a spec when they carry one);
-- ``trainer.optimizer``: ``optimizer.state`` maps each parameter to its
+- ``state.optimizer``: ``optimizer.state`` maps each parameter to its
   state; a state tensor shaped like its parameter shares the parameter's
   ShardSpec, and an optimizer whose state is laid out otherwise (ZeRO's flat
   shards) answers ``optimizer.state_spec(param, key) -> ShardSpec``
   (``ShardedStateOptimizer``); an optimizer that cannot take a checkpoint
   answers ``optimizer.checkpoint_problem({dataset path: shape})`` with the
   reason and the fix (DiLoCo saved with another number of replicas);
-- ``trainer.step`` (the LR schedule is a pure function of it);
-- ``trainer.extra_state()`` / ``load_extra_state(dict)``: small JSON-able
+- ``state.step`` (the LR schedule is a pure function of it): saved, and
+  returned by ``load`` in ``Restored.step``; the coordinator sets it;
+- ``state.extra_state()`` / ``load_extra_state(dict)``: small JSON-able
   state of the loop, the same on every rank (fp16's loss scale);
-- ``trainer.cursor.state_dict()`` / ``load_state_dict`` (global data cursor);
-- ``trainer.cfg`` (resolved config) and ``trainer.mesh`` (the layout);
+- ``state.cursor.state_dict()`` / ``load_state_dict`` (global data cursor);
+- ``state.cfg`` (resolved config) and ``state.mesh`` (the layout);
 - torch RNG state per rank (``torch.get_rng_state()``).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 
 class ShardedStateOptimizer(Protocol):
@@ -35,23 +41,34 @@ class ShardedStateOptimizer(Protocol):
         """The ShardSpec of ``state[param][key]`` (None: the parameter's own)."""
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What ``Checkpointer.load`` put back."""
+
+    path: str
+    """The checkpoint actually read (``resume=auto`` may skip a damaged newer one)."""
+    step: int
+    """The optimizer steps it was saved after; the coordinator sets ``TrainState.step`` to it."""
+    optimizer: Optional[str] = None
+    """The ``optim.name`` that saved it, where the format records one (None: unknown); training refuses
+    another optimizer's state (``hpctrain.train.checkpointing``)."""
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
-    def save(self, trainer: Any, path: Optional[str] = None) -> str:
-        """Write a checkpoint of ``trainer`` (collective over all ranks) and
+    def save(self, state: "TrainState", path: Optional[str] = None) -> str:
+        """Write a checkpoint of ``state`` (collective over all ranks) and
         return its final path. With async saving this may return before the
         tensors are even copied to host memory (overlapped staging); the
         commit happens in the background. Until ``before_update`` returns,
         the caller must not change parameters or optimizer state in place."""
 
-    def load(self, trainer: Any, path: str) -> Optional[str]:
-        """Restore ``trainer`` (model, optimizer, step, cursor, RNG) from ``path``
-        on the trainer's current layout. Returns the path actually loaded
-        (with resume=auto a corrupt ``path`` may be skipped for an older
-        checkpoint), or None meaning ``path``. A format that records the
-        ``optim.name`` that saved it sets ``trainer.resumed_optimizer`` to it,
-        and training then refuses another optimizer's state
-        (``Trainer.refuse_another_optimizer``)."""
+    def load(self, state: "TrainState", path: str) -> Restored:
+        """Restore ``state`` in place (model, optimizer, cursor, extra state,
+        RNG) from ``path`` on the state's current layout, and say what was
+        restored. ``state.step`` is left alone: the caller sets it from
+        ``Restored.step``. With resume=auto a corrupt ``path`` may be skipped
+        for an older checkpoint (``Restored.path`` names the one read)."""
 
     def resolve(self, resume: str) -> Optional[str]:
         """Turn ``checkpoint.resume`` ("auto" or a path) into a checkpoint path,
@@ -62,14 +79,14 @@ class Checkpointer(Protocol):
 
     def close(self) -> None:
         """The run is over: wait as ``wait`` does, then release what the
-        checkpointer holds (its directory's lock). Optional: the trainer calls
+        checkpointer holds (its directory's lock). Optional: the coordinator calls
         ``wait`` on a checkpointer without it."""
 
     def before_update(self) -> None:
-        """Called by the trainer every step right before the optimizer step
+        """Called by the coordinator every step right before the optimizer step
         (the first in-place change to parameters and optimizer state after a
         save). A checkpointer that copies state in the background waits here
-        until that copy is done. Optional: the trainer skips a checkpointer
+        until that copy is done. Optional: the coordinator skips a checkpointer
         without it, which must then finish copying inside ``save``."""
 
 

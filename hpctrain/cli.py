@@ -76,7 +76,6 @@ def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
     rt = get_runtime()
     try:
         cfg = to_config(cfg_yaml, get_manager())
-        cfg.run_dir = run_dir
         run(cfg, run_dir, evaluate_only=evaluate)
         return 0
     except JobStopped as e:

@@ -21,6 +21,11 @@ the optimizer and the step schedule) is the core's, written once in
 ``hpctrain.parallel.compose`` and ``hpctrain.parallel.finalize``; an axis
 plugin takes part through the methods of the handle it returns.
 
+Lifecycle hooks (``on_train_start`` ... ``on_train_end``) receive the run's
+``TrainState`` (``hpctrain.train.state``: config, mesh, model, optimizer,
+cursor, handles, run directory, step), never the trainer, and read it only;
+a plugin's per-run state lives in its axis handle.
+
 Hook implementations may accept any subset of a spec's arguments (pluggy),
 so arguments added to a spec later do not break existing plugins.
 """
@@ -38,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.comm.protocol import Communicator
     from hpctrain.mesh import Group, Mesh
     from hpctrain.parallel.handles import AxisHandle
+    from hpctrain.train.state import TrainState
 
 PROJECT = "hpctrain"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -72,11 +78,12 @@ def hpctrain_register_configs(config_store: Any) -> None:
 
 
 @hookspec
-def hpctrain_validate(cfg: "DictConfig", world_size: int) -> Optional[List[str]]:
+def hpctrain_validate(cfg: "DictConfig", world_size: int, run_dir: Optional[str]) -> Optional[List[str]]:
     """Return problems with ``cfg`` as clear one-line messages naming the fix.
 
     Runs on every rank before any collective, so it must be a pure function of
-    ``cfg`` and ``world_size`` (and the local filesystem).
+    ``cfg``, ``world_size`` and ``run_dir`` (the run's directory, None when the
+    run has none) and the local filesystem.
     """
 
 
@@ -100,12 +107,15 @@ def hpctrain_make_module(kind: str, name: str, cfg: "DictConfig", layer_index: i
 
 @hookspec(firstresult=True)
 def hpctrain_parallelize(model: "torch.nn.Module", axis: str, mesh: "Mesh",
-                         cfg: "DictConfig") -> Optional["AxisHandle"]:
+                         cfg: "DictConfig", run_dir: Optional[str]) -> Optional["AxisHandle"]:
     """Apply the transform of mesh axis ``axis`` to the meta-device model and
     return a handle (``hpctrain.parallel.handles``) whose ``model`` is what
     this rank runs afterwards (the same model changed in place, or a
-    pipeline stage). Update the ShardSpec of every parameter split. Return
-    None if this plugin does not handle ``axis``.
+    pipeline stage). Update the ShardSpec of every parameter split. Only the
+    plugin chosen for the axis is asked, and only for an axis it serves
+    (its capabilities' ``parallel`` list): a plugin serving one axis need
+    not check ``axis``. ``run_dir`` is the run's directory (None without
+    one), for files the implementation writes.
 
     Axis ``dp`` stands for the data axes (asked whenever ``cp x ep x dp`` >
     1: ``ep`` and ``cp`` ranks are data-parallel for every weight not split
@@ -123,8 +133,9 @@ def hpctrain_claim_axis(axis: str, cfg: "DictConfig") -> Optional[bool]:
     """Whether this plugin wants to implement ``axis`` (one it serves) for
     this config: True (chosen over plugins without an opinion, e.g. a ZeRO
     plugin when ``parallel.zero.stage > 0``), False (not for this config),
-    None (no opinion). ``parallel.impl.<axis>`` overrides every claim; two
-    True claims without it are an error naming both. Pure function of cfg."""
+    None (no opinion). Asked only of plugins serving ``axis``.
+    ``parallel.impl.<axis>`` overrides every claim; two True claims without
+    it are an error naming both. Pure function of cfg."""
 
 
 @hookspec(firstresult=True)
@@ -141,9 +152,12 @@ def hpctrain_make_optimizer(params: List["torch.nn.Parameter"], model: "torch.nn
 
 
 @hookspec(firstresult=True)
-def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConfig") -> Optional["Checkpointer"]:
-    """Return a checkpointer for format ``name`` or None. ``mesh`` is the
-    run's layout (None outside a run, e.g. the checkpoint benchmark)."""
+def hpctrain_make_checkpointer(name: str, mesh: Optional["Mesh"], cfg: "DictConfig",
+                               run_dir: Optional[str]) -> Optional["Checkpointer"]:
+    """Return a checkpointer for format ``name`` or None (``hpctrain.checkpoint``:
+    it saves and loads a ``TrainState``). ``mesh`` is the run's layout (None
+    outside a run, e.g. the checkpoint benchmark); ``run_dir`` the run's
+    directory (None without one)."""
 
 
 @hookspec(firstresult=True)
@@ -169,32 +183,32 @@ def hpctrain_make_logger(name: str, cfg: "DictConfig", run_dir: str) -> Optional
 
 
 @hookspec
-def hpctrain_after_finalize_grads(trainer: Any) -> None:
-    """Observer: the step's gradients are final (``hpctrain.parallel.
-    finalize``: reduced over the data axes, tied embeddings summed; with
-    fp16, divided by the loss scale again) and not yet clipped; the
-    optimizer has not stepped. Every rank, same order."""
+def hpctrain_after_finalize_grads(state: "TrainState", step: int) -> None:
+    """Observer: the gradients of optimizer step ``step`` (1-based) are final
+    (``hpctrain.parallel.finalize``: reduced over the data axes, tied
+    embeddings summed; with fp16, divided by the loss scale again) and not
+    yet clipped; the optimizer has not stepped. Every rank, same order."""
 
 
 @hookspec
-def hpctrain_after_optimizer_step(trainer: Any, step: int) -> None:
-    """After optimizer step ``step`` (1-based) updated the weights: update
-    what is not a gradient (an MoE router's selection biases). Called on
+def hpctrain_after_optimizer_step(state: "TrainState", step: int) -> None:
+    """After optimizer step ``step`` (1-based) updated the weights. Called on
     every rank in the same order, so it may use collectives (every rank must
     then enter them); skipped, on every rank, for a step whose update was
-    skipped."""
+    skipped. (An axis implementation updates what it owns, e.g. MoE's router
+    biases, in its handle's ``after_step`` instead.)"""
 
 
 @hookspec
-def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) -> Optional[Dict[str, float]]:
+def hpctrain_step_metrics(state: "TrainState", step: int, metrics: Dict[str, float]) -> Optional[Dict[str, float]]:
     """Add metrics of optimizer step ``step`` (1-based) before they are
     logged and written to ``metrics.jsonl``: return ``{name: value}``
-    (e.g. ``{"moe.aux_loss": 0.01}``; prefix names with your plugin's).
+    (e.g. ``{"mine.tokens_seen": 1e6}``; prefix names with your plugin's).
 
     Called on every rank in the same order, so a plugin may reduce its
     values with a collective here (every rank must then enter it, holding
-    something to report or not). ``metrics`` holds the core's values so far;
-    a name that is already there is an error."""
+    something to report or not). ``metrics`` holds the core's values and
+    the axis handles' so far; a name that is already there is an error."""
 
 
 @hookspec
@@ -206,20 +220,22 @@ def hpctrain_benchmarks() -> Dict[str, str]:
 
 
 @hookspec
-def hpctrain_on_train_start(trainer: Any) -> None:
-    """Observer: the model, optimizer and data are ready."""
+def hpctrain_on_train_start(state: "TrainState") -> None:
+    """Observer: the model, optimizer and data are ready (``state.step`` is
+    the step resumed from, 0 on a fresh start)."""
 
 
 @hookspec
-def hpctrain_on_step_end(trainer: Any, step: int, metrics: Dict[str, float]) -> None:
+def hpctrain_on_step_end(state: "TrainState", step: int, metrics: Dict[str, float]) -> None:
     """Observer: optimizer step ``step`` (1-based) finished with ``metrics``."""
 
 
 @hookspec
-def hpctrain_on_checkpoint(trainer: Any, path: str) -> None:
-    """Observer: a checkpoint was committed at ``path``."""
+def hpctrain_on_checkpoint(state: "TrainState", step: int, path: str) -> None:
+    """Observer: the checkpoint of step ``step`` was saved at ``path`` (with
+    an async save, its commit may still be running)."""
 
 
 @hookspec
-def hpctrain_on_train_end(trainer: Any, metrics: Dict[str, float]) -> None:
+def hpctrain_on_train_end(state: "TrainState", metrics: Dict[str, float]) -> None:
     """Observer: training finished (``metrics`` of the last step)."""

@@ -130,7 +130,8 @@ class Mesh:
     """Named-axis layout of the world (see the module docstring)."""
 
     def __init__(self, sizes: Mapping[str, int], world_rank: int, world_size: int, order: str = DEFAULT_ORDER,
-                 rank_nodes: Optional[Sequence[int]] = None, board: Optional[OpBoard] = None):
+                 rank_nodes: Optional[Sequence[int]] = None, board: Optional[OpBoard] = None,
+                 alone_axes: Sequence[str] = ()):
         self.order: Tuple[str, ...] = parse_order(order)
         self.sizes: Dict[str, int] = resolve_sizes(sizes, world_size, order)
         self.world_size = world_size
@@ -149,10 +150,10 @@ class Mesh:
         self._created: List[Group] = []                # distinct groups, in creation order
         self._backend_factory: Optional[Callable[[Group], "Communicator"]] = None
         self._sealed = False
-        self.alone_axes: Tuple[str, ...] = ()
+        self.alone_axes: Tuple[str, ...] = tuple(alone_axes)
         """Data axes whose ranks are replicas training alone between outer steps (DiLoCo's dp,
-        ``hpctrain.train.outer``): no gradient is averaged over them, and ranks that differ only there
-        need not hold equal weights. Set by the composition, before any axis is applied."""
+        ``hpctrain.train.outer.alone_axes``): no gradient is averaged over them, and ranks that differ
+        only there need not hold equal weights. Fixed when the mesh is built."""
         self.board = board if board is not None else OpBoard()
         """Numbered collectives and the current wait of this rank (``hpctrain.comm.watch``)."""
         for axes in self.standard_group_keys():
@@ -192,6 +193,11 @@ class Mesh:
     def data_size(self) -> int:
         """Ranks that see different tokens (cp x ep x dp)."""
         return math.prod(self.sizes[a] for a in DATA_AXES)
+
+    @property
+    def averaged_data_size(self) -> int:
+        """Ranks a replicated weight's gradient is averaged over: the data axes less ``alone_axes``."""
+        return math.prod(self.sizes[a] for a in self.reduction_axes(()))
 
     def index_on(self, axes: Iterable[str]) -> int:
         """This rank's index in the group spanning ``axes`` (its group rank)."""

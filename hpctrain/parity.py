@@ -63,12 +63,12 @@ class _GradTap:
         self.pieces: List[Piece] = []
 
     @hookimpl
-    def hpctrain_after_finalize_grads(self, trainer):
+    def hpctrain_after_finalize_grads(self, state):
         from hpctrain.train.grad_norm import gradient_pairs
 
-        if trainer is not self.trainer:
+        if state is not self.trainer.state:
             return
-        mesh = trainer.mesh
+        mesh = state.mesh
         self.pieces = []
         for grad, spec in gradient_pairs(self.trainer.params, self.trainer.optimizer):
             for piece in spec.pieces(mesh.coords, mesh.sizes):

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from hpctrain import hookspecs
 from hpctrain.errors import HpctrainError, PluginError
+from hpctrain.hf import source as hf_source
 from hpctrain.log import get_logger
 
 ENTRY_POINT_GROUP = "hpctrain"
@@ -63,6 +64,8 @@ def create_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
     blocked = blocked_names()
     for name in blocked:
         pm.set_blocked(name)
+    if not pm.is_blocked(hf_source.NAME):
+        pm.register(hf_source, name=hf_source.NAME)  # the core's own weight source (checkpoint.init_from=hf:DIR)
     if load_entry_points:
         _load_installed(pm)
         known = {ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
@@ -220,9 +223,13 @@ def axis_plugins(pm: pluggy.PluginManager) -> Dict[str, List[str]]:
 
 
 def axis_claims(pm: pluggy.PluginManager, cfg: Any, axis: str) -> Dict[str, Optional[bool]]:
-    """{plugin name: its ``hpctrain_claim_axis`` answer} (plugins without the hook are absent)."""
+    """{plugin name: its ``hpctrain_claim_axis`` answer}, asked only of plugins serving ``axis`` (plugins
+    without the hook are absent)."""
     out: Dict[str, Optional[bool]] = {}
+    serving = set(axis_plugins(pm).get(axis, []))
     for impl in pm.hook.hpctrain_claim_axis.get_hookimpls():
+        if impl.plugin_name not in serving:
+            continue
         given = {"axis": axis, "cfg": cfg}
         # pluggy types a hook function's result as object; this spec answers Optional[bool]
         out[impl.plugin_name] = cast(Optional[bool], impl.function(**{a: given[a] for a in impl.argnames}))

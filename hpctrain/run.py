@@ -19,6 +19,8 @@ from hpctrain.errors import ConfigError, HpctrainError, PluginError
 from hpctrain.log import add_file_log, get_logger, log_rank0, remove_file_log
 from hpctrain.mesh import AXES, Group, Mesh
 from hpctrain.plugins import get_manager
+from hpctrain.train.outer import alone_axes
+from hpctrain.train.state import TrainState
 from hpctrain.train.watchdog import JobStopped
 
 log = get_logger(__name__)
@@ -94,7 +96,7 @@ def backend_factory(cfg: Any, pm, device: torch.device):
 
 def build_mesh(cfg: Any, rt: Runtime, pm, board: Optional[OpBoard] = None) -> Mesh:
     mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rt.world_rank, rt.world_size, cfg.parallel.order,
-                rank_nodes=rt.rank_nodes or None, board=board)
+                rank_nodes=rt.rank_nodes or None, board=board, alone_axes=alone_axes(cfg))
     mesh.attach_backends(backend_factory(cfg, pm, rt.device))
     return mesh
 
@@ -196,7 +198,7 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
     rt = get_runtime()
     pm = pm or get_manager()
     notes = elastic.adapt(cfg, rt.world_size, rt.num_nodes)  # the same change on every rank, before validation
-    problems = agree_on_problems(validate(cfg, rt.world_size, pm), rt)
+    problems = agree_on_problems(validate(cfg, rt.world_size, pm, run_dir), rt)
     if problems:
         raise ConfigError("\n".join(problems))
     rt = with_device(cfg.trainer.device)
@@ -216,7 +218,7 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
             log_rank0("%s", line)
     trainer = Trainer(cfg, mesh, pm, rt.device, run_dir)
     if trains:
-        trainer.refuse_another_optimizer()
+        trainer.checkpointing.refuse_another_optimizer()
     if loggers:  # after the set-up (a checkpoint that does not fit leaves no metrics.jsonl), before step 1
         trainer.loggers = open_loggers_agreed(cfg, rt, pm, run_dir)
     return trainer
@@ -252,9 +254,15 @@ def reference_trainer(cfg: Any, pm=None, run_dir: Optional[str] = None):
     from hpctrain.train.trainer import Trainer
 
     pm = pm or get_manager()
-    mesh = Mesh({a: 1 for a in AXES}, 0, 1)
+    mesh = Mesh({a: 1 for a in AXES}, 0, 1, alone_axes=alone_axes(cfg))
     mesh.attach_backends(lambda group: LocalCommunicator())
     return Trainer(cfg, mesh, pm, torch.device("cpu"), run_dir)
+
+
+def reference_state(cfg: Any, pm=None) -> TrainState:
+    """The ``TrainState`` of ``reference_trainer(cfg, pm)`` at step 0 (its weights as ``cfg`` initialises them,
+    ``checkpoint.init_from`` included): what a tool saves as a checkpoint without training."""
+    return reference_trainer(cfg, pm).state
 
 
 def reference_run(cfg: Any, pm=None, run_dir: Optional[str] = None) -> List[Dict[str, float]]:

@@ -10,7 +10,7 @@ after one real optimizer step: 12 bytes per parameter.
 
 - hpctrain: the ``hdf5`` checkpointer (made through the
   ``hpctrain_make_checkpointer`` hook, as the trainer makes it; the core
-  never imports a plugin) ``save`` / ``load`` on a stand-in trainer that
+  never imports a plugin) ``save`` / ``load`` on a stand-in TrainState that
   exposes exactly what the checkpointer reads (model, optimizer, mesh,
   cursor, config, step), so the whole path is measured: plan, host copy,
   checksums, one collective MPI-IO file, fsync, atomic commit; and the load
@@ -59,7 +59,7 @@ import statistics
 import tempfile
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -72,7 +72,11 @@ from hpctrain.bench.common import (
     print_rank0,
     timed_call,
 )
+from hpctrain.data import DataCursor
 from hpctrain.errors import ArgumentParser
+from hpctrain.mesh import Mesh
+from hpctrain.shard import DimSplit, ShardSpec, set_spec
+from hpctrain.train.state import TrainState
 
 
 def _shapes(d: int, layers: int, vocab: int) -> List[Tuple[str, Tuple[int, int]]]:
@@ -88,11 +92,8 @@ def _shapes(d: int, layers: int, vocab: int) -> List[Tuple[str, Tuple[int, int]]
     return out + [("output.weight", (vocab, d))]
 
 
-def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, size: int) -> SimpleNamespace:
-    """What the checkpointer reads of a trainer, with every matrix sharded on dim 0."""
-    from hpctrain.mesh import Mesh
-    from hpctrain.shard import DimSplit, ShardSpec, set_spec
-
+def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, size: int) -> TrainState:
+    """A run's state as the checkpointer reads it, with every matrix sharded on dim 0."""
     mesh = Mesh({"dp": size}, rank, size)
     model = torch.nn.Module()
     g = torch.Generator().manual_seed(1234 + rank)
@@ -108,11 +109,10 @@ def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, si
     batch = int(cfg.trainer.global_batch_size)
     cursor = SimpleNamespace(state_dict=lambda: {"consumed_samples": 0, "global_batch_size": batch},
                              load_state_dict=lambda state: None, consumed_samples=0)
-    return SimpleNamespace(model=model, optimizer=opt, mesh=mesh, cursor=cursor, cfg=cfg, step=1,
-                           device=torch.device("cpu"), extra_state=lambda: {}, load_extra_state=lambda state: None)
+    return TrainState(cfg, mesh, torch.device("cpu"), model, opt, cast(DataCursor, cursor), step=1)
 
 
-def _dcp_state(trainer: SimpleNamespace, size: int) -> Dict[str, Any]:
+def _dcp_state(run_state: TrainState, size: int) -> Dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -120,10 +120,10 @@ def _dcp_state(trainer: SimpleNamespace, size: int) -> Dict[str, Any]:
 
     dm = init_device_mesh("cpu", (size,))
     out: Dict[str, Any] = {}
-    for p in trainer.model.parameters():
+    for p in run_state.model.parameters():
         name = get_spec(p).logical_name
         out[f"model.{name}"] = DTensor.from_local(p.detach(), dm, [Shard(0)], run_check=False)
-        for key, value in trainer.optimizer.state[p].items():
+        for key, value in run_state.optimizer.state[p].items():
             out[f"optim.{key}.{name}"] = (DTensor.from_local(value, dm, [Shard(0)], run_check=False)
                                           if value.dim() else value)
     return out
@@ -204,7 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def checkpointer(*extra: str) -> Any:
         """The hdf5 checkpointer as the trainer gets it: through the plugin hook."""
         c = to_config(OmegaConf.to_container(compose(overrides + list(extra), pm=pm), resolve=True), pm)
-        return c, pm.hook.hpctrain_make_checkpointer(name="hdf5", mesh=None, cfg=c)
+        return c, pm.hook.hpctrain_make_checkpointer(name="hdf5", mesh=None, cfg=c, run_dir=None)
 
     cfg, sync_ck = checkpointer()
     unverified_ck = checkpointer("checkpoint.hdf5.verify=false")[1]
@@ -213,18 +213,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if sync_ck is None:
         print_rank0(comm, "hpctrain-bench ckpt: no installed plugin serves checkpoint.format=hdf5")
         return 2
-    trainer = _stand_in(cfg, _shapes(args.d_model, args.layers, args.vocab), rank, size)
+    run_state = _stand_in(cfg, _shapes(args.d_model, args.layers, args.vocab), rank, size)
     from hpctrain.localckpt import LocalTier
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     local_dir = comm.bcast(args.local_dir or tempfile.mkdtemp(prefix="hpctrain-bench-local-", dir=shm)
                            if rank == 0 else None, root=0)
     tier = LocalTier(checkpointer("checkpoint.local.every=1", f"checkpoint.local.dir={local_dir}",
-                                  f"checkpoint.local.replicas={min(1, rt.num_nodes - 1)}")[0], trainer.mesh, rt)
-    params = sum(p.numel() for p in trainer.model.parameters()) * size
+                                  f"checkpoint.local.replicas={min(1, rt.num_nodes - 1)}")[0], run_state.mesh, rt)
+    params = sum(p.numel() for p in run_state.model.parameters()) * size
     state_bytes = 12 * params
     io = "MPI-IO" if (h5py.get_config().mpi and cfg.checkpoint.hdf5.driver != "serial") else "serial"
-    state = _dcp_state(trainer, size)
+    state = _dcp_state(run_state, size)
     work = _step_work(args.step_s, comm)
     keys = ["h5 save", "dcp save", "h5 load", "dcp load", "h5 load unverified", "work alone"]
     keys += [f"{m} {k}" for m in modes for k in ("blocked", "steps", "added", "committed")]
@@ -245,11 +245,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         previous = [h5_path, dcp_path, *async_paths.values()]
         comm.Barrier()
         runs = {
-            "h5 save": lambda p=h5_path: sync_ck.save(trainer, p),
+            "h5 save": lambda p=h5_path: sync_ck.save(run_state, p),
             "dcp save": lambda p=dcp_path: dcp.save(state, checkpoint_id=p),
-            "h5 load": lambda p=h5_path: sync_ck.load(trainer, p),
+            "h5 load": lambda p=h5_path: sync_ck.load(run_state, p),
             "dcp load": lambda p=dcp_path: dcp.load(state, checkpoint_id=p),
-            "h5 load unverified": lambda p=h5_path: unverified_ck.load(trainer, p),
+            "h5 load unverified": lambda p=h5_path: unverified_ck.load(run_state, p),
             "work alone": work,
         }
         for key, fn in runs.items():
@@ -263,7 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             # copy and write is charged to the steps it overlaps
             comm.Barrier()
             t0 = time.perf_counter()
-            ck.save(trainer, async_paths[mode])
+            ck.save(run_state, async_paths[mode])
             blocked, steps = time.perf_counter() - t0, 0
             while steps == 0 or ck.busy:
                 work()
@@ -280,16 +280,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for k, v in measured.items():
                     t[f"{mode} {k}"].append(max_over_ranks(comm, v))
         # the local tier: a save waited for (throughput), then one overlapped with steps (blocking)
-        trainer.step = 2 * it + 1
+        run_state.step = 2 * it + 1
         comm.Barrier()
         t0 = time.perf_counter()
-        tier.save(trainer)
+        tier.save(run_state)
         tier.wait()
         local_save = time.perf_counter() - t0
-        trainer.step = 2 * it + 2
+        run_state.step = 2 * it + 2
         comm.Barrier()
         t0 = time.perf_counter()
-        blocked, steps = tier.save(trainer), 0
+        blocked, steps = tier.save(run_state), 0
         while steps == 0 or tier.busy:
             work()
             blocked += tier.before_update()  # as the trainer does right before the optimizer step
@@ -300,7 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         blocked += time.perf_counter() - t1
         comm.Barrier()
         t0 = time.perf_counter()
-        tier.load(trainer, tier.agree(trainer))
+        tier.load(run_state, tier.agree(run_state))
         local_load = time.perf_counter() - t0
         if it:
             measured = {"save": local_save, "blocked": blocked, "steps": steps,

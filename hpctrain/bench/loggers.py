@@ -53,7 +53,7 @@ def _one(cfg, rt, pm, warmup: int):
     logged: List[float] = []
     ends: List[float] = []
 
-    def watch(trainer, step, metrics):  # after the step's log calls
+    def watch(state, step, metrics):  # after the step's log calls
         logged.append(trainer.logging_s)
         ends.append(time.perf_counter())
 

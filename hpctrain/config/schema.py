@@ -527,4 +527,5 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: Optional[str] = None
-    """Filled in at start: the one run directory all ranks share."""
+    """Not read or written by hpctrain: the run directory is passed to the hooks that need it (``run_dir``
+    arguments). Kept so configs saved by older runs (checkpoints' ``/meta/config``) still load."""

@@ -11,7 +11,7 @@ layout it proposes passes the same checks as training.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from hpctrain.config.ranges import range_problems
 from hpctrain.data.sequence import valid_seq_lens
@@ -348,7 +348,7 @@ def _writable(path: str, key: str) -> List[str]:
     return []
 
 
-def validate(cfg: Any, world_size: int, pm=None) -> List[str]:
+def validate(cfg: Any, world_size: int, pm=None, run_dir: Optional[str] = None) -> List[str]:
     """All problems (core first, then plugins'), each with its fix, all at
     once; empty when the run can start. Out-of-range values come alone: the
     other checks would divide by them."""
@@ -359,7 +359,8 @@ def validate(cfg: Any, world_size: int, pm=None) -> List[str]:
     if pm is not None:
         from hpctrain.plugins import broke_contract, call_each
 
-        for plugin, found in call_each(pm, "hpctrain_validate", cfg=cfg, world_size=world_size):
+        for plugin, found in call_each(pm, "hpctrain_validate", cfg=cfg, world_size=world_size,
+                                   run_dir=run_dir):
             if not (isinstance(found or [], (list, tuple)) and all(isinstance(p, str) for p in found or [])):
                 raise broke_contract(plugin, "hpctrain_validate", found, "a list of problems (str)")
             problems += [p for p in (found or []) if p not in problems]

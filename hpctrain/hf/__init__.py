@@ -6,3 +6,6 @@ The exactness check is ``transformers``' own forward (tests/unit/hf,
 tests/mpi/test_hf.py). ``safetensors`` is imported only where tensors are
 read or written (the ``hf`` extra).
 """
+
+PREFIX = "hf:"
+"""What ``checkpoint.init_from`` starts with to name a Hugging Face directory (``hf:DIR``)."""

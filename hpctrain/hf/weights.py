@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from hpctrain.hf.names import HfTensor, hf_tensor, rope_row_permutation
+from hpctrain.hf import PREFIX
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-PREFIX = "hf:"
 
 Box = Sequence[Tuple[int, int]]
 

@@ -23,9 +23,12 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 MAGIC = b"HPCTRAIN-LOCAL 1\n"
 
@@ -53,12 +56,12 @@ def layout(mesh: Any) -> Dict[str, Any]:
     return {"world_size": mesh.world_size, "sizes": dict(mesh.sizes), "order": "-".join(mesh.order)}
 
 
-def _digest(trainer: Any, without_dp: bool) -> str:
+def _digest(train_state: "TrainState", without_dp: bool) -> str:
     from omegaconf import OmegaConf
 
     from hpctrain.checkpoint import EXPERIMENT_KEYS
 
-    cfg, mesh = trainer.cfg, trainer.mesh
+    cfg, mesh = train_state.cfg, train_state.mesh
     chosen: Dict[str, Any] = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                               for k in EXPERIMENT_KEYS for v in [OmegaConf.select(cfg, k)]}
     placed, parallel = layout(mesh), dict(OmegaConf.to_container(cfg.parallel, resolve=True))  # type: ignore[arg-type]
@@ -69,22 +72,22 @@ def _digest(trainer: Any, without_dp: bool) -> str:
     return hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def signature(trainer: Any) -> str:
+def signature(train_state: "TrainState") -> str:
     """What must match for a rank's saved state to be put back as it is: the
     world size, the mesh (sizes and order), the model, optimizer, batch,
     sequence, seed and precision (``hpctrain.checkpoint.EXPERIMENT_KEYS``)."""
-    return _digest(trainer, without_dp=False)
+    return _digest(train_state, without_dp=False)
 
 
-def family(trainer: Any) -> str:
+def family(train_state: "TrainState") -> str:
     """``signature`` less the data-parallel size and the world size: what must match for another data-parallel
     replica's state to be put back on this rank (``trainer.elastic``, ``hpctrain.localckpt.reshard``)."""
-    return _digest(trainer, without_dp=True)
+    return _digest(train_state, without_dp=True)
 
 
-def _params(trainer: Any) -> List[torch.nn.Parameter]:
+def _params(train_state: "TrainState") -> List[torch.nn.Parameter]:
     out, seen = [], set()
-    for _, p in trainer.model.named_parameters():
+    for _, p in train_state.model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
             out.append(p)
@@ -107,34 +110,34 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
-def capture(trainer: Any) -> RankState:
+def capture(train_state: "TrainState") -> RankState:
     """This rank's state now, copied to host memory."""
-    out = capture_meta(trainer)
-    capture_tensors(trainer, out)
+    out = capture_meta(train_state)
+    capture_tensors(train_state, out)
     return out
 
 
-def capture_meta(trainer: Any) -> RankState:
+def capture_meta(train_state: "TrainState") -> RankState:
     """What the next step changes before its optimizer step (random state, data cursor, step), now; the
     tensors follow with ``capture_tensors``, which may run during that step's forward and backward."""
     out = RankState()
     out.tensors["rng/cpu"] = torch.get_rng_state()
-    if trainer.device.type == "cuda":
-        out.tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
-    out.meta = {"step": int(trainer.step), "cursor": trainer.cursor.state_dict(),
-                "extra": trainer.extra_state(), "scalars": {}, "on_cpu": [],
-                "rank": trainer.mesh.world_rank, "signature": signature(trainer), "family": family(trainer),
-                "layout": layout(trainer.mesh)}
+    if train_state.device.type == "cuda":
+        out.tensors["rng/cuda"] = torch.cuda.get_rng_state(train_state.device)
+    out.meta = {"step": int(train_state.step), "cursor": train_state.cursor.state_dict(),
+                "extra": train_state.extra_state(), "scalars": {}, "on_cpu": [],
+                "rank": train_state.mesh.world_rank, "signature": signature(train_state), "family": family(train_state),
+                "layout": layout(train_state.mesh)}
     return out
 
 
-def capture_tensors(trainer: Any, out: RankState) -> None:
+def capture_tensors(train_state: "TrainState", out: RankState) -> None:
     """Host copies of the parameters, optimizer state and buffers into ``out``: nothing changes them
     until the optimizer step, so this may overlap the next forward and backward."""
     scalars: Dict[str, Any] = out.meta["scalars"]
     on_cpu: List[str] = out.meta["on_cpu"]
-    state = trainer.optimizer.state
-    for i, p in enumerate(_params(trainer)):
+    state = train_state.optimizer.state
+    for i, p in enumerate(_params(train_state)):
         out.tensors[f"p{i}"] = _host(p)
         for key, value in state.get(p, {}).items():
             name = f"o{i}/{key}"
@@ -147,22 +150,23 @@ def capture_tensors(trainer: Any, out: RankState) -> None:
             else:
                 raise LocalStateError(f"optimizer state {key!r} is a {type(value).__name__}; the local tier "
                                       "keeps tensors and numbers only")
-    for i, b in enumerate(_buffers(trainer.model)):
+    for i, b in enumerate(_buffers(train_state.model)):
         out.tensors[f"b{i}"] = _host(b)
 
 
-def restore(trainer: Any, saved: RankState, replica: bool = False) -> None:
-    """Put ``saved`` back into ``trainer``: this rank's own state, same layout; with ``replica``, the state of a
-    rank of another data-parallel size with this rank's other coordinates (``family`` must match)."""
+def restore(train_state: "TrainState", saved: RankState, replica: bool = False) -> int:
+    """Put ``saved`` back into ``train_state``, all but its step, which is returned: this rank's own state,
+    same layout; with ``replica``, the state of a rank of another data-parallel size with this rank's other
+    coordinates (``family`` must match)."""
     meta, tensors = saved.meta, saved.tensors
-    params = _params(trainer)
-    buffers = _buffers(trainer.model)
+    params = _params(train_state)
+    buffers = _buffers(train_state.model)
     missing = [f"p{i}" for i in range(len(params)) if f"p{i}" not in tensors]
-    matches = meta.get("family") == family(trainer) if replica else meta.get("signature") == signature(trainer)
+    matches = meta.get("family") == family(train_state) if replica else meta.get("signature") == signature(train_state)
     if missing or not matches:
         raise LocalStateError("written by another layout or experiment")
-    trainer.cursor.load_state_dict(meta["cursor"])
-    state = trainer.optimizer.state
+    train_state.cursor.load_state_dict(meta["cursor"])
+    state = train_state.optimizer.state
     scalars: Dict[str, Any] = meta["scalars"]
     on_cpu = set(meta["on_cpu"])
     with torch.no_grad():
@@ -193,11 +197,11 @@ def restore(trainer: Any, saved: RankState, replica: bool = False) -> None:
         for i, b in enumerate(buffers):
             if f"b{i}" in tensors:
                 b.copy_(tensors[f"b{i}"])
-    trainer.step = int(meta["step"])
-    trainer.load_extra_state(meta["extra"])
+    train_state.load_extra_state(meta["extra"])
     torch.set_rng_state(tensors["rng/cpu"])
-    if "rng/cuda" in tensors and trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(tensors["rng/cuda"], trainer.device)
+    if "rng/cuda" in tensors and train_state.device.type == "cuda":
+        torch.cuda.set_rng_state(tensors["rng/cuda"], train_state.device)
+    return int(meta["step"])
 
 
 def encode(saved: RankState) -> bytes:

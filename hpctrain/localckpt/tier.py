@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -53,6 +53,9 @@ from hpctrain.localckpt.state import (
     signature,
 )
 from hpctrain.log import get_logger
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 log = get_logger(__name__)
 
@@ -140,25 +143,25 @@ class LocalTier:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, trainer: Any) -> float:
+    def save(self, train_state: "TrainState") -> float:
         """Start saving ``trainer``'s state now; returns the seconds the step was blocked (the
         host copy's remainder, if any, is waited for in ``before_update``)."""
         t0 = time.perf_counter()
         self.wait()
-        saved = capture_meta(trainer)
+        saved = capture_meta(train_state)
         self._sig = saved.meta["signature"]
         self._about = {"family": saved.meta["family"], "layout": saved.meta["layout"]}
-        step = int(trainer.step)
+        step = int(train_state.step)
         record: Dict[str, float] = {"step": step}
         self.stats.append(record)
         if self.threads:
-            self._hook(trainer.optimizer)
+            self._hook(train_state.optimizer)
             self._staged.clear()
-            self._thread = threading.Thread(target=self._guarded, args=(trainer, saved, step, record),
+            self._thread = threading.Thread(target=self._guarded, args=(train_state, saved, step, record),
                                             name="hpctrain-localckpt", daemon=True)
             self._thread.start()
         else:
-            capture_tensors(trainer, saved)
+            capture_tensors(train_state, saved)
             self._write(saved, step, record)
         record["blocking_s"] = time.perf_counter() - t0
         return record["blocking_s"]
@@ -186,10 +189,10 @@ class LocalTier:
             register(pre_step)
             self._hooked.append(optimizer)
 
-    def _guarded(self, trainer: Any, saved: Any, step: int, record: Dict[str, float]) -> None:
+    def _guarded(self, train_state: "TrainState", saved: Any, step: int, record: Dict[str, float]) -> None:
         try:
             try:
-                capture_tensors(trainer, saved)
+                capture_tensors(train_state, saved)
             finally:
                 self._staged.set()
             self._write(saved, step, record)
@@ -253,10 +256,10 @@ class LocalTier:
             self.comm = None
 
     # -- resuming ------------------------------------------------------------------
-    def agree(self, trainer: Any, elastic: bool = False) -> Found:
+    def agree(self, train_state: "TrainState", elastic: bool = False) -> Found:
         """What the surviving nodes hold, agreed in one allgather (collective). ``elastic``: a step another
         data-parallel size wrote counts too, dealt out over dp (``hpctrain.localckpt.reshard``)."""
-        sig = signature(trainer)
+        sig = signature(train_state)
         about: Dict[str, Dict[str, Any]] = {}
         mine = {step: {s: sorted(r) for s, r in by_sig.items()}
                 for step, by_sig in store.held(self.root, about).items()}
@@ -264,11 +267,12 @@ class LocalTier:
         merged: Dict[str, Dict[str, Any]] = {}
         for _, a in everyone:
             merged.update(a)
-        replica = Replica(family(trainer), layout(trainer.mesh), merged) if elastic else None
+        replica = Replica(family(train_state), layout(train_state.mesh), merged) if elastic else None
         return decide([h for h, _ in everyone], sig, self.size, replica)
 
-    def load(self, trainer: Any, found: Found) -> None:
-        """Fetch what this rank lacks from its holder and restore (collective)."""
+    def load(self, train_state: "TrainState", found: Found) -> int:
+        """Fetch what this rank lacks from its holder and restore all but the step, which is returned
+        (collective)."""
         assert found.step is not None
         step = found.step
         mine = store.rank_file(self.root, step, found.sources.get(self.rank, self.rank))
@@ -280,7 +284,7 @@ class LocalTier:
             data = self._fetch(found, step, data)
         assert data is not None
         try:
-            restore(trainer, decode(data), replica=found.resharded_from is not None)
+            return restore(train_state, decode(data), replica=found.resharded_from is not None)
         except LocalStateError as e:
             raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
 

@@ -7,7 +7,12 @@ core holds the handles; a plugin keeps its per-run state in its handle,
 never on the model, and never reads another plugin's handle or config.
 
 - ``AxisHandle`` (every axis): ``after_materialize`` once the weights are
-  real (attach gradient hooks, make buffers).
+  real (attach gradient hooks, make buffers); at the step boundary, on
+  every rank in axis order, ``after_update`` (after an optimizer step that
+  was not skipped: update what is not a gradient, e.g. MoE's router
+  biases), ``step_metrics`` (the step's metrics of the axis) and, once,
+  ``after_training``. These receive the run's ``TrainState``
+  (``hpctrain.train.state``) and may use collectives.
 - ``DataHandle`` (the data axes, ``dp`` standing for ``cp x ep x dp``): how
   gradients are reduced. The step schedule calls ``before_backward``,
   ``no_sync`` and ``mark_ready`` while it runs the micro-batches;
@@ -15,7 +20,7 @@ never on the model, and never reads another plugin's handle or config.
   ``gradients_of`` for the tensors that hold a parameter's gradient (a ZeRO
   shard's, or the parameter's own); ``make_optimizer`` may shard the
   optimizer's state.
-- ``PipelineHandle`` (``pp``): the step schedule that runs the stages.
+- ``PipelineHandle`` (``pp``): the step runner that runs the stages.
 
 ``LocalData`` is the data handle of a layout without data parallelism
 (gradients stay as backward leaves them).
@@ -23,12 +28,15 @@ never on the model, and never reads another plugin's handle or config.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
 
 from hpctrain.mesh import Mesh
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 
 class AxisHandle:
@@ -43,6 +51,16 @@ class AxisHandle:
     def after_materialize(self) -> None:
         """The model's parameters now hold their real values (the same
         parameter objects as during ``hpctrain_parallelize``)."""
+
+    def after_update(self, state: "TrainState", step: int) -> None:
+        """Optimizer step ``step`` (1-based) updated the weights (not called for a skipped update)."""
+
+    def step_metrics(self, state: "TrainState", step: int) -> Dict[str, float]:
+        """This axis's metrics of step ``step``, prefixed with the plugin's name (``{}``: none)."""
+        return {}
+
+    def after_training(self, state: "TrainState") -> None:
+        """The last step is done (files of the run go to ``state.run_dir`` when it is set)."""
 
 
 class GradientControl:
@@ -90,8 +108,8 @@ class LocalData(DataHandle):
 class PipelineHandle(AxisHandle):
     """The pipeline axis's implementation."""
 
-    def step_schedule(self) -> Any:
-        """The ``StepSchedule`` that runs this rank's stages for a step."""
+    def step_runner(self) -> Any:
+        """The ``StepRunner`` (``hpctrain.train.step_runner``) that runs this rank's stages for a step."""
         raise NotImplementedError
 
 

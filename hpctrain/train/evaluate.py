@@ -29,8 +29,8 @@ def source_loss(trainer: Any, order: Any, batches: int) -> float:
     loss_sum, tokens = torch.zeros((), dtype=torch.float64), 0
     for _ in range(batches):
         microbatches = [mb.to(trainer.device) for mb in cursor.next_step()]
-        result = as_step_result(trainer.schedule.run(trainer.model, microbatches, trainer.data, trainer.autocast,
-                                                     forward_only=True), microbatches)
+        result = as_step_result(trainer.step_runner.run(trainer.model, microbatches, trainer.data_handle,
+                                                        trainer.autocast, forward_only=True), microbatches)
         loss_sum = loss_sum + result.loss_sum.detach().to(torch.float64).cpu()
         tokens += result.tokens
     totals = reduce_totals([], loss_sum, tokens, trainer.mesh, trainer.device)

@@ -66,6 +66,13 @@ from hpctrain.shard import Block, DimSplit, ShardSpec, get_spec
 
 OUTER_AXIS = "dp"
 """The axis whose coordinates are DiLoCo's replicas."""
+
+
+def alone_axes(cfg: Any) -> Tuple[str, ...]:
+    """The data axes whose ranks train alone between outer steps (``Mesh.alone_axes``): DiLoCo's replicas
+    with ``optim.outer=diloco``, none otherwise. Fixed before the mesh is built."""
+    return (OUTER_AXIS,) if cfg.optim.outer.name == "diloco" else ()
+
 INNER = "inner."
 """Prefix of the inner optimizer's state keys in ``DiLoCo.state``."""
 PARAMS_KEY = "replica.params"

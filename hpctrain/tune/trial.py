@@ -133,7 +133,6 @@ def _train(trial: Trial, overrides: List[str], run_dir: Optional[str], rt: Any, 
                 f.write(OmegaConf.to_yaml(cfg, resolve=True))
             with open(os.path.join(run_dir, ".hydra", "overrides.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(OmegaConf.create(list(trial.overrides))))
-        cfg.run_dir = run_dir
         _reset_peak(rt.device)
         history = run(cfg, run_dir, pm, watchdog_holder=watchdog)
         peak = _peak(rt.device)

@@ -58,9 +58,7 @@ def _attention_modules(model: Transformer):
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
-    if axis != "cp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     group = mesh.group("cp")
     cp, rank, seq = group.size, mesh.rank("cp"), int(cfg.trainer.seq_len)
     layout = SequenceLayout.zigzag(cp)

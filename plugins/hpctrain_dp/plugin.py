@@ -83,9 +83,7 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[DataParallel]:
-    if axis != "dp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[DataParallel]:
     return DataParallel(model, mesh, float(cfg.comm.bucket_mb),
                         compress=OmegaConf.select(cfg, "comm.dp.compress", default="none"),
                         overlap=bool(OmegaConf.select(cfg, "comm.dp.overlap", default=True)))

@@ -31,8 +31,9 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, List, Optional, Tuple
 
+from hpctrain.checkpoint import Restored
 from hpctrain.log import get_logger, log_rank0
 
 from hpctrain_h5ckpt import lock, snapshot, space, store, writer
@@ -43,6 +44,9 @@ from hpctrain_h5ckpt.options import IOOptions
 from hpctrain_h5ckpt.reader import CheckpointReader
 from hpctrain_h5ckpt.restore import load_into
 from hpctrain_h5ckpt.staging import HostBuffers, Stager
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 log = get_logger(__name__)
 
@@ -142,10 +146,10 @@ class H5Checkpointer:
                 self._lock = None
 
     # -- saving ----------------------------------------------------------------
-    def save(self, trainer: Any, path: Optional[str] = None) -> str:
+    def save(self, train_state: "TrainState", path: Optional[str] = None) -> str:
         t0 = time.perf_counter()
         waited = self._bg.wait() if self._bg is not None else 0.0
-        step = int(trainer.step)
+        step = int(train_state.step)
         if path is None:
             if self.directory is None:
                 raise CheckpointError("no checkpoint directory: set checkpoint.dir")
@@ -155,9 +159,9 @@ class H5Checkpointer:
             self._ensure_lock(saving=True)
         if self.rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
-        if self._static is None or self._static[0] is not trainer.cfg:
-            self._static = (trainer.cfg, snapshot.static_text(trainer.cfg))
-        view = snapshot.describe(trainer, self._static[1])
+        if self._static is None or self._static[0] is not train_state.cfg:
+            self._static = (train_state.cfg, snapshot.static_text(train_state.cfg))
+        view = snapshot.describe(train_state, self._static[1])
         try:
             plan = self._plan(view)  # collective: also orders rank 0's makedirs before the file is opened
         except PlanError as e:
@@ -169,7 +173,7 @@ class H5Checkpointer:
             raise CheckpointSaveFailed(f"checkpoint step {step} not saved: {short}; older checkpoints are untouched")
         stager = Stager(view, plan.owned_by(self.rank), self._buffers)
         if self._bg is not None and self.overlap:
-            self._hook_optimizer(trainer.optimizer)
+            self._hook_optimizer(train_state.optimizer)
         del view
         stats = SaveStats(step=step, path=final, async_save=self._bg is not None, blocking_s=0.0, waited_s=waited,
                           host_bytes=stager.nbytes, total_bytes=sum(plan.bytes_by_rank().values()))
@@ -371,14 +375,14 @@ class H5Checkpointer:
                 + "; to continue one of them, set checkpoint.resume=<its path> (checkpoint.allow_batch_change=true "
                 "if only the global batch changed)")
 
-    def load(self, trainer: Any, path: str) -> str:
+    def load(self, train_state: "TrainState", path: str) -> Restored:
         self.wait()
         queue = [path] + [p for p in self._auto if p != path] if path in self._auto else [path]
         bad: List[str] = []
         for candidate in queue:
             try:
                 with CheckpointReader(candidate, self.comm, self.opts) as reader:
-                    load_into(trainer, reader)
+                    restored = load_into(train_state, reader)
             except CheckpointError as e:
                 if path not in self._auto:
                     raise
@@ -389,6 +393,6 @@ class H5Checkpointer:
             if bad and self.rank == 0:
                 log.warning("checkpoint.resume=auto: resumed from %s after skipping %d unusable newer checkpoint(s)",
                             candidate, len(bad))
-            return candidate
+            return restored
         raise CheckpointError("checkpoint.resume=auto: no usable checkpoint in "
                               f"{self.directory}; every candidate failed:\n" + "\n".join(bad))

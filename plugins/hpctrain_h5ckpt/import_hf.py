@@ -20,7 +20,7 @@ def import_hf(hf_dir: str, out: str) -> str:
     from hpctrain.config import compose_resolved
     from hpctrain.config.validate import validate
     from hpctrain.plugins import get_manager
-    from hpctrain.run import reference_trainer
+    from hpctrain.run import reference_state
 
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
@@ -35,10 +35,10 @@ def import_hf(hf_dir: str, out: str) -> str:
     problems = [p for p in validate(cfg, 1, pm) if "embedded corpus" not in p]
     if problems:
         raise ConfigError("\n".join(problems))
-    trainer = reference_trainer(cfg, pm)
-    checkpointer = pm.hook.hpctrain_make_checkpointer(name="hdf5", mesh=trainer.mesh, cfg=cfg)
+    state = reference_state(cfg, pm)
+    checkpointer = pm.hook.hpctrain_make_checkpointer(name="hdf5", mesh=state.mesh, cfg=cfg, run_dir=None)
     try:
-        saved = checkpointer.save(trainer, os.path.abspath(out))
+        saved = checkpointer.save(state, os.path.abspath(out))
     finally:
         checkpointer.close()
     return saved

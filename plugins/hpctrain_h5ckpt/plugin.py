@@ -31,15 +31,15 @@ def hpctrain_config_sections() -> Dict[str, type]:
     return {"checkpoint.hdf5": options.H5Config}
 
 
-def checkpoint_dir(cfg: Any) -> Optional[str]:
+def checkpoint_dir(cfg: Any, run_dir: Optional[str]) -> Optional[str]:
     """``checkpoint.dir``, else ``<run dir>/checkpoints``."""
     if cfg.checkpoint.dir:
         return str(cfg.checkpoint.dir)
-    return os.path.join(str(cfg.run_dir), "checkpoints") if cfg.get("run_dir") else None
+    return os.path.join(run_dir, "checkpoints") if run_dir else None
 
 
 @hookimpl
-def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
+def hpctrain_validate(cfg: Any, world_size: int, run_dir: Optional[str]) -> Optional[List[str]]:
     from hpctrain_h5ckpt.weights import init_from_problems
 
     ck = cfg.checkpoint
@@ -52,10 +52,10 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         out.append(f"checkpoint.keep={ck.keep} must be >= 0 (0 keeps every checkpoint)")
     if ck.every < 0:
         out.append(f"checkpoint.every={ck.every} must be >= 0")
-    if checkpoint_dir(cfg) is None and (ck.every or ck.resume == "auto"):
+    if checkpoint_dir(cfg, run_dir) is None and (ck.every or ck.resume == "auto"):
         out.append("checkpoint.dir is not set and the run has no run directory; set checkpoint.dir=PATH")
     if not ck.resume:
-        out += another_runs_checkpoints(checkpoint_dir(cfg))
+        out += another_runs_checkpoints(checkpoint_dir(cfg, run_dir))
     return out or None
 
 
@@ -73,7 +73,8 @@ def another_runs_checkpoints(directory: Optional[str]) -> List[str]:
 
 
 @hookimpl
-def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Optional[Checkpointer]:
+def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
+                               run_dir: Optional[str]) -> Optional[Checkpointer]:
     if name != FORMAT:
         return None
     from hpctrain_h5ckpt.checkpointer import H5Checkpointer
@@ -83,9 +84,9 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any) -> Opt
     # a run that saves periodically or resumes locks its directory at once; one that
     # may only save when stopped, at that save; one that never saves reads without a lock
     read_only = not (ck.every or ck.get("save_on_stop", False))
-    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg), int(ck.keep),
+    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg, run_dir), int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
-                          run_dir=str(cfg.run_dir) if cfg.get("run_dir") else None, read_only=read_only)
+                          run_dir=run_dir, read_only=read_only)
 
 
 @hookimpl

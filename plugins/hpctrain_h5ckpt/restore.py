@@ -1,4 +1,4 @@
-"""Put a checkpoint back into a trainer on the trainer's (new) layout.
+"""Put a checkpoint back into a ``TrainState`` on its (new) layout.
 
 Every rank asks the reader for exactly its boxes by its own ShardSpecs
 (``ShardSpec.pieces``): the pieces of each parameter, persistent buffer and
@@ -44,12 +44,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, List, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Tuple, cast
 
 import numpy as np
 import torch
 
 from hpctrain.boxes import box_shape
+from hpctrain.checkpoint import Restored
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.shard import Piece
@@ -68,6 +69,10 @@ from hpctrain_h5ckpt.snapshot import (
     state_spec,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
+
+
 log = get_logger(__name__)
 
 
@@ -81,13 +86,13 @@ def _optim_paths(index: Dict[str, Any]) -> Dict[str, List[Tuple[str, str]]]:
     return out
 
 
-def _rng_wants(trainer: Any, reader: CheckpointReader) -> Dict[str, List[Box]]:
-    mesh, saved = trainer.mesh, reader.meta.get("world_size")
+def _rng_wants(train_state: "TrainState", reader: CheckpointReader) -> Dict[str, List[Box]]:
+    mesh, saved = train_state.mesh, reader.meta.get("world_size")
     if saved != mesh.world_size:
         log_rank0("RNG states not restored: saved by %s ranks, loading on %d (no rank mapping exists; "
                   "training draws no random numbers today, so losses are unaffected)", saved, mesh.world_size)
         return {}
-    keys = ["torch_cpu"] + (["torch_cuda"] if trainer.device.type == "cuda" else [])
+    keys = ["torch_cpu"] + (["torch_cuda"] if train_state.device.type == "cuda" else [])
     out: Dict[str, List[Box]] = {}
     for key in keys:
         path = f"/meta/rng/{key}"
@@ -96,27 +101,28 @@ def _rng_wants(trainer: Any, reader: CheckpointReader) -> Dict[str, List[Box]]:
     return out
 
 
-def _check_schedule(trainer: Any, reader: CheckpointReader) -> None:
+def _check_schedule(train_state: "TrainState", reader: CheckpointReader) -> None:
     try:
         saved = json.loads(reader.meta.get("scheduler", "{}"))
     except ValueError:
         return
-    o = trainer.cfg.optim
+    o = train_state.cfg.optim
     now = {"lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio), "warmup_steps": int(o.warmup_steps),
-           "total_steps": int(trainer.cfg.trainer.steps)}
+           "total_steps": int(train_state.cfg.trainer.steps)}
     changed = {k: (saved.get(k), v) for k, v in now.items() if k in saved and saved[k] != v}
     if changed:
         log_rank0("the LR schedule differs from the checkpoint's (%s); the LR follows this run's config from step %s",
                   ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()), reader.meta.get("step"))
 
 
-def load_into(trainer: Any, reader: CheckpointReader) -> None:
-    """Read this rank's share of ``reader`` (verified), then restore ``trainer``."""
-    index, meta, mesh = reader.index, reader.meta, trainer.mesh
-    params = held_params(trainer)
-    buffers = held_buffers(trainer.model)
+def load_into(train_state: "TrainState", reader: CheckpointReader) -> Restored:
+    """Read this rank's share of ``reader`` (verified), then restore ``train_state`` in place (all but its
+    step, which the caller sets from the answer)."""
+    index, meta, mesh = reader.index, reader.meta, train_state.mesh
+    params = held_params(train_state)
+    buffers = held_buffers(train_state.model)
     optim = _optim_paths(index)
-    state = optimizer_state(trainer)
+    state = optimizer_state(train_state)
     wants: Dict[str, List[Box]] = {}
     shapes: Dict[str, Tuple[int, ...]] = {}
     targets: List[Tuple[Held, List[Piece]]] = []  # (held tensor or state to create, its pieces)
@@ -133,7 +139,7 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
                 wants[path] = [()]
                 continue
             existing = state.get(p, {}).get(key)
-            spec = state_spec(trainer, p, key, tuple(existing.shape) if existing is not None else tuple(p.shape))
+            spec = state_spec(train_state, p, key, tuple(existing.shape) if existing is not None else tuple(p.shape))
             tensor = existing if isinstance(existing, torch.Tensor) else torch.zeros(
                 spec.local_shape(mesh.coords, mesh.sizes), dtype=_stored_dtype(index[path]), device=p.device)
             want(Held(path, tensor, spec))
@@ -141,24 +147,23 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
     for held in buffers:
         if held.path in index:
             want(held)
-    wants.update(_rng_wants(trainer, reader))
-    refuse = getattr(trainer.optimizer, "checkpoint_problem", None)  # e.g. DiLoCo saved with other replicas
+    wants.update(_rng_wants(train_state, reader))
+    refuse = getattr(train_state.optimizer, "checkpoint_problem", None)  # e.g. DiLoCo saved with other replicas
     problem = refuse({path: tuple(info.shape) for path, info in reader.index.items()}) if callable(refuse) else None
     if problem:  # the index is the same on every rank: every rank raises
         raise ConfigError(f"checkpoint {reader.path}: {problem}")
-    _refuse_another_model(trainer, reader, shapes)
+    _refuse_another_model(train_state, reader, shapes)
     saved_optimizer = meta.get("optimizer")
     if saved_optimizer is None:  # files before the attribute: from the config (parsed for them only)
         saved_optimizer = _select(_saved_config(reader), "optim.name")
-    trainer.resumed_optimizer = None if saved_optimizer is None else str(saved_optimizer)  # (the trainer decides)
     cursor_state = json.loads(meta["data_cursor"]) if "data_cursor" in meta else {}  # older files: no blend state
     cursor_state["consumed_samples"] = int(meta["consumed_samples"])
     if "global_batch_size" not in cursor_state:  # files before the cursor saved it: from the config
-        saved_batch = _select(_saved_config(reader), "trainer.global_batch_size")
+        saved_batch = _select(_saved_config(reader), "train_state.global_batch_size")
         if saved_batch is not None:
             cursor_state["global_batch_size"] = int(saved_batch)
     try:  # before any tensor changes: a refused batch size leaves the trainer as it was
-        trainer.cursor.load_state_dict(cursor_state)
+        train_state.cursor.load_state_dict(cursor_state)
     except ConfigError as e:
         raise ConfigError(f"checkpoint {reader.path}: {e}") from None
     data = reader.read(wants, shapes, finite=("/model/", "/optim/"), into=_destinations(targets))
@@ -171,7 +176,7 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
                   len(unused), ", ".join(unused[:3]), ", ..." if len(unused) > 3 else "")
     if missing_buffers:
         log_rank0("checkpoint %s has no %s; they keep their initial values", reader.path, ", ".join(missing_buffers))
-    _check_schedule(trainer, reader)
+    _check_schedule(train_state, reader)
 
     filled = {held.path: held.tensor for held, _ in targets}
     with torch.no_grad():
@@ -200,21 +205,21 @@ def load_into(trainer: Any, reader: CheckpointReader) -> None:
             state.pop(p, None)
             if restored:
                 state[p] = restored
-    trainer.step = int(meta["step"])
-    load_extra = getattr(trainer, "load_extra_state", None)
-    if callable(load_extra):  # older files have none: the trainer keeps its fresh state
-        load_extra(json.loads(meta["trainer_state"]) if "trainer_state" in meta else {})
+    # older files have no extra state: the loop's objects keep their fresh state
+    train_state.load_extra_state(json.loads(meta["trainer_state"]) if "trainer_state" in meta else {})
     if "/meta/rng/torch_cpu" in data:
         torch.set_rng_state(from_numpy(data["/meta/rng/torch_cpu"][0].reshape(-1), "uint8").clone())
     if "/meta/rng/torch_cuda" in data:
         cuda_state = from_numpy(data["/meta/rng/torch_cuda"][0].reshape(-1), "uint8").clone()
-        torch.cuda.set_rng_state(cuda_state, trainer.device)
-    log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, trainer.step,
-              trainer.cursor.consumed_samples, _layout_str(meta.get("layout")), trainer.mesh.describe())
+        torch.cuda.set_rng_state(cuda_state, train_state.device)
+    step = int(meta["step"])
+    log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, step,
+              train_state.cursor.consumed_samples, _layout_str(meta.get("layout")), train_state.mesh.describe())
+    return Restored(reader.path, step, None if saved_optimizer is None else str(saved_optimizer))
 
 
 def _destinations(targets: List[Tuple[Held, List[Piece]]]) -> Dict[str, List[Any]]:
-    """Where the reader may read each box straight into the trainer: the
+    """Where the reader may read each box straight into the train_state: the
     piece's own memory when it is a contiguous host view (the reader checks
     dtype and shape, and falls back to its own buffer otherwise). Tensors
     with padding (not covered by their pieces) are zeroed first and read
@@ -276,7 +281,8 @@ MAX_TENSORS_SHOWN = 3
 """Tensors named one per line when a checkpoint does not fit the model; the rest are counted."""
 
 
-def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[str, Tuple[int, ...]]) -> None:
+def _refuse_another_model(train_state: "TrainState", reader: CheckpointReader,
+                          shapes: Dict[str, Tuple[int, ...]]) -> None:
     """A ConfigError on every rank when the checkpoint's tensors do not fit
     this model (see the module docstring); agreed over the ranks, since under
     pipeline parallelism each rank holds other tensors."""
@@ -300,10 +306,10 @@ def _refuse_another_model(trainer: Any, reader: CheckpointReader, shapes: Dict[s
     rest = len(by_tensor) - len(rows)
     if rest:
         rows.append(f"  and {rest} more tensor{'s' if rest > 1 else ''} differ")
-    differ = _model_differences(_saved_config(reader), trainer.cfg)
+    differ = _model_differences(_saved_config(reader), train_state.cfg)
     cause = (f"the model config differs from the one that saved it ({differ})" if differ else
              "the model config differs from the one that saved it")
-    resume = str(trainer.cfg.checkpoint.resume)
+    resume = str(train_state.cfg.checkpoint.resume)
     fix = (f"resume with the model settings it was saved with (hpctrain-ckpt inspect {reader.path} --config "
            "shows them), or start this model afresh in another checkpoint.dir")
     if resume == "auto" or os.path.isdir(resume):

@@ -1,4 +1,4 @@
-"""What a checkpoint holds of a trainer (``describe``), and the conversions
+"""What a checkpoint holds of a ``TrainState`` (``describe``), and the conversions
 between tensors and the numpy arrays h5py reads and writes.
 
 The tree (``h5ls -r`` shows it)::
@@ -15,7 +15,7 @@ The tree (``h5ls -r`` shows it)::
                                         consumed_samples, world_size, layout,
                                         optimizer (optim.name), scheduler,
                                         data_cursor, trainer_state
-                                        (the trainer's ``extra_state()``, JSON),
+                                        (``TrainState.extra_state()``, JSON),
                                         versions, created_unix, ...
 
 Each dataset carries ``torch_dtype``, ``checksum`` and, for tensors,
@@ -39,7 +39,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ from hpctrain.train.lr_schedule import lr_at
 
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.layout import FORMAT_NAME, FORMAT_VERSION, Box, DatasetDecl, splits_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 log = get_logger(__name__)
 
@@ -96,7 +99,7 @@ def _decl(path: str, shape: Tuple[int, ...], dtype: torch.dtype, **attrs: str) -
 
 @dataclass
 class Held:
-    """One tensor of the trainer as the checkpoint sees it."""
+    """One tensor of the training state as the checkpoint sees it."""
 
     path: str
     """Dataset path (``/model/<name>``, ``/buffers/<name>``, ``/optim/<key>/<name>``)."""
@@ -113,10 +116,10 @@ class Held:
         return self.spec.pieces(mesh.coords, mesh.sizes)
 
 
-def held_params(trainer: Any) -> List[Tuple[torch.nn.Parameter, Held]]:
+def held_params(train_state: "TrainState") -> List[Tuple[torch.nn.Parameter, Held]]:
     """Every parameter once (tied ones once), as ``/model/<logical name>``."""
     out, seen = [], set()
-    for _, p in trainer.model.named_parameters():
+    for _, p in train_state.model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
             spec = get_spec(p)
@@ -139,19 +142,19 @@ def held_buffers(model: torch.nn.Module) -> List[Held]:
     return out
 
 
-def optimizer_state(trainer: Any) -> Any:
-    state = getattr(trainer.optimizer, "state", None)
+def optimizer_state(train_state: "TrainState") -> Any:
+    state = getattr(train_state.optimizer, "state", None)
     if state is None:
-        raise CheckpointError(f"optimizer {type(trainer.optimizer).__name__} has no per-parameter .state; "
+        raise CheckpointError(f"optimizer {type(train_state.optimizer).__name__} has no per-parameter .state; "
                               "its plugin must expose one keyed by parameter to be checkpointed")
     return state
 
 
-def state_spec(trainer: Any, param: torch.nn.Parameter, key: str, shape: Tuple[int, ...]) -> ShardSpec:
+def state_spec(train_state: "TrainState", param: torch.nn.Parameter, key: str, shape: Tuple[int, ...]) -> ShardSpec:
     """The ShardSpec of optimizer state ``key`` of ``param`` (local ``shape``):
     the optimizer's ``state_spec(param, key)`` when it gives one (sharded
     state: ZeRO), else the parameter's own when the shapes agree."""
-    given = getattr(trainer.optimizer, "state_spec", None)
+    given = getattr(train_state.optimizer, "state_spec", None)
     spec = given(param, key) if callable(given) else None
     if spec is not None:
         return spec
@@ -183,18 +186,18 @@ def static_text(cfg: Any) -> Tuple[bytes, str]:
     return OmegaConf.to_yaml(cfg, resolve=True).encode("utf-8") or b"\n", json.dumps(versions())
 
 
-def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateView:
+def describe(train_state: "TrainState", static: Optional[Tuple[bytes, str]] = None) -> StateView:
     """Every dataset this rank holds, with its box, referencing live tensors."""
-    mesh, cfg, view = trainer.mesh, trainer.cfg, StateView()
+    mesh, cfg, view = train_state.mesh, train_state.cfg, StateView()
     text, versions_json = static or static_text(cfg)
-    state = optimizer_state(trainer)
-    for p, held in held_params(trainer):
+    state = optimizer_state(train_state)
+    for p, held in held_params(train_state):
         name = held.spec.logical_name
         _add_tensor(view, held, mesh)
         for key, value in sorted(state.get(p, {}).items()):
             path = f"/optim/{key}/{name}"
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                _add_tensor(view, Held(path, value, state_spec(trainer, p, key, tuple(value.shape))), mesh)
+                _add_tensor(view, Held(path, value, state_spec(train_state, p, key, tuple(value.shape))), mesh)
             elif isinstance(value, torch.Tensor):
                 view.add(_decl(path, (), value.dtype), (), value)
             elif isinstance(value, (bool, int, float)):
@@ -203,31 +206,31 @@ def describe(trainer: Any, static: Optional[Tuple[bytes, str]] = None) -> StateV
             else:
                 raise CheckpointError(f"optimizer state {key!r} of {name} is a {type(value).__name__}; "
                                       "only tensors and numbers are stored (no pickle)")
-    for held in held_buffers(trainer.model):
+    for held in held_buffers(train_state.model):
         _add_tensor(view, held, mesh)
     rng = {"torch_cpu": torch.get_rng_state()}
-    if trainer.device.type == "cuda":
-        rng["torch_cuda"] = torch.cuda.get_rng_state(trainer.device)
+    if train_state.device.type == "cuda":
+        rng["torch_cuda"] = torch.cuda.get_rng_state(train_state.device)
     for key, st in rng.items():
         row = st.reshape(1, -1)
         view.add(_decl(f"/meta/rng/{key}", (mesh.world_size, row.shape[1]), torch.uint8),
                  ((mesh.world_rank, mesh.world_rank + 1), (0, row.shape[1])), row)
     view.add(DatasetDecl("/meta/config", (), f"|S{len(text)}"), (),
              np.array(text, dtype=f"S{len(text)}"))
-    cursor = trainer.cursor.state_dict()
+    cursor = train_state.cursor.state_dict()
     consumed = int(cursor["consumed_samples"])
-    view.meta = {"step": int(trainer.step), "consumed_samples": consumed}
+    view.meta = {"step": int(train_state.step), "consumed_samples": consumed}
     o, total = cfg.optim, int(cfg.trainer.steps)
     view.attrs = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(trainer.step),
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": int(train_state.step),
         "consumed_samples": consumed, "world_size": mesh.world_size, "model": str(cfg.model.name),
         "optimizer": str(o.name),
         "layout": json.dumps({"sizes": dict(mesh.sizes), "order": "-".join(mesh.order), "world_size": mesh.world_size}),
-        "scheduler": json.dumps({"name": "warmup_cosine", "next_lr": lr_at(int(trainer.step), o, total),
+        "scheduler": json.dumps({"name": "warmup_cosine", "next_lr": lr_at(int(train_state.step), o, total),
                                  "lr": float(o.lr), "min_lr_ratio": float(o.min_lr_ratio),
                                  "warmup_steps": int(o.warmup_steps), "total_steps": total}),
         "data_cursor": json.dumps(cursor),  # the core cursor's whole state (a blend's counts too)
-        "trainer_state": json.dumps(getattr(trainer, "extra_state", dict)()),  # fp16's loss scale
+        "trainer_state": json.dumps(train_state.extra_state()),  # fp16's loss scale
         "versions": versions_json, "created_unix": time.time(),
     }
     return view

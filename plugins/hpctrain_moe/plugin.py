@@ -10,19 +10,20 @@
   weight: samples are split over dp x ep, dense gradients averaged over
   cp x ep x dp and expert gradients over cp x dp by the core (which also
   divides the experts' ep-summed gradients by ep, ``grad_sync.presummed``).
-- ``hpctrain_after_optimizer_step``: the step's expert load, drops and
-  balance losses, reduced over the world in one all-reduce; the sigmoid
-  router's selection biases move towards balance from those loads
-  (identical on every rank); ``hpctrain_step_metrics`` writes them to
-  ``metrics.jsonl``.
+- Its handle (``Experts``, on every rank of a model with experts: the core
+  asks the plugin that claims ``ep`` at size 1 too) holds the routers'
+  per-run state. After each update (``after_update``): the step's expert
+  load, drops and balance losses, reduced over the world in one
+  all-reduce; the sigmoid router's selection biases move towards balance
+  from those loads (identical on every rank); ``step_metrics`` writes them
+  to ``metrics.jsonl``.
 
 With ``model.ffn`` other than ``moe`` the plugin declines ``ep``, which is
 then a plain data axis.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,6 +43,9 @@ from hpctrain_moe.config import MoEConfig
 from hpctrain_moe.layer import MoE, MoERegions
 from hpctrain_moe.router import ROUTERS, update_bias
 from hpctrain_moe.stats import loads, step_metrics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 SECTION = "model.moe"
 
@@ -77,9 +81,7 @@ def hpctrain_config_sections() -> Dict[str, type]:
 
 
 @hookimpl
-def hpctrain_claim_axis(axis: str, cfg: Any) -> Optional[bool]:
-    if axis != "ep":
-        return None
+def hpctrain_claim_axis(cfg: Any) -> Optional[bool]:
     return cfg.model.ffn == "moe"
 
 
@@ -133,74 +135,69 @@ def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh:
     return MoE(shape.d_model, shape.ffn_hidden, m, _regions(mesh, cfg))
 
 
-@hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
-    if axis != "ep":
-        return None
-    group = mesh.group("ep")
-    for layer in moe_layers(model).values():
-        experts = layer.experts
-        local = experts.num_experts // group.size
-        for name in ("w1", "w3", "w2"):
-            narrow_param(experts, name, get_spec(getattr(experts, name)).split(0, "ep"), mesh)
-        experts.first, experts.local = mesh.rank("ep") * local, local
-        layer.regions.ep = group
-    m = moe_config(cfg)
-    log_rank0("expert parallelism: ep=%d, %d of %d experts per rank, top-%d %s routing, %s", group.size,
-              m.num_experts // group.size, m.num_experts, m.top_k, m.router,
-              "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor}")
-    return AxisHandle(model)
+class Experts(AxisHandle):
+    """The expert axis's handle, on every rank of a model with experts (ep 1 included: the core asks the
+    claiming plugin at size 1 too). It owns the routers' per-run state: each step's expert loads, reduced
+    over the world once and used both to move the sigmoid router's selection biases and for the metrics."""
 
+    def __init__(self, model: nn.Module, cfg: Any, mesh: Mesh):
+        super().__init__(model)
+        self.cfg, self.mesh, self.moe = cfg, mesh, moe_config(cfg)
+        self._reduced: Optional[Tuple[int, torch.Tensor]] = None
+        """(step, its loads reduced over the world), from ``after_update`` to ``step_metrics``."""
 
-_REDUCED: "weakref.WeakKeyDictionary[Any, Tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
-"""Per trainer: (step, its expert loads reduced over the world), from the
-after-step hook to the step's metrics (kept apart from the model)."""
-
-
-def _reduced_rows(trainer: Any, m: MoEConfig) -> torch.Tensor:
-    """The step's per-layer expert loads and balance terms, summed over the
-    world (a collective every rank enters, with MoE blocks on its stage or not)."""
-    ids = moe_layer_ids(trainer.cfg.model.n_layers, m.every)
-    held = moe_layers(trainer.model)
-    rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=trainer.device)
-    for row, layer_id in enumerate(ids):
-        if layer_id in held:
-            rows[row] = held[layer_id].stats.take(trainer.device)
-    world = trainer.mesh.group(AXES)
-    if world.size > 1:
-        world.communicator().all_reduce(rows)
-    return rows
-
-
-@hookimpl
-def hpctrain_after_optimizer_step(trainer: Any, step: int) -> None:
-    """The sigmoid router's selection biases move towards balance from the
-    step's loads (identical on every rank): after the update, not a gradient."""
-    cfg = trainer.cfg
-    if cfg.model.ffn != "moe":
-        return
-    m = moe_config(cfg)
-    rows = _reduced_rows(trainer, m)
-    _REDUCED[trainer] = (step, rows)
-    if m.router == "sigmoid" and m.aux_free_bias_rate:
-        held = moe_layers(trainer.model)
-        for row, layer_id in enumerate(moe_layer_ids(cfg.model.n_layers, m.every)):
+    def _reduced_rows(self, state: "TrainState") -> torch.Tensor:
+        """The step's per-layer expert loads and balance terms, summed over the world (a collective every
+        rank enters, with MoE blocks on its stage or not)."""
+        m = self.moe
+        ids = moe_layer_ids(self.cfg.model.n_layers, m.every)
+        held = moe_layers(state.model)
+        rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=state.device)
+        for row, layer_id in enumerate(ids):
             if layer_id in held:
-                bias = held[layer_id].router.expert_bias
-                assert bias is not None  # the sigmoid router keeps selection biases
-                update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
+                rows[row] = held[layer_id].stats.take(state.device)
+        world = self.mesh.group(AXES)
+        if world.size > 1:
+            world.communicator().all_reduce(rows)
+        return rows
+
+    def after_update(self, state: "TrainState", step: int) -> None:
+        """The sigmoid router's selection biases move towards balance from the step's loads (identical on
+        every rank): after the update, not a gradient."""
+        m = self.moe
+        rows = self._reduced_rows(state)
+        self._reduced = (step, rows)
+        if m.router == "sigmoid" and m.aux_free_bias_rate:
+            held = moe_layers(state.model)
+            for row, layer_id in enumerate(moe_layer_ids(self.cfg.model.n_layers, m.every)):
+                if layer_id in held:
+                    bias = held[layer_id].router.expert_bias
+                    assert bias is not None  # the sigmoid router keeps selection biases
+                    update_bias(bias, loads(rows, m.num_experts)[row].to(bias.device), m.aux_free_bias_rate)
+
+    def step_metrics(self, state: "TrainState", step: int) -> Dict[str, float]:
+        kept, self._reduced = self._reduced, None
+        # a step whose update was skipped had no after_update: its loads are reduced here
+        rows = kept[1] if kept is not None and kept[0] == step else self._reduced_rows(state)
+        return step_metrics(rows, self.moe.num_experts)
 
 
 @hookimpl
-def hpctrain_step_metrics(trainer: Any, step: int, metrics: Dict[str, float]) -> Optional[Dict[str, float]]:
-    cfg = trainer.cfg
-    if cfg.model.ffn != "moe":
-        return None
-    m = moe_config(cfg)
-    kept = _REDUCED.pop(trainer, None)
-    # a step whose update was skipped had no after-step hook: its loads are reduced here
-    rows = kept[1] if kept is not None and kept[0] == step else _reduced_rows(trainer, m)
-    return step_metrics(rows, m.num_experts)
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
+    group = mesh.group("ep")
+    if group.size > 1:
+        for layer in moe_layers(model).values():
+            experts = layer.experts
+            local = experts.num_experts // group.size
+            for name in ("w1", "w3", "w2"):
+                narrow_param(experts, name, get_spec(getattr(experts, name)).split(0, "ep"), mesh)
+            experts.first, experts.local = mesh.rank("ep") * local, local
+            layer.regions.ep = group
+        m = moe_config(cfg)
+        log_rank0("expert parallelism: ep=%d, %d of %d experts per rank, top-%d %s routing, %s", group.size,
+                  m.num_experts // group.size, m.num_experts, m.top_k, m.router,
+                  "dropless" if m.capacity_factor is None else f"capacity factor {m.capacity_factor}")
+    return Experts(model, cfg, mesh)
 
 
 @hookimpl

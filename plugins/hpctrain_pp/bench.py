@@ -85,9 +85,9 @@ class TorchPipelineLoop:
         from hpctrain.data import DataCursor, SampleOrder, open_source
         from hpctrain.model.build import build_model
         from hpctrain.model.shapes import ModelShape
-        from hpctrain.optimizers.adamw import build_adamw
         from hpctrain.pipeline.split import model_end_cost, stage_layers
         from hpctrain.shard import get_spec
+        from hpctrain.optimizers.adamw import build_adamw
 
         self.cfg, self.dist = cfg, dist
         cls_name, v = SCHEDULES[schedule]
@@ -178,13 +178,12 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
 
 def measured_bubbles(trainer: Any, steps: int) -> Dict[str, float]:
     """Median over ``steps`` steps of the measured bubble, the formula's and the simulator's with measured times."""
-    from hpctrain_pp.plugin import write_timeline
-
+    pipeline = trainer.parallel.handles["pp"]
     measured: List[float] = []
     simulated: List[float] = []
     for _ in range(steps):
         trainer.train_step()
-        recorded = write_timeline(trainer, None, log=False)
+        recorded = pipeline.timeline(trainer.cursor.num_microbatches, None, log=False)
         assert recorded is not None  # the bench's trainers record their timelines
         tl = recorded
         theory = tl.simulated_per_rank()

@@ -7,8 +7,10 @@ chunk each, ``Transformer.part``: the first stage also holds the
 embedding, the last the final norm, the output and the loss), and every
 parameter's ShardSpec records that only pp coordinate r holds it (tied
 embeddings: the first and the last). Its handle (``Pipeline``) gives the
-trainer the executor (``executor.PipelineSchedule``) for the rank's program
-(``hpctrain.pipeline.schedules.actions``).
+trainer the step runner (``executor.PipelineRunner``) for the rank's program
+(``hpctrain.pipeline.schedules.actions``) and, after training, gathers the
+last step's timeline (``parallel.pipeline.timeline``) into the run
+directory.
 
 Validation, before any collective: the schedule can run with the step's
 micro-batches (m = global batch / (micro-batch x dp x ep) >= pp; a
@@ -20,7 +22,7 @@ whoever reduces those (plain data parallelism or ZeRO's shards).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from torch import nn
 
@@ -30,6 +32,7 @@ from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.transformer import Transformer
 from hpctrain.parallel.handles import PipelineHandle
+from hpctrain.parallel.tokens import token_placement
 from hpctrain.pipeline.bubble import formula_bubble
 from hpctrain.pipeline.schedules import check, check_busy
 from hpctrain.pipeline.split import model_end_cost, stage_layers
@@ -37,7 +40,10 @@ from hpctrain.shard import get_spec, set_spec
 
 from hpctrain_pp import timeline
 from hpctrain_pp.config import PipelineConfig
-from hpctrain_pp.executor import PipelineRunner as PipelineSchedule
+from hpctrain_pp.executor import PipelineRunner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpctrain.train.state import TrainState
 
 
 class PipelineChunks(nn.Module):
@@ -97,29 +103,53 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 class Pipeline(PipelineHandle):
-    """This rank's stage(s) and the schedule that runs them."""
+    """This rank's stage(s), the runner that runs them, and its timeline."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Any):
         super().__init__(model)
         self.mesh, self.cfg = mesh, cfg
+        self.runner: Optional[PipelineRunner] = None
+        """The step runner, once made (``step_runner``)."""
 
-    def step_schedule(self) -> PipelineSchedule:
+    def step_runner(self) -> PipelineRunner:
         cfg, mesh = self.cfg, self.mesh
         pc = pipeline_config(cfg)
-        tp = mesh.size("tp")
-        per_token = tp if (tp > 1 and cfg.parallel.sequence_parallel) else 1
+        # where a block's tokens live across tp (the core's rule): a stage sends its share of each sequence
+        split = token_placement(mesh, bool(cfg.parallel.sequence_parallel)).split
+        per_token = split.size if split is not None else 1
         d_model = cfg.model.d_model
 
         def hidden(tokens):  # (micro-batch, this rank's tokens) -> the residual stream between stages
             return (tokens.shape[0], tokens.shape[1] // per_token, d_model)
 
-        return PipelineSchedule(pc.schedule, mesh.group("pp"), pc.vpp, hidden, timeline.Recorder(pc.timeline))
+        self.runner = PipelineRunner(pc.schedule, mesh.group("pp"), pc.vpp, hidden, timeline.Recorder(pc.timeline))
+        return self.runner
+
+    def timeline(self, num_microbatches: int, run_dir: Optional[str], log: bool = True
+                 ) -> Optional[timeline.PipelineTimeline]:
+        """Gather the last step's pipeline timeline (a collective over each pp
+        group); world rank 0 writes the trace and the picture into ``run_dir``
+        and logs the measured bubble. None when there is nothing recorded."""
+        runner = self.runner
+        if runner is None or not runner.recorder.enabled or not runner.recorder.times:
+            return None
+        tl = timeline.gather(runner.recorder, runner.schedule, runner.group, runner.v, num_microbatches)
+        if self.mesh.world_rank == 0 and (log or run_dir):
+            theory = formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
+            where = ""
+            if run_dir:
+                json_path, png_path = timeline.write(tl, run_dir)
+                where = f"; {json_path} (Chrome trace), {png_path}"
+            log_rank0("pipeline timeline (last step): measured bubble %.3f, theory %.3f (%s, p=%d, v=%d, m=%d)%s",
+                      tl.bubble(), theory, tl.schedule, tl.p, tl.v, tl.m, where)
+        return tl
+
+    def after_training(self, state: "TrainState") -> None:
+        self.timeline(state.cursor.num_microbatches, state.run_dir)
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[Pipeline]:
-    if axis != "pp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Pipeline]:
     assert isinstance(model, Transformer)  # the core model, cut into stages here
     pc = pipeline_config(cfg)
     p, v, r = mesh.size("pp"), pc.vpp, mesh.coords["pp"]
@@ -143,32 +173,6 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     log_rank0("pipeline: pp=%d, schedule %s%s, blocks per stage %s", p, pc.schedule,
               f" (vpp {v})" if v > 1 else "", [len(x) for x in layers])
     return Pipeline(chunks[0] if v == 1 else PipelineChunks(chunks), mesh, cfg)
-
-
-def write_timeline(trainer: Any, run_dir: Optional[str], log: bool = True) -> Optional[timeline.PipelineTimeline]:
-    """Gather the last step's pipeline timeline (a collective over each pp
-    group); world rank 0 writes the trace and the picture into ``run_dir``
-    and logs the measured bubble. None when there is nothing recorded."""
-    schedule = trainer.schedule
-    if not isinstance(schedule, PipelineSchedule) or not schedule.recorder.enabled or not schedule.recorder.times:
-        return None
-    tl = timeline.gather(schedule.recorder, schedule.schedule, schedule.group, schedule.v,
-                         trainer.cursor.num_microbatches)
-    if trainer.mesh.world_rank == 0 and (log or run_dir):
-        theory = formula_bubble(tl.schedule, tl.p, tl.v, tl.m)
-        where = ""
-        if run_dir:
-            json_path, png_path = timeline.write(tl, run_dir)
-            where = f"; {json_path} (Chrome trace), {png_path}"
-        log_rank0("pipeline timeline (last step): measured bubble %.3f, theory %.3f (%s, p=%d, v=%d, m=%d)%s",
-                  tl.bubble(), theory, tl.schedule, tl.p, tl.v, tl.m, where)
-    return tl
-
-
-@hookimpl
-def hpctrain_on_train_end(trainer: Any, metrics: Dict[str, float]) -> None:
-    if trainer.mesh.size("pp") > 1:
-        write_timeline(trainer, trainer.run_dir)
 
 
 @hookimpl

@@ -55,9 +55,7 @@ def hpctrain_benchmarks() -> Dict[str, str]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
-    if axis != "tp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[AxisHandle]:
     group = mesh.group("tp")
     tp = group.size
     if tp == 1:

@@ -266,9 +266,7 @@ def hpctrain_config_sections() -> Dict[str, type]:
 
 
 @hookimpl
-def hpctrain_claim_axis(axis: str, cfg: Any) -> Optional[bool]:
-    if axis != "dp":
-        return None
+def hpctrain_claim_axis(cfg: Any) -> Optional[bool]:
     return zero_config(cfg).stage > 0
 
 
@@ -303,9 +301,7 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[Zero]:
-    if axis != "dp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any, run_dir: Optional[str]) -> Optional[Zero]:
     z = zero_config(cfg)
     units = model_units(model)
     flats: List[FlatGroup] = []
@@ -328,7 +324,7 @@ def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> O
     shapes = {fg.name: [p.shape for p in fg.params] for fg in flats}
     if z.stage == 3:
         _shard_parameters(model, flats, units)
-    zero = Zero(model, mesh, z, float(cfg.comm.bucket_mb), cfg.get("run_dir"), units, flats, unit_flats, shapes,
+    zero = Zero(model, mesh, z, float(cfg.comm.bucket_mb), run_dir, units, flats, unit_flats, shapes,
                 unsharded)
     zero.optim = cfg.optim
     return zero

@@ -8,7 +8,7 @@ with ``hpctrain.data.sequence.cp_positions`` exactly as the cursor cuts
 inputs. The same wrapping on the one-process reference gives the reference.
 
 How: the trainer's cursor keeps whole samples (its ``positions``, the cp
-cut, set to None before the first step), and ``trainer.schedule`` (every
+cut, set to None before the first step), and ``trainer.step_runner`` (every
 step's micro-batches pass through it, whether the cursor or a prefetcher
 read them) is wrapped to derive segments and positions from the whole
 inputs and cut all four tensors.
@@ -70,7 +70,7 @@ def with_documents(trainer: Any, segments: bool = True) -> Any:
     micro-batches (``segments=False``: document positions, no mask)."""
     mesh = trainer.mesh
     trainer.cursor.positions = None  # whole samples; DocumentSchedule cuts them
-    trainer.schedule = DocumentSchedule(trainer.schedule,
+    trainer.step_runner = DocumentSchedule(trainer.step_runner,
                                         cp_positions(mesh.rank("cp"), mesh.size("cp"), trainer.cfg.trainer.seq_len),
                                         segments)
     return trainer

@@ -46,7 +46,7 @@ def one_process(pm, *model):
         def run():
             trainer = with_documents(reference_trainer(compose_resolved(BASE + key, pm), pm))
             records = record(trainer, STEPS, MPI.COMM_SELF)
-            seen = trainer.schedule.seen
+            seen = trainer.step_runner.seen
             # the documents are there: some samples hold several, and one micro-batch mixes layouts
             assert max(int(mb.segments.max()) for mb in seen) >= 2
             assert any(not bool((mb.segments[0] == mb.segments[1]).all()) for mb in seen)
@@ -82,7 +82,7 @@ def test_cp2(world, pm, impl):
     trainer = _check(pm, (), "parallel.cp=2", f"parallel.cp_impl={impl}")
     assert type(trainer.model.layers[0].attn.core).__name__ == ("RingAttention" if impl == "ring"
                                                                 else "AllGatherAttention")
-    mb = trainer.schedule.seen[0]
+    mb = trainer.step_runner.seen[0]
     assert mb.inputs.shape == mb.segments.shape == mb.positions.shape == (2, 16)  # this rank's zigzag tokens
 
 

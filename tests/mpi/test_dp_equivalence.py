@@ -124,8 +124,8 @@ def test_dp_trains_like_one_process(case, reference, world, make_config, pm):
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=norm_rtol), f"step {m['step']} grad_norm"
 
 
-    trace = trainer.data.engine.trace
-    n_buckets = len(trainer.data.engine.buckets)
+    trace = trainer.data_handle.engine.trace
+    n_buckets = len(trainer.data_handle.engine.buckets)
     assert [x.bucket for x in trace.launches] == list(range(n_buckets))  # once each, in order
     if case in ("tiny_buckets_accumulation", "mpi_backend"):
         assert trace.num_microbatches > 1

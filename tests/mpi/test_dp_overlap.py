@@ -73,7 +73,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
     spy = SpyComm(mesh.group("dp").communicator())
     mesh.group("dp").comm = spy  # the engine takes its communicators when it attaches, in Trainer()
     trainer = Trainer(cfg, mesh, pm, rt.device)
-    record_phases(trainer.data, spy)
+    record_phases(trainer.data_handle, spy)
 
     last_grad: List[int] = []
     embedding = trainer.model.tok_embeddings.weight
@@ -83,7 +83,7 @@ def test_buckets_go_out_during_the_last_backward_only(world, make_config, pm):
         spy.calls.clear()
         last_grad.clear()
         trainer.train_step()
-        reducer = trainer.data.engine
+        reducer = trainer.data_handle.engine
         n_buckets = len(reducer.buckets)
         assert n_buckets >= 4
         grads = [c for c in spy.calls if c[3] == torch.float32]  # the float64 one is the trainer's loss and norm

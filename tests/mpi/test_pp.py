@@ -122,7 +122,7 @@ def test_tied_embeddings_with_hierarchical_zero(world, pm, stage, schedule):
     layout = ("parallel.pp=2", f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
               f"parallel.pipeline.schedule={schedule}", *vpp)
     trainer = world_trainer(pm, *BASE, *model, *layout, rank_nodes=[r // 2 for r in range(world.Get_size())])
-    flats = trainer.data.flats
+    flats = trainer.data_handle.flats
     assert flats and all(fg.group.size == 2 and fg.replicas.size == 2 for fg in flats)
     assert_parity(record(trainer, STEPS), one_process(*model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
@@ -177,7 +177,7 @@ def test_pp2_with_zero23(world, pm, stage, schedule):
     vpp = ("parallel.pipeline.vpp=2",) if schedule == "interleaved" else ()
     trainer = _check(pm, FOUR, "parallel.pp=2", f"parallel.zero.stage={stage}",
                      f"parallel.pipeline.schedule={schedule}", *vpp)
-    setup = trainer.data
+    setup = trainer.data_handle
     want, seen = setup.memory, measured(setup, trainer.model, trainer.optimizer)
     assert (seen.params, seen.grads, seen.optimizer) == (want.params, want.grads, want.optimizer)
     assert 0 < seen.in_flight <= want.in_flight

@@ -40,7 +40,7 @@ def test_stage_trains_like_one_process(world, pm, one_process, stage):
     assert isinstance(trainer.optimizer, ZeroOptimizer)
     n = world.Get_size()
     assert trainer.cursor.num_microbatches == 16 // n
-    setup = trainer.data
+    setup = trainer.data_handle
     params = list(trainer.model.parameters())
     if stage == 3:  # between uses every parameter is its shard
         assert sum(p.numel() for p in params) == sum(fg.chunk for fg in setup.flats)
@@ -64,7 +64,7 @@ def test_stage3_gathers_each_unit_twice_per_microbatch_and_frees_it(world, pm, o
     gather serves its backward); after the step nothing stays gathered."""
 
     trainer = _trainer(pm, "parallel.zero.stage=3")
-    gatherer = trainer.data.gatherer
+    gatherer = trainer.data_handle.gatherer
     trainer.train_step()
     units = len(gatherer.units)
     assert gatherer.gathers == trainer.cursor.num_microbatches * (2 * units - 1)
@@ -118,7 +118,7 @@ def test_memory_log_is_the_zero_formula_to_the_byte(world, pm, stage):
     m = trainer.model
     d, f, kv, v = 64, 192, 32, 256  # tiny: d_model 64, SwiGLU width 192, 2 of 4 heads for k/v, bytes
     units = [v * d] + [2 * d * d + 2 * kv * d + 3 * d * f + 2 * d] * 2 + [d + v * d]  # embed, 2 blocks, head
-    setup = trainer.data
+    setup = trainer.data_handle
     want = _formula(stage, n, units)
     got = setup.memory
     assert (got.params, got.grads, got.optimizer, got.in_flight) == want
@@ -145,7 +145,7 @@ def test_planner_predicts_the_bytes_zero_holds(world, pm, stage):
 
     n = world.Get_size()
     trainer = _trainer(pm, f"parallel.zero.stage={stage}")
-    setup = trainer.data
+    setup = trainer.data_handle
     arch = Arch.from_model_config(trainer.cfg.model)
     assert sum(fg.total for fg in setup.flats) == arch.total_params  # no padding, nothing left unsharded
     assert not setup.unsharded
@@ -179,7 +179,7 @@ def test_bf16_parameters_with_fp32_masters_and_reduction(world, pm, one_process)
             for name, ref in w.grads.items():
                 err = float(torch.linalg.norm(g.grads[name] - ref) / torch.linalg.norm(ref))
                 assert err < 3e-2, f"stage {stage} step {step} gradient of {name}: {err:.2e}"
-        masters = [s for s in trainer.data.masters]
+        masters = [s for s in trainer.data_handle.masters]
         assert all(m.dtype == torch.float32 for m in masters)
         if stage < 3:  # the fp32 master is checkpointed as optimizer state beside the bf16 parameter
             p = next(iter(trainer.model.parameters()))
@@ -197,7 +197,7 @@ def test_hierarchical_sharding_within_emulated_nodes(world, pm, one_process, sta
     n = world.Get_size()
     trainer = world_trainer(pm, *BASE, f"parallel.zero.stage={stage}", "parallel.zero.shard_group=node",
                             rank_nodes=[r // 2 for r in range(n)])
-    for fg in trainer.data.flats:
+    for fg in trainer.data_handle.flats:
         assert fg.group.size == 2 and fg.replicas.size == n // 2 and fg.chunk == fg.total // 2
     assert_parity(record(trainer, STEPS), one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     assert trainer.metrics["comm_bytes.dp:across"] > 0 and trainer.metrics["comm_bytes.dp:node"] > 0

@@ -76,7 +76,7 @@ def test_only_the_chosen_plugin_is_asked(pm, make_config):
     a, b = TensorParallelStub("a"), TensorParallelStub("b")
     pm.register(a, name="tp_a")
     pm.register(b, name="tp_b")
-    out = parallelize_caller(pm, "tp_a")(model=torch.nn.Linear(2, 2), axis="tp", mesh=None, cfg=None)
+    out = parallelize_caller(pm, "tp_a")(model=torch.nn.Linear(2, 2), axis="tp", mesh=None, cfg=None, run_dir=None)
     assert out.chosen_by == "a" and b.asked == []
     # through the trainer's set-up (a 2-rank layout in one process: local stand-in communicators)
     cfg = make_config("parallel.tp=2", "parallel.impl.tp=tp_b", "trainer.global_batch_size=2",

@@ -8,7 +8,13 @@ fail on
   ``hpctrain_config_sections`` returns);
 - a private attribute set on or read from a model object (``setattr(model,
   "_x", ...)``, ``getattr(model, "_x")``, ``model._x = ...``, ``model._x``):
-  per-run state lives in the plugin's handle.
+  per-run state lives in the plugin's handle;
+- the trainer: a name or argument ``trainer`` (a hook or a checkpointer
+  receives the run's ``TrainState``, never the trainer), an import of
+  ``hpctrain.train.trainer`` or ``Trainer``/``reference_trainer``. A
+  plugin's benchmark modules (``bench.py``, reached through
+  ``hpctrain_benchmarks``) are exempt: they drive whole runs as a user's
+  script does.
 
 torch's own module storage (``module._parameters``, ``_buffers``,
 ``_modules``) is torch's API for replacing a parameter, not plugin state.
@@ -24,6 +30,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "plugins"
 MODEL_NAMES = {"model", "staged", "module", "block", "chunk", "layer", "part", "m"}
 TORCH_STORAGE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
+TRAINER_NAMES = {"trainer", "Trainer", "reference_trainer", "prepare_run"}
+"""What hands a plugin the trainer (``hpctrain.train.trainer``, ``hpctrain.run``)."""
 
 
 def plugin_packages() -> Dict[str, Path]:
@@ -76,6 +84,8 @@ def violations(package: str, directory: Path, others: Set[str], foreign_sections
                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
                      for t in n.targets if isinstance(t, ast.Name)}
         where = str(path.relative_to(ROOT.parent)) if ROOT.parent in path.parents else path.name
+        if path.name != "bench.py":
+            yield from _trainer_uses(tree, where)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
@@ -102,6 +112,28 @@ def violations(package: str, directory: Path, others: Set[str], foreign_sections
                     yield f"{where}:{node.lineno}: {node.func.id} of private {value!r} on a model"
             if isinstance(node, ast.Attribute) and _is_model(node.value) and _private(node.attr):
                 yield f"{where}:{node.lineno}: private attribute {node.attr!r} of a model"
+
+
+def _trainer_uses(tree: ast.AST, where: str) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "hpctrain.train.trainer":
+                yield f"{where}:{node.lineno}: imports from hpctrain.train.trainer"
+            for alias in node.names:
+                if alias.name in TRAINER_NAMES:
+                    yield f"{where}:{node.lineno}: imports {alias.name} (the trainer)"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "hpctrain.train.trainer":
+                    yield f"{where}:{node.lineno}: imports hpctrain.train.trainer"
+        elif isinstance(node, ast.arg) and node.arg == "trainer":
+            yield f"{where}:{node.lineno}: takes the trainer as argument 'trainer'"
+        elif isinstance(node, ast.Name) and node.id == "trainer":
+            yield f"{where}:{node.lineno}: uses the trainer ('trainer')"
+        elif isinstance(node, ast.Attribute) and node.attr in ("trainer",) and not _dotted(node).startswith("cfg."):
+            if isinstance(getattr(node, "parent", None), ast.Attribute) and _dotted(node).endswith(".trainer"):
+                continue  # cfg.trainer.<key>: the trainer's config section, a core key
+            yield f"{where}:{node.lineno}: reaches the trainer through {_dotted(node)}"
 
 
 def _mark_parents(tree: ast.AST) -> None:
@@ -140,13 +172,19 @@ def test_the_check_catches_each_kind_of_crossing(tmp_path):
         "    model._state = 1\n"
         "    stage = cfg.parallel.zero.stage\n"
         "    sel = 'parallel.zero.stage'\n"
-        "    keep = model._parameters\n")
+        "    keep = model._parameters\n"
+        "    steps = cfg.trainer.steps\n"
+        "from hpctrain.run import reference_trainer\n"
+        "def hpctrain_on_step_end(trainer, step, metrics):\n"
+        "    trainer.step = 3\n")
     found = list(violations("hpctrain_bad", bad, {"hpctrain_zero", "hpctrain_pp"},
                             [("parallel.zero", "hpctrain_zero")]))
     text = "\n".join(found)
     for expected in ("imports hpctrain_zero.plugin", "imports from hpctrain_pp.executor", "setattr of private '_ties'",
                      "getattr of private '_hpctrain_zero'", "private attribute '_state'",
                      "reads hpctrain_zero's config section through cfg.parallel.zero.stage",
-                     "names hpctrain_zero's config section 'parallel.zero.stage'"):
+                     "names hpctrain_zero's config section 'parallel.zero.stage'",
+                     "imports reference_trainer (the trainer)", "takes the trainer as argument 'trainer'",
+                     "uses the trainer ('trainer')"):
         assert expected in text, text
-    assert "_parameters" not in text
+    assert "_parameters" not in text and "cfg.trainer" not in text

@@ -50,10 +50,10 @@ LOADING = {
     "import-error": ("raise RuntimeError('boom at import')",
                      "plugin 'broken' (hpw_broken_plugin) cannot be imported: RuntimeError: boom at import; "
                      "fix or reinstall hpw-broken 0.0.1, or block it with HPCTRAIN_DISABLE_PLUGINS=broken"),
-    "misspelt-hook": ("from hpctrain import hookimpl\n\n@hookimpl\ndef hpctrain_on_stepend(trainer, step):\n"
+    "misspelt-hook": ("from hpctrain import hookimpl\n\n@hookimpl\ndef hpctrain_on_stepend(state, step):\n"
                       "    pass\n",
                       "plugin 'broken': unknown hook 'hpctrain_on_stepend' in plugin"),
-    "wrong-argument": ("from hpctrain import hookimpl\n\n@hookimpl\ndef hpctrain_on_step_end(trainer, step_num):\n"
+    "wrong-argument": ("from hpctrain import hookimpl\n\n@hookimpl\ndef hpctrain_on_step_end(state, step_num):\n"
                        "    pass\n",
                        "plugin 'broken': Plugin 'broken' for hook 'hpctrain_on_step_end'"),
 }

@@ -42,23 +42,24 @@ class Recorder:
         return None
 
     @hookimpl
-    def hpctrain_on_train_start(self, trainer):
-        self.events.append(("start", type(trainer.optimizer).__name__))
+    def hpctrain_on_train_start(self, state):
+        self.events.append(("start", type(state.optimizer).__name__))
 
     @hookimpl
-    def hpctrain_after_finalize_grads(self, trainer):
-        self.events.append(("finalized", trainer.step + 1, all(p.grad is not None for p in trainer.params)))
+    def hpctrain_after_finalize_grads(self, state, step):
+        params = [p for p in state.model.parameters() if p.requires_grad]
+        self.events.append(("finalized", step, state.step + 1 == step and all(p.grad is not None for p in params)))
 
     @hookimpl
-    def hpctrain_after_optimizer_step(self, trainer, step):
+    def hpctrain_after_optimizer_step(self, state, step):
         self.events.append(("updated", step))
 
     @hookimpl
-    def hpctrain_on_step_end(self, trainer, step, metrics):
+    def hpctrain_on_step_end(self, state, step, metrics):
         self.events.append(("step", step))
 
     @hookimpl
-    def hpctrain_on_train_end(self, trainer, metrics):
+    def hpctrain_on_train_end(self, state, metrics):
         self.events.append(("end", metrics["step"]))
 
 
@@ -89,7 +90,7 @@ class SeamRecorder:
         self.seen.setdefault("module_mesh", []).append(mesh)
 
     @hookimpl
-    def hpctrain_step_metrics(self, trainer, step, metrics):
+    def hpctrain_step_metrics(self, state, step, metrics):
         assert "loss" in metrics and "grad_norm" in metrics
         return {"seams.step_twice": 2.0 * step}
 
@@ -105,7 +106,7 @@ def test_newer_seams_get_the_mesh_the_model_and_add_metrics(pm, make_config, tmp
                                             "trainer.micro_batch_size=2"), pm, run_dir=str(tmp_path))
     assert rec.seen["module_mesh"] == [trainer.mesh] * 4  # attention + ffn, 2 layers
     # one process: no axis to implement, the data handle reduces nothing, the core's AdamW
-    assert trainer.parallel.handles == {} and isinstance(trainer.data, LocalData)
+    assert trainer.parallel.handles == {} and isinstance(trainer.data_handle, LocalData)
     assert all(p.device.type != "meta" for p in trainer.model.parameters())
     assert type(trainer.optimizer).__name__ == "AdamW"
     trainer.fit()
@@ -121,7 +122,7 @@ def test_a_step_metric_may_not_replace_a_core_metric(pm, make_config):
 
     class Clobber:
         @hookimpl
-        def hpctrain_step_metrics(self, trainer, step, metrics):
+        def hpctrain_step_metrics(self, state, step, metrics):
             return {"loss": 0.0}
 
     pm.register(Clobber(), name="clobber")

@@ -126,3 +126,11 @@ def alone_checkpointer() -> Any:
     from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
     return H5Checkpointer(MPI.COMM_SELF, options.resolve(options.H5Config()), None, 0, False)
+
+
+def load_alone(trainer: Any, path: str) -> Any:
+    """Load ``path`` into a one-process trainer inside this MPI job, as its checkpointing does: the
+    checkpointer restores the trainer's state in place, and the step comes from what it restored."""
+    restored = alone_checkpointer().load(trainer.state, path)
+    trainer.step = restored.step
+    return restored

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
+from ckpt_helpers import BASE, build_trainer, config, load_alone, losses
 
 pytestmark = pytest.mark.mpi(min_size=8)
 MODEL = ("trainer.steps=4", "model.n_layers=4")
@@ -37,7 +37,7 @@ def saved_at_3d(module_dir, straight):
 
 def test_3d_checkpoint_resumes_in_one_process(saved_at_3d, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    alone_checkpointer().load(alone, saved_at_3d)
+    load_alone(alone, saved_at_3d)
     assert alone.step == 2
     assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 

@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
+from ckpt_helpers import BASE, build_trainer, config, load_alone, losses
 
 pytestmark = pytest.mark.mpi(min_size=4)
 MODEL = ("trainer.steps=4", "model=tiny-moe", "model.moe.router=sigmoid", "model.moe.aux_free_bias_rate=0.01",
@@ -44,7 +44,7 @@ def test_experts_are_stored_as_logical_tensors(saved_at_ep4):
 
 def test_ep4_resumes_in_one_process(saved_at_ep4, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    alone_checkpointer().load(alone, saved_at_ep4)
+    load_alone(alone, saved_at_ep4)
     assert alone.step == 2
     assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 

@@ -23,7 +23,7 @@ from hpctrain.errors import ConfigError
 from hpctrain.parity import on_rank0
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config
+from ckpt_helpers import BASE, build_trainer, config, load_alone
 
 pytestmark = pytest.mark.mpi(min_size=2)
 RUN = ("trainer.steps=6", "parallel.dp=-1", "optim.outer=diloco", "optim.outer.every=3", "trainer.precision=fp16",
@@ -66,7 +66,7 @@ def test_diloco_in_fp16_resumes_between_outer_steps_bit_for_bit(shared_tmp):
         assert not (rows[0] == rows[1]).all()  # between outer steps the replicas differ
     def refused_alone() -> str:  # one replica cannot take the replicas' state: one clear line
         try:
-            alone_checkpointer().load(reference_trainer(config(*BASE, *RUN)), path)
+            load_alone(reference_trainer(config(*BASE, *RUN)), path)
         except ConfigError as e:
             return str(e)
         return "loaded"

@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
+from ckpt_helpers import BASE, build_trainer, config, load_alone, losses
 
 pytestmark = pytest.mark.mpi(min_size=2)
 MODEL = ("trainer.steps=4", "model.n_layers=4")
@@ -42,7 +42,7 @@ def test_file_holds_every_stage(saved_at_pp2):
 
 def test_pp2_resumes_in_one_process(saved_at_pp2, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    alone_checkpointer().load(alone, saved_at_pp2)
+    load_alone(alone, saved_at_pp2)
     assert alone.step == 2
     assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 
@@ -68,6 +68,6 @@ def test_tied_embeddings_under_zero3_resume_in_one_process(module_dir):
     with h5py.File(path, "r") as f:
         assert "tok_embeddings.weight" in f["/model"] and "output.weight" not in f["/model"]
     alone = reference_trainer(config(*BASE, *tied))
-    alone_checkpointer().load(alone, path)
+    load_alone(alone, path)
     assert alone.step == 2
     assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)

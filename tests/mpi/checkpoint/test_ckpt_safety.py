@@ -132,7 +132,7 @@ def test_overlapped_copy_runs_during_the_next_step_and_the_optimizer_waits_for_i
     t = _async_saved_at_step_2(d)
     seen = {}
     bg = t.checkpointer._bg
-    run, step, wait_staged = t.schedule.run, t.optimizer.step, bg.wait_staged
+    run, step, wait_staged = t.step_runner.run, t.optimizer.step, bg.wait_staged
 
     def forward_backward(*args, **kwargs):
         seen["copying during forward/backward"] = bg.staging
@@ -147,7 +147,7 @@ def test_overlapped_copy_runs_during_the_next_step_and_the_optimizer_waits_for_i
         release.set()  # (if the trainer did not wait, fail at the assert below instead of hanging)
         return step(*args, **kwargs)
 
-    t.schedule.run, t.optimizer.step, bg.wait_staged = forward_backward, optimizer_step, waiting_before_update
+    t.step_runner.run, t.optimizer.step, bg.wait_staged = forward_backward, optimizer_step, waiting_before_update
     t.train_step()
     t.checkpointer.wait()
     stats = t.checkpointer.stats[-1]

@@ -38,8 +38,9 @@ def test_every_smaller_layout_loads_the_logical_tensors(shared_tmp):
         mesh = Mesh({a: cfg.parallel[a] for a in AXES}, sub.Get_rank(), k, cfg.parallel.order)
         mesh.attach_backends(lambda group: LocalCommunicator())  # loading runs no training collectives
         trainer = Trainer(cfg, mesh, get_manager(), torch.device("cpu"))
-        H5Checkpointer(sub, options.resolve(options.H5Config()), None, 0, False).load(trainer, path)
-        assert trainer.step == 2 and trainer.cursor.consumed_samples == 16 and mesh.size("dp") == k
+        restored = H5Checkpointer(sub, options.resolve(options.H5Config()), None, 0, False).load(trainer.state, path)
+        assert restored.step == 2 and restored.path == path and trainer.step == 0  # the caller sets the step
+        assert trainer.cursor.consumed_samples == 16 and mesh.size("dp") == k
         for p in trainer.model.parameters():
             spec = get_spec(p)
             sl = spec.local_slices(mesh.coords, mesh.sizes)

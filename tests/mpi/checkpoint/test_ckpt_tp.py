@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from hpctrain.run import reference_trainer
 
-from ckpt_helpers import BASE, alone_checkpointer, build_trainer, config, losses
+from ckpt_helpers import BASE, build_trainer, config, load_alone, losses
 
 pytestmark = pytest.mark.mpi(min_size=2)
 MODEL = ("trainer.steps=4", "model.vocab_size=257", "model.tie_embeddings=false")
@@ -43,7 +43,7 @@ def test_file_holds_the_unpadded_vocabulary(saved_at_tp2):
 
 def test_tp2_resumes_in_one_process(saved_at_tp2, straight):
     alone = reference_trainer(config(*BASE, *MODEL))
-    alone_checkpointer().load(alone, saved_at_tp2)
+    load_alone(alone, saved_at_tp2)
     assert alone.step == 2
     assert losses(alone, 2) == pytest.approx(straight[2:], rel=1e-6)
 

@@ -79,14 +79,15 @@ def test_a_trainers_state_comes_back_exactly(make_config, pm):
     a = reference_trainer(cfg, pm)
     a.train_step()
     a.train_step()
-    saved = decode(encode(capture(a)))
+    saved = decode(encode(capture(a.state)))
     want, grads = [], []
     for _ in range(2):
         want.append(a.train_step()["loss"])
         grads.append([p.grad.clone() for p in a.params])
     torch.manual_seed(1234)  # the RNG state must come from the capture, not from here
     b = reference_trainer(cfg, pm)
-    restore(b, saved)
+    assert b.step == 0
+    b.step = restore(b.state, saved)  # the state's tensors, cursor and RNG in place; the step returned
     assert b.step == 2 and b.cursor.consumed_samples == a.cursor.consumed_samples - 2 * 16
     for i in range(2):
         assert b.train_step()["loss"] == want[i]
@@ -100,7 +101,7 @@ def test_state_of_another_layout_is_refused(make_config, pm):
     from hpctrain.run import reference_trainer
 
     a = reference_trainer(make_config("trainer.steps=2"), pm)
-    saved = capture(a)
+    saved = capture(a.state)
     saved.meta["signature"] = "someone else"
     with pytest.raises(LocalStateError, match="another layout"):
-        restore(reference_trainer(make_config("trainer.steps=2"), pm), saved)
+        restore(reference_trainer(make_config("trainer.steps=2"), pm).state, saved)

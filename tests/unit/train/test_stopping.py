@@ -18,6 +18,7 @@ import pytest
 from hpctrain import hookimpl
 from hpctrain.config import compose_resolved
 from hpctrain.run import reference_trainer
+from hpctrain.train.checkpointing import Checkpointing
 from hpctrain.train.stopping import EXIT_CODE, StopRequested, parse_duration
 
 RUN = ("trainer.steps=6", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.seq_len=32",
@@ -34,22 +35,28 @@ def test_durations_in_seconds_and_slurm_forms():
 
 class SignalAt:
     """A plugin that sends this process ``sig`` at the end of ``step``, and
-    again as the checkpoint save that follows begins."""
+    again as the checkpoint save that follows begins (``Checkpointing.save``
+    wrapped until ``restore``)."""
 
     def __init__(self, step: int, sig: int):
         self.step, self.sig = step, sig
+        self._saved_save = None
 
     @hookimpl
-    def hpctrain_on_step_end(self, trainer, step, metrics):
+    def hpctrain_on_step_end(self, state, step, metrics):
         if step == self.step:
             os.kill(os.getpid(), self.sig)
-            save = trainer.save_checkpoint
+            save = self._saved_save = Checkpointing.save
 
-            def interrupted_save(*args, **kwargs):
+            def interrupted_save(coordinator, *args, **kwargs):
                 os.kill(os.getpid(), self.sig)
-                return save(*args, **kwargs)
+                return save(coordinator, *args, **kwargs)
 
-            trainer.save_checkpoint = interrupted_save
+            Checkpointing.save = interrupted_save
+
+    def restore(self):
+        if self._saved_save is not None:
+            Checkpointing.save, self._saved_save = self._saved_save, None
 
 
 def _losses(history):
@@ -74,6 +81,7 @@ def _stopped_run(pm, cfg, plugin):
             trainer.fit()
     finally:
         pm.unregister(plugin)
+        plugin.restore()
     return trainer, stopped.value
 
 
@@ -131,6 +139,7 @@ def test_when_a_stop_cannot_save_sigint_is_still_a_keyboard_interrupt(pm, tmp_pa
             reference_trainer(compose_resolved(RUN + extra, pm), pm).fit()
     finally:
         pm.unregister(plugin)
+        plugin.restore()
 
 
 def test_the_clock_stops_the_run_before_max_time_with_a_checkpoint_and_the_resume_is_exact(pm, tmp_path, whole):

@@ -79,8 +79,8 @@ def hpctrain_capabilities() -> Dict[str, List[str]]:
 
 
 @hookimpl
-def hpctrain_claim_axis(axis: str, cfg: Any) -> Optional[bool]:
-    return False if axis == "dp" else None  # only when chosen: parallel.impl.dp=torch-ddp
+def hpctrain_claim_axis(cfg: Any) -> Optional[bool]:
+    return False  # only when chosen: parallel.impl.dp=torch-ddp
 
 
 @hookimpl
@@ -93,7 +93,5 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 
 
 @hookimpl
-def hpctrain_parallelize(model: nn.Module, axis: str, mesh: Mesh, cfg: Any) -> Optional[TorchDDP]:
-    if axis != "dp":
-        return None
+def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[TorchDDP]:
     return TorchDDP(model, mesh, float(cfg.comm.bucket_mb))

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Dict
+from typing import Any
 
 from hpctrain import hookimpl
 
@@ -21,7 +22,8 @@ class ExampleMetricsConfig:
     """EMA decay of the loss."""
 
 
-_ema: Dict[int, float] = {}
+_ema: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+"""The moving average per run, keyed by the run's TrainState (an observer has no axis handle to keep it in)."""
 
 
 @hookimpl
@@ -42,13 +44,13 @@ def hpctrain_validate(cfg, world_size):
 
 
 @hookimpl
-def hpctrain_on_step_end(trainer, step, metrics):
-    opts = trainer.cfg.example_metrics
-    if opts.every <= 0 or trainer.mesh.world_rank != 0 or trainer.run_dir is None:
+def hpctrain_on_step_end(state, step, metrics):
+    opts = state.cfg.example_metrics
+    if opts.every <= 0 or state.mesh.world_rank != 0 or state.run_dir is None:
         return
-    prev = _ema.get(id(trainer))
+    prev = _ema.get(state)
     ema = metrics["loss"] if prev is None else opts.decay * prev + (1 - opts.decay) * metrics["loss"]
-    _ema[id(trainer)] = ema
+    _ema[state] = ema
     if step % opts.every == 0:
-        with open(os.path.join(trainer.run_dir, opts.filename), "a") as f:
+        with open(os.path.join(state.run_dir, opts.filename), "a") as f:
             f.write(json.dumps({"step": step, "ema_loss": ema}) + "\n")

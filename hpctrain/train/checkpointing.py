@@ -1,0 +1,232 @@
+"""``Checkpointing``: where a run saves and what it resumes from, in one place.
+
+A run has up to two checkpoint tiers:
+
+- the **persistent** one, a format plugin's ``Checkpointer``
+  (``checkpoint.format``, every ``checkpoint.every`` steps, on a stop);
+- the **node-local** one (``checkpoint.local.every``, ``hpctrain.localckpt``):
+  fast copies on each node's disk with partner copies on other nodes, a cache
+  of the newest state for restarts inside the allocation.
+
+The coordinator owns both and the trainer keeps only the loop: ``resume()``
+once before step 1, ``maybe_save(step)`` at every step boundary,
+``before_update()`` right before every optimizer step (an async save may
+still be copying state to host memory), ``save()`` on demand (a stop), and
+``close()`` at the end of the run. Each tier reads and restores the run's
+``TrainState``; a load says what it restored and the coordinator, not the
+format, sets the step.
+
+The resume rule (``checkpoint.resume``), the same on every rank:
+
+1. the persistent tier first: ``resume=<path>`` or ``auto`` (its newest
+   usable checkpoint, skipping damaged ones);
+2. then, with ``resume=auto`` and a local tier, its newest step that every
+   rank's state is held for on the surviving nodes (``LocalTier.agree``)
+   replaces it when newer (``choose_local``, pure logic); a step another
+   layout or experiment wrote is not used, unless ``trainer.elastic`` and
+   only dp changed;
+3. local steps after the one resumed from are forgotten (all of them on a
+   fresh start), so a later failure never mixes two histories.
+
+A resumed checkpoint saved by another optimizer is refused before training
+(``refuse_another_optimizer``), not by ``hpctrain-eval``, which takes no
+step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hpctrain.bootstrap import get_runtime
+from hpctrain.checkpoint import Checkpointer, Restored
+from hpctrain.errors import ConfigError, PluginError
+from hpctrain.localckpt import LocalTier
+from hpctrain.localckpt.tier import Found
+from hpctrain.log import log_rank0
+from hpctrain.train.faults import FaultInjector
+from hpctrain.train.state import TrainState
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a run resumed from."""
+
+    tier: str = "none"
+    """``local``, ``persistent`` or ``none`` (``hpctrain.train.recovery`` reports it)."""
+    checkpoint: Optional[str] = None
+    """The persistent checkpoint loaded, if one was."""
+    optimizer: Optional[str] = None
+    """The ``optim.name`` that saved what was loaded, where recorded."""
+
+
+@dataclass
+class LocalChoice:
+    """``choose_local``'s answer: whether to load the local tier's step, and the lines to log."""
+
+    use: bool
+    notes: List[str] = field(default_factory=list)
+
+
+def choose_local(found: Found, step_now: int, where: str) -> LocalChoice:
+    """Whether the local tier's agreed step (``found``) replaces the state at ``step_now`` (what the
+    persistent tier gave, 0 without one), with the lines that say why. Pure: the same on every rank."""
+    notes = []
+    if found.refused is not None:
+        notes.append(f"local tier ({where}): {found.refused}; trainer.elastic=true reshards the local tier over dp "
+                     "only, so this step is not used")
+    if found.other_layout is not None:
+        notes.append(f"local tier ({where}): step {found.other_layout} was written by another layout or experiment; "
+                     "not used, falling back to the persistent checkpoint")
+    if found.step is None:
+        notes.append(f"local tier ({where}): no step that every rank's state is held for")
+        return LocalChoice(False, notes)
+    if found.step <= step_now:
+        notes.append(f"local tier ({where}): its newest complete step {found.step} is not newer than the persistent "
+                     f"checkpoint's step {step_now}; using the persistent checkpoint")
+        return LocalChoice(False, notes)
+    return LocalChoice(True, notes)
+
+
+class Checkpointing:
+    """The run's checkpoint tiers and its resume rule (see the module docstring)."""
+
+    def __init__(self, state: TrainState, pm: Any, faults: Optional[FaultInjector] = None):
+        self.state, self.pm = state, pm
+        self.faults = faults
+        self.persistent: Optional[Checkpointer] = self._make_persistent()
+        """The format plugin's checkpointer; None until a stop saves when the run neither saves
+        periodically nor resumes."""
+        self.local: Optional[LocalTier] = self._make_local()
+        """The node-local tier, or None."""
+        self.resumed = Resumed()
+
+    # -- set-up ----------------------------------------------------------------------
+    def _make_persistent(self, for_stop: bool = False) -> Optional[Checkpointer]:
+        """The format plugin's checkpointer: at set-up when the run saves periodically or resumes;
+        otherwise only when a stop is about to save (``for_stop``), on every rank at once (the ranks agreed
+        to stop), so a run that is never stopped makes none (the plugin's is collective over the world,
+        which a one-process reference inside an MPI job is not)."""
+        ck = self.state.cfg.checkpoint
+        if not (ck.every or ck.resume or for_stop):
+            return None
+        made = self.pm.hook.hpctrain_make_checkpointer(name=ck.format, mesh=self.state.mesh, cfg=self.state.cfg,
+                                                       run_dir=self.state.run_dir)
+        if made is None:
+            raise PluginError(f"checkpoint.format={ck.format!r}: no plugin made a checkpointer")
+        return made
+
+    def _make_local(self) -> Optional[LocalTier]:
+        """The local tier when ``checkpoint.local.every`` is set and this run is the whole job (a
+        one-process reference inside an MPI job keeps none)."""
+        cfg, mesh = self.state.cfg, self.state.mesh
+        if not cfg.checkpoint.local.every:
+            return None
+        rt = get_runtime()
+        if rt.world_size != mesh.world_size:
+            return None
+        return LocalTier(cfg, mesh, rt)
+
+    # -- resuming --------------------------------------------------------------------
+    def resume(self) -> Resumed:
+        """Apply the resume rule (module docstring; collective) and set ``state.step``."""
+        state, cfg = self.state, self.state.cfg
+        resume = str(cfg.checkpoint.resume) if cfg.checkpoint.resume else ""
+        if self.persistent is not None and resume:
+            path = self.persistent.resolve(resume)
+            if path is not None:
+                restored: Restored = self.persistent.load(state, path)
+                state.step = restored.step
+                self.resumed = Resumed("persistent", restored.path, restored.optimizer)
+                log_rank0("resumed from %s at step %d (%d samples consumed)", restored.path, state.step,
+                          state.cursor.consumed_samples)
+        tier = self.local
+        if tier is None:
+            return self.resumed
+        if resume == "auto":
+            found = tier.agree(state, bool(cfg.trainer.elastic))
+            choice = choose_local(found, state.step, tier.base)
+            for line in choice.notes:
+                log_rank0("%s", line)
+            if choice.use:
+                state.step = tier.load(state, found)
+                self.resumed = Resumed("local", None, None)
+                log_rank0("resumed from the local tier (%s) at step %d (%d samples consumed); %d rank(s)' state "
+                          "fetched from partner nodes", tier.base, state.step, state.cursor.consumed_samples,
+                          found.lost)
+                if found.resharded_from is not None:
+                    old = found.resharded_from
+                    log_rank0("local tier: step %d was written at dp(%d) on %d ranks, resharded to dp(%d) on %d "
+                              "(trainer.elastic=true: each rank loads a data-parallel replica's state)", state.step,
+                              int(old["sizes"]["dp"]), int(old["world_size"]), state.mesh.size("dp"),
+                              state.mesh.world_size)
+        tier.forget_after(state.step)
+        return self.resumed
+
+    def refuse_another_optimizer(self) -> None:
+        """A ConfigError, on every rank alike, when the checkpoint resumed was saved by
+        another optimizer: its state is not this one's (AdamW fails at its first step
+        without its moments; LARS would carry AdamW's along into every later save).
+        Asked before training, not by ``hpctrain-eval``, which takes no step."""
+        saved, now = self.resumed.optimizer, str(self.state.cfg.optim.name)
+        if saved is None or saved == now:
+            return
+        path = self.resumed.checkpoint
+        raise ConfigError(f"checkpoint {path} holds the optimizer state of optim.name={saved!r}, and this run uses "
+                          f"{now!r}; resume with optim={saved}, or start {now} from its weights alone in another "
+                          f"checkpoint.dir with checkpoint.init_from={path} (step 0, a fresh optimizer state)")
+
+    # -- saving ----------------------------------------------------------------------
+    def maybe_save(self, step: int) -> Dict[str, Any]:
+        """At the boundary after optimizer step ``step``: the local tier's save when due, then the
+        persistent one's (collective). Returns ``local_ckpt_blocking_s`` when the local tier saved and
+        ``checkpoint`` (the path) when the persistent tier did."""
+        out: Dict[str, Any] = {}
+        if self.local is not None and self.local.due(step):
+            out["local_ckpt_blocking_s"] = self.local.save(self.state)
+        every = int(self.state.cfg.checkpoint.every)
+        if self.persistent is not None and every and step % every == 0:
+            out["checkpoint"] = self.save()
+        return out
+
+    def save(self, path: Optional[str] = None, for_stop: bool = False) -> Optional[str]:
+        """Save the persistent tier now (collective): ``checkpoint.every``, or on demand (a stop, with
+        ``for_stop`` making the checkpointer if the run had none). None without a checkpointer."""
+        if self.persistent is None and for_stop:
+            self.persistent = self._make_persistent(for_stop=True)
+        if self.persistent is None:
+            return None
+        state = self.state
+        if self.faults is not None:
+            self.faults.before_checkpoint(state.step)
+        board = state.mesh.board
+        board.phase = "checkpoint save"
+        # one numbered op over the world: a rank that never enters is named by the hang watchdog
+        with board.collective("checkpoint save", "checkpoint", tuple(range(state.mesh.world_size))):
+            saved = self.persistent.save(state, path)
+        board.phase = "training"
+        self.pm.hook.hpctrain_on_checkpoint(state=state, step=state.step, path=saved)
+        return saved
+
+    def before_update(self) -> float:
+        """Right before the optimizer step: wait until the saves in flight have copied what the update
+        changes (persistent async saves, the local tier's host copy). The seconds the local tier waited."""
+        wait = getattr(self.persistent, "before_update", None)
+        if wait is not None:
+            wait()
+        return self.local.before_update() if self.local is not None else 0.0
+
+    def finish_local(self) -> None:
+        """The run's last step is done: the local tier's last save completes before the run ends."""
+        if self.local is not None:
+            self.local.close()
+
+    def close(self) -> None:
+        """The run is over: wait for a background save and let go of the checkpoint directory (collective)."""
+        if self.persistent is None:
+            return
+        board = self.state.mesh.board
+        board.phase = "checkpoint finish"
+        # a checkpointer without close() only waits
+        finish = getattr(self.persistent, "close", self.persistent.wait)
+        with board.collective("checkpoint finish", "checkpoint", tuple(range(self.state.mesh.world_size))):
+            finish()
