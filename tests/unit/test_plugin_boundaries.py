@@ -22,14 +22,19 @@ torch's own module storage (``module._parameters``, ``_buffers``,
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
+from hpctrain.config.schema import TrainerConfig
+
 ROOT = Path(__file__).resolve().parents[2] / "plugins"
 MODEL_NAMES = {"model", "staged", "module", "block", "chunk", "layer", "part", "m"}
 TORCH_STORAGE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
+TRAINER_KEYS = {f.name for f in dataclasses.fields(TrainerConfig)}
+"""The keys of the config's ``trainer`` section (``cfg.trainer.steps`` reads config, not the trainer)."""
 TRAINER_NAMES = {"trainer", "Trainer", "reference_trainer", "prepare_run"}
 """What hands a plugin the trainer (``hpctrain.train.trainer``, ``hpctrain.run``)."""
 
@@ -130,9 +135,12 @@ def _trainer_uses(tree: ast.AST, where: str) -> Iterator[str]:
             yield f"{where}:{node.lineno}: takes the trainer as argument 'trainer'"
         elif isinstance(node, ast.Name) and node.id == "trainer":
             yield f"{where}:{node.lineno}: uses the trainer ('trainer')"
-        elif isinstance(node, ast.Attribute) and node.attr in ("trainer",) and not _dotted(node).startswith("cfg."):
-            if isinstance(getattr(node, "parent", None), ast.Attribute) and _dotted(node).endswith(".trainer"):
-                continue  # cfg.trainer.<key>: the trainer's config section, a core key
+        elif isinstance(node, ast.Attribute) and node.attr == "trainer":
+            parent = getattr(node, "parent", None)
+            if isinstance(parent, ast.Attribute) and parent.attr in TRAINER_KEYS:
+                continue  # <config>.trainer.<key>: the trainer's config section, core keys
+            if {"cfg", "config"} & set(_dotted(node).split(".")):
+                continue  # cfg.trainer: the section itself
             yield f"{where}:{node.lineno}: reaches the trainer through {_dotted(node)}"
 
 
@@ -176,7 +184,9 @@ def test_the_check_catches_each_kind_of_crossing(tmp_path):
         "    steps = cfg.trainer.steps\n"
         "from hpctrain.run import reference_trainer\n"
         "def hpctrain_on_step_end(trainer, step, metrics):\n"
-        "    trainer.step = 3\n")
+        "    trainer.step = 3\n"
+        "def peek(state, cfg):\n"
+        "    return state.trainer.step, cfg.trainer.seq_len, state.cfg.trainer\n")
     found = list(violations("hpctrain_bad", bad, {"hpctrain_zero", "hpctrain_pp"},
                             [("parallel.zero", "hpctrain_zero")]))
     text = "\n".join(found)
@@ -185,6 +195,6 @@ def test_the_check_catches_each_kind_of_crossing(tmp_path):
                      "reads hpctrain_zero's config section through cfg.parallel.zero.stage",
                      "names hpctrain_zero's config section 'parallel.zero.stage'",
                      "imports reference_trainer (the trainer)", "takes the trainer as argument 'trainer'",
-                     "uses the trainer ('trainer')"):
+                     "uses the trainer ('trainer')", "reaches the trainer through state.trainer"):
         assert expected in text, text
     assert "_parameters" not in text and "cfg.trainer" not in text
