@@ -48,26 +48,28 @@ else
   echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
 fi
 
-# (the limits only catch a hang: the unit tests take about 3 minutes on a quiet 2-core machine,
-# the launcher tests about 7 beside each other and 9 alone)
+# (the limits only catch a hang: the unit tests take about 3 minutes on a quiet 2-core machine)
 section "unit tests" "(one process each, two at a time)"
-timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --junitxml="$LOGDIR/unit.xml"
+timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --durations=15 --junitxml="$LOGDIR/unit.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
-# each starts MPI jobs of up to 8 ranks: two modules at a time (a module's
-# shared job runs once), then one at a time those marked `alone`, which time a
+# only what needs a job of its own (a signal, a hang, a relaunch, a terminal, a wheel, peak RSS, the
+# README's launch commands); messages, validation and tool output run in the MPI sessions below
+# (tests/mpi/test_cli_*.py) or in the unit tests. Each starts MPI jobs of up to 8 ranks: two modules
+# at a time (a module's shared job runs once), then one at a time those marked `alone`, which time a
 # running job from outside (a hang, a straggler, a signal, a second run beside it)
 section "launcher tests"
 timeout 1500 python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not alone" tests/launch \
-  --junitxml="$LOGDIR/launch.xml"
+  --durations=15 --junitxml="$LOGDIR/launch.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
-timeout 1500 python -m pytest -q -p no:cacheprovider -m alone tests/launch --junitxml="$LOGDIR/launch-alone.xml"
+timeout 1500 python -m pytest -q -p no:cacheprovider -m alone tests/launch --durations=15 \
+  --junitxml="$LOGDIR/launch-alone.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
 
 sizes="2 4 8"; [ $quick = 1 ] && sizes="2"
 for n in $sizes; do
   section "multi-rank tests, $n ranks"
-  timeout 1500 mpiexec.openmpi -n "$n" python scripts/mpi_pytest.py "$LOGDIR" -q -p no:cacheprovider tests/mpi
+  timeout 1500 mpiexec.openmpi -n "$n" python scripts/mpi_pytest.py "$LOGDIR" -q -p no:cacheprovider --durations=15 tests/mpi
   rc=$?
   if [ $rc -eq 5 ]; then echo "(no multi-rank tests need $n ranks)"; rc=0; fi
   if [ $rc -ne 0 ]; then
@@ -86,7 +88,8 @@ if [ $quick = 0 ]; then
     # shellcheck disable=SC1091
     source "${HPCTRAIN_SLURM_DIR:-/tmp/hpctrain-slurm}/env"
     # REQUIRE: a cluster that did not come up fails the tests instead of skipping them
-    HPCTRAIN_REQUIRE_SLURM=1 timeout 900 python -m pytest -q -p no:cacheprovider tests/slurm --junitxml="$LOGDIR/slurm.xml"
+    HPCTRAIN_REQUIRE_SLURM=1 timeout 900 python -m pytest -q -p no:cacheprovider tests/slurm --durations=15 \
+      --junitxml="$LOGDIR/slurm.xml"
     rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
     bash slurm/local/stop.sh >> "$LOGDIR/slurm-start.log" 2>&1 || true
   else
