@@ -27,8 +27,13 @@ What a checkpointer reads and restores is a ``TrainState``
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, runtime_checkable
+
+from omegaconf import OmegaConf
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.train.state import TrainState
@@ -107,11 +112,7 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
     the same directory (a requeued or resubmitted job, a crash) finds its
     checkpoints with ``checkpoint.resume=auto``, and a different experiment
     does not."""
-    import hashlib
-    import json
-    import os
 
-    from omegaconf import OmegaConf
 
     chosen = {key: OmegaConf.to_container(OmegaConf.select(cfg, key), resolve=True)
               if OmegaConf.is_config(OmegaConf.select(cfg, key)) else OmegaConf.select(cfg, key)

@@ -27,6 +27,8 @@ import traceback
 from typing import List, Optional
 
 from hpctrain.errors import HpctrainError, launcher_rank, write_error
+from hpctrain.log import log_rank0
+from hpctrain.sweep import record_sweep_point
 
 _STOP = "stop"
 _RUN = "run"
@@ -34,7 +36,12 @@ _FULL_ERROR = "HYDRA_FULL_ERROR"
 
 
 def _print_plugins() -> int:
-    from hpctrain.plugins import DISABLE_ENV, blocked_names, describe, get_manager
+    from hpctrain.plugins import (  # omegaconf and pluggy: not needed for --help or a bad flag
+        DISABLE_ENV,
+        blocked_names,
+        describe,
+        get_manager,
+    )
 
     pm = get_manager()
     rows = describe(pm)
@@ -67,11 +74,11 @@ def crash(rt) -> int:
 
 def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
     """Run one job on this rank from rank 0's resolved config (``evaluate``: hpctrain-eval's one validation)."""
-    from hpctrain.bootstrap import get_runtime
-    from hpctrain.config.store import to_config
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import run
-    from hpctrain.train.watchdog import JobStopped
+    from hpctrain.bootstrap import get_runtime  # heavy (torch): keeps --help and a bad flag fast
+    from hpctrain.config.store import to_config  # heavy (torch): keeps --help and a bad flag fast
+    from hpctrain.plugins import get_manager  # omegaconf and pluggy: not needed for --help or a bad flag
+    from hpctrain.run import run  # heavy (torch): keeps --help and a bad flag fast
+    from hpctrain.train.watchdog import JobStopped  # heavy (torch): keeps --help and a bad flag fast
 
     rt = get_runtime()
     try:
@@ -93,14 +100,18 @@ def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
 
 def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     """Rank 0 (or the only rank): run the Hydra app; broadcast each job."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    import hydra  # heavy (hydra): keeps --help and a bad flag fast
+    from hydra.core.hydra_config import HydraConfig  # heavy (hydra): keeps --help and a bad flag fast
+    from hydra.types import RunMode  # heavy (hydra): keeps --help and a bad flag fast
+    from omegaconf import OmegaConf  # omegaconf: not needed for --help or a bad flag
+    from omegaconf.errors import OmegaConfBaseException  # omegaconf: not needed for --help or a bad flag
 
-    from hpctrain.config.store import CONF_DIR, expand_shorthands, register_configs
-    from hpctrain.plugins import get_manager
+    from hpctrain.config.store import (  # heavy (torch): keeps --help and a bad flag fast
+        CONF_DIR,
+        expand_shorthands,
+        register_configs,
+    )
+    from hpctrain.plugins import get_manager  # omegaconf and pluggy: not needed for --help or a bad flag
 
     try:
         register_configs(get_manager())
@@ -113,8 +124,10 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
     def task(cfg) -> int:
         # Runs on rank 0 of this process's world, or, under hydra/launcher=slurm,
         # on every rank of the sweep point's own Slurm job (world is then None).
-        from hpctrain.bootstrap import get_runtime
-        from hpctrain.checkpoint import default_checkpoint_dir
+        from hpctrain.bootstrap import get_runtime  # heavy (torch): keeps --help and a bad flag fast
+        from hpctrain.checkpoint import (
+            default_checkpoint_dir,  # omegaconf and pluggy: not needed for --help or a bad flag
+        )
 
         run_dir = HydraConfig.get().runtime.output_dir
         if cfg.model.hf_dir:  # the shape from the directory's config.json (validation reports its problems)
@@ -122,13 +135,10 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
 
             explicit = [o.lstrip("+").split("=", 1)[0] for o in HydraConfig.get().overrides.task]
             if not apply_hf_config(cfg, explicit):
-                from hpctrain.log import log_rank0
-
                 log_rank0("model.hf_dir=%s: %s, %d layers, d_model %d", cfg.model.hf_dir, cfg.model.name,
                           cfg.model.n_layers, cfg.model.d_model)
         if str(cfg.model.vocab_size) == "auto":  # the data tokenizer's vocabulary (validation says when unknown)
             from hpctrain.data.sources import data_vocab_size
-            from hpctrain.log import log_rank0
 
             vocab = data_vocab_size(cfg.data)
             if vocab is not None:
@@ -157,8 +167,6 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
         codes.append(code)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN and get_runtime().world_rank == 0:
-            from hpctrain.sweep import record_sweep_point
-
             record_sweep_point(hc.sweep.dir, run_dir, hc.overrides.task, code)
         if code and HydraConfig.get().mode != RunMode.MULTIRUN:
             raise SystemExit(code)
@@ -191,7 +199,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
 def _write_resolved(run_dir: str, cfg_yaml: str) -> None:
     """The config every rank runs, beside Hydra's (``store.RESOLVED_FILE``: what the report,
     ``hpctrain-plan --compare`` and a person reading the run should see)."""
-    from hpctrain.config.store import RESOLVED_FILE
+    from hpctrain.config.store import RESOLVED_FILE  # heavy (torch): keeps --help and a bad flag fast
 
     try:
         os.makedirs(run_dir, exist_ok=True)
@@ -211,7 +219,7 @@ def _bad_flags(args: List[str]) -> Optional[str]:
     if "--version" in args:  # Hydra prints its version and exits: its own business
         return None
     try:
-        from hydra._internal.utils import get_args_parser
+        from hydra._internal.utils import get_args_parser  # heavy (hydra): keeps --help and a bad flag fast
     except ImportError:
         return None
     parser = get_args_parser()
@@ -231,7 +239,9 @@ def _bad_flags(args: List[str]) -> Optional[str]:
 
 def _swept_keys(argv: List[str]) -> List[str]:
     """The keys a ``--multirun`` command line sweeps (``optim.lr=1e-3,3e-3``: optim.lr)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.overrides_parser import (
+        OverridesParser,  # heavy (hydra): keeps --help and a bad flag fast
+    )
 
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
@@ -259,8 +269,8 @@ def _composition_failed(e: Exception, full_error: bool) -> int:
     ``hpctrain: error:`` line and status 2 (broadcast to every rank by
     ``main``); anything else keeps its traceback (status 1). With
     ``HYDRA_FULL_ERROR=1`` set by the user the traceback comes first."""
-    from hpctrain.config.store import explain_error as explain
-    from hpctrain.plugins import get_manager
+    from hpctrain.config.store import explain_error as explain  # heavy (torch): keeps --help and a bad flag fast
+    from hpctrain.plugins import get_manager  # omegaconf and pluggy: not needed for --help or a bad flag
 
     try:
         message = explain(e, get_manager())
@@ -277,7 +287,7 @@ def _announce(world, message):
     (``bootstrap.idle_wait``), not in the broadcast: they wait while rank 0 composes
     the config (about a second), and a blocking broadcast polls busily, taking the
     core from rank 0 where ranks share cores (tests, a laptop, oversubscribed nodes)."""
-    from hpctrain.bootstrap import idle_wait
+    from hpctrain.bootstrap import idle_wait  # heavy (torch): keeps --help and a bad flag fast
 
     idle_wait(world, poll_s=0.002)
     return world.bcast(message, root=0)
@@ -287,8 +297,8 @@ def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
     """``hpctrain-train`` (or with ``evaluate``, ``hpctrain-eval``) on this process; its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:  # every plugin loaded and its config sections checked: a broken one is one line, before MPI starts
-        from hpctrain.config.store import build_schema
-        from hpctrain.plugins import get_manager
+        from hpctrain.config.store import build_schema  # heavy (torch): keeps --help and a bad flag fast
+        from hpctrain.plugins import get_manager  # omegaconf and pluggy: not needed for --help or a bad flag
 
         build_schema(get_manager())
     except HpctrainError as e:
@@ -296,12 +306,12 @@ def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
     if "--plugins" in argv:
         return _print_plugins()
     if "--help" in argv or "-h" in argv:
-        from hpctrain.config.store import CONF_DIR
+        from hpctrain.config.store import CONF_DIR  # heavy (torch): keeps --help and a bad flag fast
         from hpctrain.help import help_text
 
         print(help_text(CONF_DIR, "hpctrain-eval" if evaluate else "hpctrain-train"))
         return 0
-    from hpctrain.bootstrap import init_runtime, shutdown
+    from hpctrain.bootstrap import init_runtime, shutdown  # heavy (torch): keeps --help and a bad flag fast
 
     try:
         rt = init_runtime()

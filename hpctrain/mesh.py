@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from hpctrain.comm.counting import CountingCommunicator
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError
 
@@ -341,7 +342,6 @@ class Mesh:
         every collective is numbered on ``self.board`` (the hang watchdog's
         view of this rank).
         """
-        from hpctrain.comm.counting import CountingCommunicator
 
         def counted(group: Group) -> "Communicator":
             comm = factory(group)

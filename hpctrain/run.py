@@ -5,6 +5,7 @@ multi-rank tests call directly inside their MPI processes.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict, List, Optional
 
@@ -15,13 +16,18 @@ from hpctrain.bootstrap import Runtime, get_runtime, idle_wait, with_device
 from hpctrain.comm.delay import delayed
 from hpctrain.comm.protocol import Communicator, LocalCommunicator
 from hpctrain.comm.watch import OpBoard
+from hpctrain.config.validate import validate
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
 from hpctrain.log import add_file_log, get_logger, log_rank0, remove_file_log
 from hpctrain.mesh import AXES, Group, Mesh
-from hpctrain.plugins import get_manager
+from hpctrain.plugins import capabilities, get_manager
+from hpctrain.train import elastic
+from hpctrain.train.loggers import Loggers, open_loggers
 from hpctrain.train.outer import alone_axes
+from hpctrain.train.profile import OutOfMemoryWithSnapshot
 from hpctrain.train.state import TrainState
-from hpctrain.train.watchdog import JobStopped
+from hpctrain.train.trainer import Trainer
+from hpctrain.train.watchdog import JobStopped, Watchdog
 
 log = get_logger(__name__)
 
@@ -64,7 +70,6 @@ def resolve_backend_name(name: str, device: torch.device, pm) -> str:
     CPU path here), else torch (gloo). Other names pass through."""
     if name != "auto":
         return name
-    from hpctrain.plugins import capabilities
 
     served = capabilities(pm).get("comm.backend", [])
     if device.type == "cuda" and "nccl" in served:
@@ -128,8 +133,6 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
         done = True
         return history
     except Exception as e:
-        from hpctrain.train.profile import OutOfMemoryWithSnapshot
-
         if holder and not isinstance(e, (HpctrainError, OutOfMemoryWithSnapshot)):
             # a failure caused by another rank's fault: the watchdog has (or is about to have) named it
             # (an out-of-memory in a step is this rank's own)
@@ -147,7 +150,6 @@ def run(cfg: Any, run_dir: Optional[str] = None, pm=None, evaluate_only: bool = 
 def evaluate(trainer: Any, run_dir: Optional[str] = None) -> List[Dict[str, float]]:
     """One validation of the trainer's weights (``hpctrain-eval``); rank 0 writes
     ``validation.json`` in the run directory."""
-    import json
 
     if trainer.step == 0:  # the same on every rank: checkpoint.resume=auto found nothing
         raise ConfigError(f"hpctrain-eval: checkpoint.resume={trainer.cfg.checkpoint.resume} found no checkpoint "
@@ -178,7 +180,6 @@ def start_watchdog(cfg: Any, rt: Runtime, run_dir: Optional[str] = None):
     timeout = float(cfg.reliability.hang_timeout_s)
     if rt.world_size == 1 or timeout <= 0:
         return None
-    from hpctrain.train.watchdog import Watchdog
 
     return Watchdog(rt.mpi_comm, timeout, run_dir=run_dir)
 
@@ -191,9 +192,6 @@ def prepare_run(cfg: Any, run_dir: Optional[str] = None, pm=None, watchdog_holde
 
     With ``watchdog_holder`` (a list), the hang watchdog is started after
     validation and appended to it; the caller stops it."""
-    from hpctrain.config.validate import validate
-    from hpctrain.train import elastic
-    from hpctrain.train.trainer import Trainer
 
     rt = get_runtime()
     pm = pm or get_manager()
@@ -228,7 +226,6 @@ def open_loggers_agreed(cfg: Any, rt: Runtime, pm, run_dir: Optional[str]):
     """Rank 0's logger backends, opened before step 1; a backend that cannot
     start (a package missing, a directory it cannot write) stops every rank
     with rank 0's one line (its verdict broadcast over MPI, like validation's)."""
-    from hpctrain.train.loggers import Loggers, open_loggers
 
     loggers, problem = Loggers(), None
     if rt.is_main and run_dir:
@@ -251,7 +248,6 @@ def reference_trainer(cfg: Any, pm=None, run_dir: Optional[str] = None):
     parity tests call it inside each MPI rank). ``parallel.*`` in ``cfg`` is
     ignored; the global batch, seed and data order are the same.
     """
-    from hpctrain.train.trainer import Trainer
 
     pm = pm or get_manager()
     mesh = Mesh({a: 1 for a in AXES}, 0, 1, alone_axes=alone_axes(cfg))

@@ -62,6 +62,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
+from omegaconf import OmegaConf
 
 from hpctrain.bench.common import (
     Column,
@@ -72,10 +73,15 @@ from hpctrain.bench.common import (
     print_rank0,
     timed_call,
 )
+from hpctrain.bootstrap import init_runtime, init_torch_distributed
+from hpctrain.config import compose
+from hpctrain.config.store import to_config
 from hpctrain.data import DataCursor
 from hpctrain.errors import ArgumentParser
+from hpctrain.localckpt import LocalTier
 from hpctrain.mesh import Mesh
-from hpctrain.shard import DimSplit, ShardSpec, set_spec
+from hpctrain.plugins import get_manager
+from hpctrain.shard import DimSplit, ShardSpec, get_spec, set_spec
 from hpctrain.train.state import TrainState
 
 
@@ -113,10 +119,9 @@ def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, si
 
 
 def _dcp_state(run_state: TrainState, size: int) -> Dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.device_mesh import init_device_mesh  # heavy: only when the benchmark runs (DCP peer), not when hpctrain-bench lists it
+    from torch.distributed.tensor import DTensor, Shard  # heavy: the DCP peer's, only when the benchmark runs
 
-    from hpctrain.shard import get_spec
 
     dm = init_device_mesh("cpu", (size,))
     out: Dict[str, Any] = {}
@@ -183,14 +188,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     args = ap.parse_args(argv)
 
-    import h5py
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
+    import h5py  # the h5ckpt plugin's dependency: only when the benchmark runs
+    import torch.distributed.checkpoint as dcp  # heavy: the peer, only when the benchmark runs
 
-    from hpctrain.bootstrap import init_runtime, init_torch_distributed
-    from hpctrain.config import compose
-    from hpctrain.config.store import to_config
-    from hpctrain.plugins import get_manager
 
     rt = init_runtime("cpu")
     comm, rank, size = rt.mpi_comm, rt.world_rank, rt.world_size
@@ -214,7 +214,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print_rank0(comm, "hpctrain-bench ckpt: no installed plugin serves checkpoint.format=hdf5")
         return 2
     run_state = _stand_in(cfg, _shapes(args.d_model, args.layers, args.vocab), rank, size)
-    from hpctrain.localckpt import LocalTier
 
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     local_dir = comm.bcast(args.local_dir or tempfile.mkdtemp(prefix="hpctrain-bench-local-", dir=shm)

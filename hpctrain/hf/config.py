@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from omegaconf import OmegaConf
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
 """The Hugging Face architectures our decoder computes exactly, with their model_type."""
 
@@ -154,8 +156,6 @@ loss coefficients and capacity) an explicit override sets instead: training choi
 
 
 def _model_value(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
     node: Any = cfg.model
     for part in key.split("."):
         node = node.get(part) if node is not None else None

@@ -30,9 +30,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from hpctrain.data.indexed import prefix_of, read_description
 from hpctrain.errors import ConfigError
 from hpctrain.hf.names import hf_tensor, rope_row_permutation
 from hpctrain.hf.weights import INDEX, SINGLE
+from hpctrain.model.shapes import ModelShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -77,7 +79,6 @@ def _architecture(model: Any) -> str:
 
 def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
     """``config.json`` for ``model`` (our model config section)."""
-    from hpctrain.model.shapes import ModelShape
 
     s = ModelShape.from_config(model)
     arch = _architecture(model)
@@ -151,7 +152,6 @@ def check_target(out: str) -> None:
 def data_tokenizer(data: Any) -> Tuple[List[str], Dict[str, Any]]:
     """The tokenizer the run's data names (hpctrain-prepare records it in a manifest or beside each shard):
     (its files to copy, {"bos_token_id", "eos_token_id"} from the description). Nothing for other data."""
-    from hpctrain.data.indexed import prefix_of, read_description
 
     if data is None or data.get("source") != "indexed":
         return [], {}
@@ -187,7 +187,7 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
     """Write the Hugging Face directory ``out`` for ``model`` (its config section) from ``entries``;
     returns the files written. ``tokenizer_from``: directories or files whose tokenizer files are copied;
     ``token_ids``: bos/eos ids for the ones the model config does not set (the data's tokenizer)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: the hf extra
 
     check_target(out)
     if dtype not in DTYPES:

@@ -25,8 +25,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hpctrain.hf.names import HfTensor, hf_tensor, rope_row_permutation
+from hpctrain.checkpoint import weight_mismatches
+from hpctrain.errors import ConfigError
 from hpctrain.hf import PREFIX
+from hpctrain.hf.names import HfTensor, hf_tensor, rope_row_permutation
+from hpctrain.model.build import build_model
+from hpctrain.model.shapes import ModelShape
+from hpctrain.shard import get_spec
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -36,7 +41,7 @@ Box = Sequence[Tuple[int, int]]
 
 def safe_open(path: str, framework: str = "pt"):
     """``safetensors.safe_open`` (one name to wrap: the import-byte test counts what is read through it)."""
-    from safetensors import safe_open as _open
+    from safetensors import safe_open as _open  # optional: the hf extra
 
     return _open(path, framework=framework)
 
@@ -50,8 +55,6 @@ class HfWeights:
         self._files: Dict[str, Any] = {}
         self.weight_map, problems = weight_map(hf_dir)
         if problems:
-            from hpctrain.errors import ConfigError
-
             raise ConfigError("\n".join(problems))
 
     def where(self, logical: str) -> Optional[HfTensor]:
@@ -144,7 +147,6 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
                 missing.append(name)
             elif shapes[name] != want:
                 wrong.append(f"{name} is {list(shapes[name])}, the model needs {list(want)}")
-    from hpctrain.checkpoint import weight_mismatches
 
     return weight_mismatches(f"checkpoint.init_from={PREFIX}{hf_dir}", missing, wrong,
                              "is it the model of model.hf_dir (tied embeddings, layers, experts)?",
@@ -161,7 +163,6 @@ def hf_weights_for(cfg: Any) -> Optional[HfWeights]:
     src = cfg.checkpoint.get("init_from")
     if not src or not str(src).startswith(PREFIX):
         return None
-    from hpctrain.model.shapes import ModelShape
 
     s = ModelShape.from_config(cfg.model)
     return HfWeights(str(src)[len(PREFIX):], s.n_heads, s.n_kv_heads, s.head_dim, num_experts_of(cfg))
@@ -179,9 +180,6 @@ def init_from_problems(cfg: Any, pm: Any) -> List[str]:
             return [f"checkpoint.init_from={src}: no such file or directory; give hf:<Hugging Face directory>, "
                     "a checkpoint file or a checkpoint directory"]
         return []
-    from hpctrain.model.build import build_model
-    from hpctrain.model.shapes import ModelShape
-    from hpctrain.shard import get_spec
 
     model = build_model(cfg, pm)
     expected = {}

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import torch
+from omegaconf import OmegaConf
+
+from hpctrain.checkpoint import EXPERIMENT_KEYS
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.train.state import TrainState
@@ -57,10 +60,6 @@ def layout(mesh: Any) -> Dict[str, Any]:
 
 
 def _digest(train_state: "TrainState", without_dp: bool) -> str:
-    from omegaconf import OmegaConf
-
-    from hpctrain.checkpoint import EXPERIMENT_KEYS
-
     cfg, mesh = train_state.cfg, train_state.mesh
     chosen: Dict[str, Any] = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                               for k in EXPERIMENT_KEYS for v in [OmegaConf.select(cfg, k)]}

@@ -32,6 +32,8 @@ the log says so).
 """
 from __future__ import annotations
 
+import getpass
+import hashlib
 import os
 import threading
 import time
@@ -69,8 +71,6 @@ def default_dir(checkpoint_dir: Optional[str]) -> str:
     """``/dev/shm/hpctrain-<user>-<job>`` (``$TMPDIR`` without /dev/shm): the SLURM job id when there is one (the
     same for every ``srun`` of one allocation), else a hash of the persistent checkpoint directory (the same for
     every relaunch of one experiment)."""
-    import getpass
-    import hashlib
 
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
@@ -217,7 +217,7 @@ class LocalTier:
         """Send ``data`` to the partners, receive the sources' files."""
         if self.comm is None or not (self.targets or self.sources):
             return {}
-        from mpi4py import MPI
+        from mpi4py import MPI  # MPI starts at import: after bootstrap only
 
         buf = np.frombuffer(data, dtype=np.uint8)
         size = np.array([buf.size], dtype=np.int64)
@@ -289,7 +289,7 @@ class LocalTier:
             raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
 
     def _fetch(self, found: Found, step: int, data: Optional[bytes]) -> Optional[bytes]:
-        from mpi4py import MPI
+        from mpi4py import MPI  # MPI starts at import: after bootstrap only
 
         comm = self.comm
         assert comm is not None
@@ -370,6 +370,6 @@ def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int,
 
 
 def _threads_ok() -> bool:
-    from mpi4py import MPI
+    from mpi4py import MPI  # MPI starts at import: after bootstrap only
 
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from hpctrain.mesh import Mesh
+from hpctrain.shard import get_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.train.state import TrainState
@@ -117,7 +118,6 @@ def tied_parameters(model: nn.Module, mesh: Mesh) -> List[nn.Parameter]:
     """Parameters this rank holds that other pipeline stages hold copies of
     (tied embeddings: the first stage's table is the last stage's output
     projection), from their ShardSpecs."""
-    from hpctrain.shard import get_spec
 
     if mesh.size("pp") == 1:
         return []

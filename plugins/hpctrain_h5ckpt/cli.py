@@ -30,13 +30,12 @@ from typing import Any, List, Optional
 
 from hpctrain.errors import ArgumentParser, ConfigError, write_error
 
+from hpctrain_h5ckpt import store
 from hpctrain_h5ckpt.errors import CheckpointError
 from hpctrain_h5ckpt.options import IOOptions
 
 
 def _resolve(path: str) -> str:
-    from hpctrain_h5ckpt import store
-
     if os.path.isdir(path):
         found = store.candidates(path)
         if not found:
@@ -49,9 +48,9 @@ def _resolve(path: str) -> str:
 
 
 def _reader(path: str) -> Any:
-    from mpi4py import MPI
+    from mpi4py import MPI  # MPI starts at import: only for a command that reads
 
-    from hpctrain_h5ckpt.reader import CheckpointReader
+    from hpctrain_h5ckpt.reader import CheckpointReader  # h5py: keeps --help and a bad flag fast
 
     opts = IOOptions(parallel=False, collective_min_bytes=0, alignment=0, fsync=False, verify=True)
     return CheckpointReader(path, MPI.COMM_SELF, opts)
@@ -99,8 +98,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _verify_one(path: str, report_errors: bool = False) -> bool:
     """Every dataset's checksum, and finite weights and optimizer state; one
     line either way (a corrupt file raises, unless ``report_errors``)."""
-    from hpctrain_h5ckpt.finite import all_finite
-    from hpctrain_h5ckpt.snapshot import from_numpy
+    from hpctrain_h5ckpt.finite import all_finite  # heavy (torch): only for verify
+    from hpctrain_h5ckpt.snapshot import from_numpy  # heavy (torch): only for verify
 
     def finite(r: Any, name: str) -> bool:
         return all_finite(from_numpy(r.file[name][()], r.index[name].attrs.get("torch_dtype", "")))  # bf16: bits
@@ -125,8 +124,6 @@ def _verify_one(path: str, report_errors: bool = False) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from hpctrain_h5ckpt import store
-
     if not os.path.isdir(args.path):
         return 0 if _verify_one(_resolve(args.path)) else 1
     found = store.committed(args.path)
@@ -144,9 +141,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from hpctrain.hf.export import check_target, parse_size
+    from hpctrain.hf.export import check_target, parse_size  # heavy (torch): only for export
 
-    from hpctrain_h5ckpt.export import export_hf
+    from hpctrain_h5ckpt.export import export_hf  # heavy (torch, h5py): only for export
 
     check_target(args.to)  # before the checkpoint is even looked for
     path = _resolve(args.path)
@@ -162,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from hpctrain_h5ckpt.import_hf import import_hf
+    from hpctrain_h5ckpt.import_hf import import_hf  # heavy (the whole trainer): only for import
 
     saved = import_hf(args.hf_dir, args.out)
     print(f"wrote {saved}: the weights of {args.hf_dir} as an hpctrain checkpoint (step 0); train from it with "

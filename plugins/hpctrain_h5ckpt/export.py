@@ -19,18 +19,21 @@ from typing import Any, Callable, List, Optional
 import h5py
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from hpctrain.data.tokenize import TokenizerError, tokenizer_vocab_size
 from hpctrain.errors import ConfigError
+from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 
 from hpctrain_h5ckpt import checksum
 from hpctrain_h5ckpt.errors import CheckpointError
+from hpctrain_h5ckpt.snapshot import from_numpy
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def run_config(f: h5py.File) -> Any:
     """The checkpoint's resolved config."""
-    from omegaconf import OmegaConf
 
     text = f["meta/config"][()]
     return OmegaConf.create(text.decode("utf-8") if isinstance(text, bytes) else str(text))
@@ -47,8 +50,6 @@ def _torch_dtype(d: h5py.Dataset) -> str:
 
 
 def _read_verified(path: str, dset: h5py.Dataset) -> torch.Tensor:
-    from hpctrain_h5ckpt.snapshot import from_numpy
-
     arr = dset[()]
     stored = np.asarray(dset.attrs.get("checksum"), dtype=np.uint32).reshape(-1)
     got = checksum.whole(arr)
@@ -74,7 +75,6 @@ def _order(logical: str) -> tuple:
 
 def _check_tokenizer(tokenizer: str, model_vocab: Any) -> None:
     """``--tokenizer``: one that exists and whose ids all have a row in the model's embedding."""
-    from hpctrain.data.tokenize import TokenizerError, tokenizer_vocab_size
 
     try:
         vocab = tokenizer_vocab_size(tokenizer)
@@ -89,7 +89,6 @@ def _check_tokenizer(tokenizer: str, model_vocab: Any) -> None:
 def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
               tokenizer: Optional[str] = None) -> List[str]:
     """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written."""
-    from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 
     check_target(out)
     try:

@@ -19,6 +19,7 @@ reported by HDF5 instead of being read as garbage.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any, Optional, Sequence, Tuple
 
@@ -162,8 +163,6 @@ _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not
 
 def _libc_sync_file_range() -> Optional[Any]:
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (AttributeError, OSError):
         return None

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import os
 
+from hpctrain.bootstrap import init_runtime
+from hpctrain.config import compose_resolved
+from hpctrain.config.validate import validate
 from hpctrain.errors import ConfigError
+from hpctrain.plugins import get_manager
+from hpctrain.run import reference_state
 
 
 def import_hf(hf_dir: str, out: str) -> str:
-    from hpctrain.bootstrap import init_runtime
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import reference_state
-
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ConfigError(f"import target {out}: its parent directory {parent} does not exist; create it first")

@@ -40,7 +40,7 @@ def checkpoint_dir(cfg: Any, run_dir: Optional[str]) -> Optional[str]:
 
 @hookimpl
 def hpctrain_validate(cfg: Any, world_size: int, run_dir: Optional[str]) -> Optional[List[str]]:
-    from hpctrain_h5ckpt.weights import init_from_problems
+    from hpctrain_h5ckpt.weights import init_from_problems  # h5py: when a run validates, not when the plugin loads
 
     ck = cfg.checkpoint
     given = init_from_problems(cfg)  # weights from one of our checkpoints, whatever this run saves
@@ -77,7 +77,7 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
                                run_dir: Optional[str]) -> Optional[Checkpointer]:
     if name != FORMAT:
         return None
-    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
+    from hpctrain_h5ckpt.checkpointer import H5Checkpointer  # h5py: when a checkpointer is made, not when the plugin loads
 
     ck = cfg.checkpoint
     comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator
@@ -92,7 +92,7 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
 @hookimpl
 def hpctrain_weight_source(path: str, cfg: Any) -> Optional[Any]:
     """``checkpoint.init_from`` naming one of our checkpoints (a file or a checkpoint directory)."""
-    from hpctrain_h5ckpt.weights import H5Weights, resolve
+    from hpctrain_h5ckpt.weights import H5Weights, resolve  # h5py: when weights are read, not when the plugin loads
 
     found = resolve(path)
     return H5Weights(found) if found is not None else None

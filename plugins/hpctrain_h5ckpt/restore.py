@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Tuple, cast
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from hpctrain.boxes import box_shape
 from hpctrain.checkpoint import Restored
@@ -262,8 +263,6 @@ def _saved_config(reader: CheckpointReader) -> Any:
     if not text:
         return None
     try:
-        from omegaconf import OmegaConf
-
         return OmegaConf.create(text)
     except Exception:  # noqa: BLE001 - damaged text: reader.read's checksum names it
         return None
@@ -272,7 +271,6 @@ def _saved_config(reader: CheckpointReader) -> Any:
 def _select(cfg: Any, key: str) -> Any:
     if cfg is None:
         return None
-    from omegaconf import OmegaConf
 
     return OmegaConf.select(cfg, key, default=None)
 
@@ -328,7 +326,6 @@ def _model_differences(saved_cfg: Any, cfg: Any, limit: int = 4) -> str:
     saved = _select(saved_cfg, "model")
     if saved is None:
         return ""
-    from omegaconf import OmegaConf
 
     # (casts: OmegaConf types to_container for any node; model sections are mappings)
     then = cast(Dict[str, Any], OmegaConf.to_container(saved, resolve=True)) if OmegaConf.is_config(saved) else {}

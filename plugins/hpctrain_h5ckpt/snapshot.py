@@ -41,9 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
+import h5py
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+import hpctrain
 from hpctrain.log import get_logger
 from hpctrain.mesh import Mesh
 from hpctrain.shard import SPEC_ATTR, Piece, ShardSpec, get_spec, replicated_spec
@@ -167,11 +170,9 @@ def state_spec(train_state: "TrainState", param: torch.nn.Parameter, key: str, s
 
 
 def versions() -> Dict[str, str]:
-    import h5py
-    import mpi4py
-    from mpi4py import MPI
+    import mpi4py  # MPI starts at import: only when a save records the versions
+    from mpi4py import MPI  # MPI starts at import: only when a save records the versions
 
-    import hpctrain
 
     return {"hpctrain": hpctrain.__version__, "torch": torch.__version__, "numpy": np.__version__,
             "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version, "mpi4py": mpi4py.__version__,
@@ -181,7 +182,6 @@ def versions() -> Dict[str, str]:
 def static_text(cfg: Any) -> Tuple[bytes, str]:
     """(resolved config YAML, library versions JSON): fixed for a run, so the
     checkpointer computes them once instead of inside every blocking save."""
-    from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(cfg, resolve=True).encode("utf-8") or b"\n", json.dumps(versions())
 

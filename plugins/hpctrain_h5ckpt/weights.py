@@ -15,7 +15,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 import h5py
 import torch
 
+from hpctrain.checkpoint import weight_mismatches
+from hpctrain.model.build import build_model
+from hpctrain.plugins import get_manager
+from hpctrain.shard import get_spec
+
 from hpctrain_h5ckpt import store
+from hpctrain_h5ckpt.snapshot import from_numpy
 
 
 def resolve(path: str) -> Optional[str]:
@@ -39,8 +45,6 @@ class H5Weights:
         self.file.close()
 
     def box(self, logical: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
-        from hpctrain_h5ckpt.snapshot import from_numpy
-
         d = self.group[logical]
         arr = d[tuple(slice(a, b) for a, b in box)]
         value = d.attrs.get("torch_dtype", b"float32")
@@ -57,9 +61,6 @@ def init_from_problems(cfg: Any, limit: int = 3) -> List[str]:
     if found is None:
         return [f"checkpoint.init_from={src} is neither hf:<Hugging Face directory> nor an hpctrain checkpoint "
                 "(an HDF5 step_*.h5, or a directory holding committed ones)"]
-    from hpctrain.model.build import build_model
-    from hpctrain.plugins import get_manager
-    from hpctrain.shard import get_spec
 
     with h5py.File(found, "r") as f:
         stored = {name: tuple(d.shape) for name, d in f["model"].items()} if "model" in f else {}
@@ -71,7 +72,6 @@ def init_from_problems(cfg: Any, limit: int = 3) -> List[str]:
             missing.append(spec.logical_name)
         elif shape != tuple(spec.global_shape):
             wrong.append(f"{spec.logical_name} is {list(shape)}, the model needs {list(spec.global_shape)}")
-    from hpctrain.checkpoint import weight_mismatches
 
     return weight_mismatches(f"checkpoint.init_from={found}", missing, wrong,
                              "it was saved by another model: set the model it was trained with",

@@ -28,6 +28,8 @@ from torch import nn
 
 from hpctrain import hookimpl
 from hpctrain.config import plugin_section
+from hpctrain.config.validate import resolve_sizes
+from hpctrain.errors import ConfigError
 from hpctrain.log import log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.transformer import Transformer
@@ -59,9 +61,6 @@ def pipeline_config(cfg: Any) -> PipelineConfig:
 
 
 def microbatches_per_step(cfg: Any, world_size: int) -> Optional[int]:
-    from hpctrain.config.validate import resolve_sizes
-    from hpctrain.errors import ConfigError
-
     try:
         sizes = resolve_sizes({a: cfg.parallel[a] for a in ("tp", "cp", "ep", "dp", "pp")}, world_size,
                               cfg.parallel.order)
