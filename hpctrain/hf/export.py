@@ -21,10 +21,13 @@ use (``rope_theta``, ``rope_scaling``), which every transformers reads.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -49,6 +52,10 @@ def parse_size(text: str) -> int:
     if m is None:
         raise ConfigError(f"--max-shard-size={text!r} is not a size; give e.g. 5GB, 500MB or 2GiB")
     return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+_Planned = Tuple["Entry", str, Callable[[torch.Tensor], torch.Tensor]]
+"""One Hugging Face tensor of a shard: its entry, its name, how to take it from the entry's tensor."""
 
 
 @dataclass
@@ -139,14 +146,68 @@ def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int,
     return [(found.names[0], tuple(entry.shape), lambda t: t)]
 
 
-def check_target(out: str) -> None:
-    """Refuse, before anything is read, an export directory that cannot be made."""
-    parent = os.path.dirname(os.path.abspath(out))
+def check_target(out: str, overwrite: bool = False) -> None:
+    """Refuse, before anything is read, an export directory that cannot be made, or one that already
+    holds files unless ``overwrite`` (then ``write_hf_dir`` replaces it whole, atomically)."""
+    parent = os.path.dirname(os.path.realpath(out))
     if not os.path.isdir(parent):
         raise ConfigError(f"export target {out}: its parent directory {parent} does not exist; create it or "
                           "choose another --to")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"export target {out} is a file; --to names a directory (Hugging Face model directory)")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(f"export target {out} is not empty (it holds {shown}); pass --overwrite to replace the "
+                          "whole directory with the export, or choose another --to")
+
+
+def _staging_dir(out: str) -> str:
+    """A new empty directory beside ``out`` (same parent, so the same file system: a rename moves it into
+    place), with the mode ``out`` has, or the one ``os.makedirs`` would give."""
+    real = os.path.realpath(out)
+    stage = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.", suffix=".export", dir=os.path.dirname(real))
+    if os.path.isdir(real):
+        shutil.copymode(real, stage)
+    else:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(stage, 0o777 & ~mask)
+    return stage
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap directories ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the file system cannot (the caller then renames twice)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 / not Linux
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system without the flag
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _replace_dir(stage: str, out: str) -> None:
+    """Put the finished export ``stage`` where ``out`` is: a rename when ``out`` is absent or empty; else
+    an atomic swap (a reader sees the old directory or the new one, never a mixture), the old one then
+    removed. Where the swap is not available: ``out`` renamed aside, ``stage`` renamed in, the old removed."""
+    real = os.path.realpath(out)
+    if not os.path.isdir(real) or not os.listdir(real):
+        os.replace(stage, real)
+        return
+    if _exchange(stage, real):
+        shutil.rmtree(stage)  # now the old directory
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(real)}.", suffix=".old", dir=os.path.dirname(real))
+    os.replace(real, old)  # onto the empty directory just made
+    os.replace(stage, real)
+    shutil.rmtree(old)
 
 
 def data_tokenizer(data: Any) -> Tuple[List[str], Dict[str, Any]]:
@@ -183,13 +244,18 @@ def _readable_as_umask_allows(path: str) -> None:
 
 def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "float32",
                  max_shard_bytes: int = 5 * 10**9, tokenizer_from: Optional[List[str]] = None,
-                 metadata: Optional[Dict[str, str]] = None, token_ids: Optional[Dict[str, Any]] = None) -> List[str]:
+                 metadata: Optional[Dict[str, str]] = None, token_ids: Optional[Dict[str, Any]] = None,
+                 overwrite: bool = False) -> List[str]:
     """Write the Hugging Face directory ``out`` for ``model`` (its config section) from ``entries``;
     returns the files written. ``tokenizer_from``: directories or files whose tokenizer files are copied;
-    ``token_ids``: bos/eos ids for the ones the model config does not set (the data's tokenizer)."""
-    from safetensors.torch import save_file  # optional: the hf extra
+    ``token_ids``: bos/eos ids for the ones the model config does not set (the data's tokenizer).
 
-    check_target(out)
+    The files are written into a new directory beside ``out`` (same parent), which then takes ``out``'s
+    place in one rename: a directory that holds files is refused unless ``overwrite``, and then replaced
+    whole, so no file of the model it held is left beside the new one (a reader such as transformers'
+    ``from_pretrained`` would take a stale ``model.safetensors`` over the new shards' index). A failure
+    removes the new directory and leaves ``out`` as it was."""
+    check_target(out, overwrite)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype}: choose one of {', '.join(DTYPES)}")
     config = hf_config(model, dtype)
@@ -200,7 +266,7 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
     experts = config.get("num_local_experts", 0)
     torch_dtype = DTYPES[dtype]
     # the plan: (entry, [(name, shape, take)]) in shards, from the shapes alone
-    shards: List[List[Tuple[Entry, str, Callable[[torch.Tensor], torch.Tensor]]]] = [[]]
+    shards: List[List[_Planned]] = [[]]
     used, total = 0, 0
     for entry in entries:
         for name, shape, take in hf_tensors(entry, n_heads, n_kv, head_dim, experts):
@@ -211,9 +277,24 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
             shards[-1].append((entry, name, take))
             used += nbytes
             total += nbytes
-    os.makedirs(out, exist_ok=True)
     files = [SINGLE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    stage = _staging_dir(out)  # written beside, then moved into place: a failure leaves out as it was
+    try:
+        written = _write_files(stage, files, shards, torch_dtype, total, config, metadata, tokenizer_from)
+        _replace_dir(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return written
+
+
+def _write_files(stage: str, files: List[str], shards: List[List[_Planned]], torch_dtype: torch.dtype, total: int,
+                 config: Dict[str, Any], metadata: Optional[Dict[str, str]],
+                 tokenizer_from: Optional[List[str]]) -> List[str]:
+    """Every file of the export, into the (new, empty) directory ``stage``."""
+    from safetensors.torch import save_file  # optional: the hf extra
+
     weight_map: Dict[str, str] = {}
     cached: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
     for file, shard in zip(files, shards):
@@ -227,22 +308,22 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
                 raise ConfigError(f"{entry.logical}: stored as {list(whole.shape)}, expected {list(entry.shape)}")
             tensors[name] = take(whole).to(torch_dtype, copy=True).contiguous()  # a copy: experts are views
             weight_map[name] = file
-        save_file(tensors, os.path.join(out, file), metadata={"format": "pt", **(metadata or {})})
-        _readable_as_umask_allows(os.path.join(out, file))
+        save_file(tensors, os.path.join(stage, file), metadata={"format": "pt", **(metadata or {})})
+        _readable_as_umask_allows(os.path.join(stage, file))
     written = list(files)
     if len(files) > 1:
-        with open(os.path.join(out, INDEX), "w") as f:
+        with open(os.path.join(stage, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         written.append(INDEX)
-    with open(os.path.join(out, "config.json"), "w") as f:
+    with open(os.path.join(stage, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
+    with open(os.path.join(stage, "generation_config.json"), "w") as f:
         json.dump(generation_config(config), f, indent=2)
     written += ["config.json", "generation_config.json"]
     for src in tokenizer_from or []:  # a later source's file replaces an earlier one's of the same name
         for path in ([os.path.join(src, n) for n in TOKENIZER_FILES] if os.path.isdir(src) else [src]):
             if os.path.isfile(path):
-                shutil.copy(path, os.path.join(out, os.path.basename(path)))
+                shutil.copy(path, os.path.join(stage, os.path.basename(path)))
                 if os.path.basename(path) not in written:
                     written.append(os.path.basename(path))
     return written

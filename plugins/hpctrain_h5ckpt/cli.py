@@ -4,8 +4,9 @@
     hpctrain-ckpt verify PATH                 every checksum and finite values; a directory: every
                                               checkpoint in it; exit 1 if any is bad
     hpctrain-ckpt export PATH --to DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer FILE|DIR]
-                                              a Hugging Face model directory (Llama or Mixtral) that
-                                              transformers' from_pretrained loads
+                  [--overwrite]               a Hugging Face model directory (Llama or Mixtral) that
+                                              transformers' from_pretrained loads; a DIR holding files
+                                              only with --overwrite, which replaces it whole, atomically
     hpctrain-ckpt import-hf DIR OUT.h5        a Hugging Face directory as one of our checkpoints (step 0)
 
 PATH is a checkpoint file or a checkpoint directory (inspect and export:
@@ -13,9 +14,12 @@ its newest committed checkpoint; verify: every one, and the orphaned
 temporary files and a stale ``latest`` are named). One
 process, the default HDF5 driver, read-only; nothing is ever unpickled.
 Exit status: 0 fine, 1 corrupt or unreadable, 2 bad usage (one ``hpctrain: error:`` line: a PATH that
-does not exist, an export target whose parent does not exist, an export ``--tokenizer`` that does not
-exist or has more tokens than the model's vocabulary, a Hugging Face directory that cannot be imported).
-A failed export removes the directory it made.
+does not exist, an export target whose parent does not exist or that holds files without ``--overwrite``,
+an export ``--tokenizer`` that does not exist or has more tokens than the model's vocabulary, a Hugging
+Face directory that cannot be imported). An export is written into a new directory beside ``--to`` and
+renamed into place at the end (with ``--overwrite``, swapped with the old directory in one step, which
+is then removed): a failed export leaves ``--to`` as it was, and no file of an older model stays beside
+the new one.
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 from typing import Any, List, Optional
@@ -145,15 +148,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from hpctrain_h5ckpt.export import export_hf  # heavy (torch, h5py): only for export
 
-    check_target(args.to)  # before the checkpoint is even looked for
+    check_target(args.to, args.overwrite)  # before the checkpoint is even looked for
     path = _resolve(args.path)
-    made = not os.path.exists(args.to)
-    try:
-        files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer)
-    except BaseException:
-        if made and os.path.isdir(args.to):  # a failed export leaves no directory it made (a partial model)
-            shutil.rmtree(args.to, ignore_errors=True)
-        raise
+    # written beside --to and renamed into place: a failure leaves no partial model and --to as it was
+    files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer, args.overwrite)
     print(f"wrote {args.to}: {', '.join(files)} (Hugging Face {args.dtype}; q/k rows in rotate_half order)")
     return 0
 
@@ -185,6 +183,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB, as transformers)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer file or directory to copy alongside (an imported model's come by themselves)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a --to directory that holds files (whole, atomically: nothing of it is kept)")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import-hf", help="a Hugging Face directory (Llama, Mistral, Mixtral) as our checkpoint")
     p.add_argument("hf_dir")

@@ -87,10 +87,12 @@ def _check_tokenizer(tokenizer: str, model_vocab: Any) -> None:
 
 
 def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
-              tokenizer: Optional[str] = None) -> List[str]:
-    """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written."""
+              tokenizer: Optional[str] = None, overwrite: bool = False) -> List[str]:
+    """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written. A
+    directory ``out`` that holds files is refused unless ``overwrite``, then replaced whole, atomically
+    (``write_hf_dir``)."""
 
-    check_target(out)
+    check_target(out, overwrite)
     try:
         f = h5py.File(path, "r")
     except (OSError, ValueError) as e:
@@ -109,4 +111,4 @@ def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int 
         sources += [p for p in data_files if os.path.isfile(p)] + ([tokenizer] if tokenizer else [])
         step = f["meta"].attrs.get("step")
         return write_hf_dir(out, model, entries, dtype, max_shard_bytes, sources,
-                            {"source": "hpctrain-h5ckpt", "step": str(step)}, token_ids)
+                            {"source": "hpctrain-h5ckpt", "step": str(step)}, token_ids, overwrite)

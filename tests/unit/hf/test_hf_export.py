@@ -110,3 +110,67 @@ def test_an_export_carries_the_data_tokenizer_and_its_ids(tmp_path, pm):
     with open(tmp_path / "tok" / "tokenizer.json") as a, open(tmp_path / "out" / "tokenizer.json") as b:
         assert a.read() == b.read()
     load_checked(tmp_path / "out")
+
+
+def _tree(path):
+    """Every file under ``path`` with its bytes."""
+    return {os.path.relpath(os.path.join(d, n), path): open(os.path.join(d, n), "rb").read()
+            for d, _, names in os.walk(path) for n in names}
+
+
+def test_an_export_into_a_directory_holding_a_model_is_refused_or_replaced_whole(tmp_path, capsys):
+    """``--to`` holds another model (one model.safetensors): refused in one line naming the directory and
+    --overwrite, the directory untouched; with --overwrite the sharded export replaces it whole (written
+    beside, swapped in), so transformers loads the new weights and the old model.safetensors, which
+    from_pretrained would otherwise prefer to the shards' index, is gone; nothing is left beside it."""
+    src = save(llama_config(), tmp_path / "src")
+    assert cli.main(["import-hf", src, str(tmp_path / "ck.h5")]) == 0
+    out = save(llama_config(), tmp_path / "out", seed=1)  # another model, where the export goes
+    (tmp_path / "out" / "notes.txt").write_text("the old model\n")
+    before = _tree(out)
+    assert "model.safetensors" in before
+    capsys.readouterr()
+    export = ["export", str(tmp_path / "ck.h5"), "--to", out, "--max-shard-size", "100KB"]
+    assert cli.main(export) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"hpctrain: error: export target {out} is not empty (it holds config.json, generation_config.json, "
+                   "model.safetensors and 1 more); pass --overwrite to replace the whole directory with the export, "
+                   "or choose another --to"], err
+    assert _tree(out) == before
+
+    assert cli.main(export + ["--overwrite"]) == 0
+    files = set(os.listdir(out))
+    assert "model.safetensors" not in files and "notes.txt" not in files, files
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.startswith("model-")]) > 1
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.")]  # no staging or old directory left
+    load_checked(out)
+    ids = batch()
+    torch.testing.assert_close(hf_logits(out, ids), hf_logits(src, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_an_export_into_an_empty_directory_needs_no_overwrite(tmp_path):
+    src = save(llama_config(), tmp_path / "src")
+    assert cli.main(["import-hf", src, str(tmp_path / "ck.h5")]) == 0
+    (tmp_path / "out").mkdir()
+    assert cli.main(["export", str(tmp_path / "ck.h5"), "--to", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.")]
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_the_replacement_leaves_only_the_new_directory(tmp_path, monkeypatch, swap):
+    """Both ways of putting the export in place (the atomic swap, and two renames where the file system
+    has no swap): the new files only, the mode of the directory it replaced, nothing left beside."""
+    from hpctrain.hf import export
+
+    if not swap:
+        monkeypatch.setattr(export, "_exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.safetensors").write_text("old")
+    out.chmod(0o750)
+    stage = export._staging_dir(str(out))
+    open(os.path.join(stage, "new.safetensors"), "w").write("new")
+    export._replace_dir(stage, str(out))
+    assert os.listdir(out) == ["new.safetensors"] and os.listdir(tmp_path) == ["out"]
+    assert out.stat().st_mode & 0o777 == 0o750
