@@ -13,8 +13,11 @@ touches, which is the box itself under tensor parallelism (whole heads per
 rank).
 
 ``check(expected)`` is validation's look at the directory before any
-collective: every shard the index names exists, every tensor the model
-needs is there with its shape (only the files' headers are read).
+collective: every shard the index names exists and is as long as its header
+says (a truncated download or copy: one line naming the file, whether the cut
+is in the header or in the data, which the library would only meet when the
+tensors are read), every tensor the model needs is there with its shape
+(only the files' headers are read).
 """
 from __future__ import annotations
 
@@ -109,12 +112,51 @@ def weight_map(hf_dir: str) -> Tuple[Dict[str, str], List[str]]:
         return mapping, []
     single = os.path.join(hf_dir, SINGLE)
     if os.path.isfile(single):
-        with safe_open(single) as f:
-            return {name: SINGLE for name in f.keys()}, []
+        damaged = file_problem(single)
+        if damaged:
+            return {}, [damaged]
+        try:
+            with safe_open(single) as f:
+                return {name: SINGLE for name in f.keys()}, []
+        except Exception as e:  # noqa: BLE001 - the library's own error type: one line, before any collective
+            return {}, [_unreadable(single, e)]
     if not os.path.isdir(hf_dir):
         return {}, [f"checkpoint.init_from={PREFIX}{hf_dir}: no such directory"]
     return {}, [f"{hf_dir} has neither {SINGLE} nor {INDEX}; hpctrain reads safetensors weights only "
                 "(convert a .bin/.pth model with transformers' save_pretrained first)"]
+
+
+def _unreadable(path: str, e: BaseException) -> str:
+    return f"{path} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__}); " \
+        "download or copy it again"
+
+
+def file_problem(path: str) -> Optional[str]:
+    """Why safetensors file ``path`` is damaged, from its header alone, or None: shorter than the 8-byte
+    header length, or than the header it announces, or than the end of its last tensor's data (a
+    truncated download or copy, the common case: the header is intact and the data is cut short)."""
+    fix = "download or copy it again"
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path} is truncated: {size} bytes, less than a safetensors header's 8-byte length; {fix}"
+            n = int.from_bytes(head, "little")
+            if 8 + n > size:
+                return f"{path} is truncated: {size:,} bytes, but its header alone announces {8 + n:,}; {fix}"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror}); {fix}"
+    except ValueError as e:
+        return f"{path} is not a safetensors file (its header is not JSON: {e}); {fix}"
+    if not isinstance(header, dict):
+        return f"{path} is not a safetensors file (its header is not a JSON object); {fix}"
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    need = 8 + n + max([int(e) for e in ends if isinstance(e, int)] or [0])
+    if size < need:
+        return f"{path} is truncated: {size:,} bytes, but its header places tensor data up to byte {need:,}; {fix}"
+    return None
 
 
 def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_kv_heads: int,
@@ -128,13 +170,15 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
     for name, file in mapping.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
+        damaged = file_problem(os.path.join(hf_dir, file))
+        if damaged:
+            return [damaged]
         try:
             with safe_open(os.path.join(hf_dir, file)) as f:
                 for name in names:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
         except Exception as e:  # noqa: BLE001 - any unreadable shard is this one line, before any collective
-            return [f"{os.path.join(hf_dir, file)} is not a readable safetensors file ({e}); "
-                    "download or copy it again"]
+            return [_unreadable(os.path.join(hf_dir, file), e)]
     missing, wrong = [], []
     for logical, shape in expected.items():
         found = hf_tensor(logical, n_heads, n_kv_heads, num_experts)

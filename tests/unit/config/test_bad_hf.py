@@ -72,7 +72,22 @@ def _rows():
         ("tensor_of_the_wrong_shape", _wrong_shape,
          ["a tensor of the wrong shape: model.layers.1.mlp.up_proj.weight is [95, 64], the model needs [96, 64]"]),
         ("tensor_missing", _missing_tensor, ["lacks model.layers.0.self_attn.v_proj.weight"]),
+        ("truncated_weights", lambda models, tmp_path: _cut(_copy(models, tmp_path), "model.safetensors", -100),
+         ["/model.safetensors is truncated: ", "bytes, but its header places tensor data up to byte ",
+          "download or copy it again"]),
+        ("truncated_in_the_header", lambda models, tmp_path: _cut(_copy(models, tmp_path), "model.safetensors", 4),
+         ["/model.safetensors is truncated: 4 bytes, less than a safetensors header's 8-byte length"]),
+        ("truncated_shard", lambda models, tmp_path: _cut(_copy(models, tmp_path, "sharded"),
+                                                          "model-00003-of-00005.safetensors", -1),
+         ["/model-00003-of-00005.safetensors is truncated: "]),
     ]
+
+
+def _cut(path, name, size):
+    """File ``name`` cut to ``size`` bytes (negative: that many bytes fewer), as an interrupted copy leaves it."""
+    file = os.path.join(path, name)
+    os.truncate(file, size if size >= 0 else os.path.getsize(file) + size)
+    return path
 
 
 def _unlink(path, name):
