@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Sequence
 
 QUIET = ["trainer.progress=off", "trainer.log_every=100"]
 
@@ -84,10 +84,6 @@ def metrics(run_dir) -> List[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def outcome(job: Job) -> Tuple[int, str]:
-    return job.code, job.out
 
 
 def module_dir(world, prefix: str) -> str:
