@@ -41,8 +41,14 @@ def build(run_dir: str) -> str:
 
         raise ConfigError(f"{run_dir} is not a directory; give a run directory (runs/<date>/<time>) or a sweep's")
     if not data.is_run(run_dir) and data.sweep_points(run_dir):
-        return page.sweep_page(run_dir, [data.load_run(p) for p in data.sweep_points(run_dir)])
+        points = [data.load_run(p) for p in data.sweep_points(run_dir)]
+        for point in points:
+            for note in point.notes:
+                write_error(note, "note")
+        return page.sweep_page(run_dir, points)
     run = data.load_run(run_dir)
+    for note in run.notes:  # said here too: also on the page's summary
+        write_error(note, "note")
     predicted, why_not = _prediction(run)
     return page.run_page(run, predicted, why_not)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hpctrain.errors import ConfigError
 
@@ -19,6 +19,8 @@ class Run:
     peaks: Dict[str, List[float]] = field(default_factory=dict)
     timeline_png: Optional[bytes] = None
     overrides: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    """What the page leaves out and why (an incomplete last line of metrics.jsonl), also said on stderr."""
 
     def series(self, key: str) -> List[tuple]:
         return [(r["step"], float(r[key])) for r in self.metrics if isinstance(r.get(key), (int, float))]
@@ -63,16 +65,44 @@ def is_run(path: str) -> bool:
     return os.path.exists(os.path.join(path, "metrics.jsonl"))
 
 
+def read_metrics(path: str) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The records of ``metrics.jsonl`` at ``path``, and notes on what was skipped.
+
+    A last line that is not a whole JSON object is a record still being
+    written (a running run) or cut off (a killed one): it is skipped, with a
+    note. Any other line that does not parse is damage: a ConfigError naming
+    the file and the line."""
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    records: List[Dict[str, Any]] = []
+    notes: List[str] = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if k == len(numbered) - 1:
+                notes.append(f"{path}: line {number} is incomplete ({len(line)} bytes"
+                             f"{'' if line.rstrip().endswith(b'}') else ', cut short'}): skipped; the run is "
+                             "still writing it, or was stopped while it did")
+                break
+            raise ConfigError(f"{path}: line {number} is not a JSON object ({e}); the file is damaged: remove or "
+                              "repair that line") from None
+        records.append(record)
+    return records, notes
+
+
 def load_run(run_dir: str) -> Run:
     path = os.path.join(run_dir, "metrics.jsonl")
     try:
-        with open(path) as f:
-            metrics = [json.loads(line) for line in f if line.strip()]
+        metrics, notes = read_metrics(path)
     except OSError as e:
         raise ConfigError(f"{run_dir} is not a run directory: no readable metrics.jsonl ({e.strerror}); give "
                           "the directory hpctrain-train wrote (logging.backends with jsonl), or a sweep's") from e
     png = os.path.join(run_dir, "pipeline_timeline.png")
-    return Run(path=run_dir, metrics=metrics, config=_config(run_dir),
+    return Run(path=run_dir, metrics=metrics, config=_config(run_dir), notes=notes,
                layout=_json(os.path.join(run_dir, "layout.json"), {}),
                peaks=_json(os.path.join(run_dir, "memory_per_rank.json"), {}),
                timeline_png=open(png, "rb").read() if os.path.exists(png) else None,

@@ -73,6 +73,7 @@ def summary(run: Run) -> str:
             ("model TFLOP/s per device", _num(_mean_after_first(run, "model_tflops_per_device"))),
             ("MFU", _num(100 * m, "%", 3) if (m := _mean_after_first(run, "mfu")) is not None else
              "- (set cluster.peak_tflops)")]
+    rows += [("note", note) for note in run.notes]  # e.g. an incomplete last line of metrics.jsonl, skipped
     return _section("summary", "Summary", _table(("", "value"), rows))
 
 

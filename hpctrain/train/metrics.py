@@ -2,8 +2,11 @@
 
 One JSON object per step (step, loss, grad_norm, lr, tokens_per_s (global),
 tokens_per_s_per_device, model_tflops_per_device, mfu, step_time_s,
-consumed_samples, data_wait_s, peak memory), flushed every ``log_every``
-steps and at the end. Only rank 0 writes; ``hpctrain.train.loggers`` sends
+consumed_samples, data_wait_s, peak memory), each written whole and
+flushed to the file at once (one ``write`` per step: a reader, such as
+``hpctrain-report`` on a running run, never waits for a buffer to fill, and a
+killed run loses at most the line being written, which the report skips).
+Only rank 0 writes; ``hpctrain.train.loggers`` sends
 the same numbers to the other backends. The progress bar (rich) draws on stderr when a
 terminal is attached, including an interactive ``mpirun``
 (``trainer.progress=auto``), or when forced (``on``); a
@@ -29,6 +32,7 @@ class MetricsWriter:
     def write(self, record: Dict[str, float]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self._file.flush()  # the whole line reaches the file now (a buffer would cut lines at 64 KiB)
 
     def flush(self) -> None:
         if self._file is not None:
