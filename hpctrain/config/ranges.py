@@ -114,7 +114,10 @@ RULES: Tuple[Rule, ...] = (
          "0 names stragglers only; N stops the run after N reports in a row naming the same ranks"),
     Rule("reliability.straggler_min_s", optional(at_least(0)),
          "null (max(10 ms, 5% of the step time)) or a finite number of seconds >= 0", "0: the factor alone"),
-    Rule("trainer.loss_scale.initial", above(0), "a finite number > 0", "the usual is 65536"),
+    Rule("trainer.loss_scale.initial", within(2.0**-14, 2.0**32),
+         "a number in [6.1e-05, 4.3e+09] (2^-14, fp16's smallest normal number, below which the scaled "
+         "gradients underflow, to 2^32; a larger one only costs skipped steps while it backs off)",
+         "the usual is 65536 (2^16)"),
     Rule("trainer.loss_scale.growth_interval", at_least(1), "an integer >= 1 (clean steps before the scale grows)",
          "the usual is 2000"),
     Rule("trainer.loss_scale.backoff", lambda x: _real(x) and 0 < x < 1, "a number in (0, 1)", "the usual is 0.5"),

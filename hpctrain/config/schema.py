@@ -266,7 +266,8 @@ class LossScaleConfig:
     with the overflow agreed by every rank in the gradient norm's all-reduce."""
 
     initial: float = 65536.0
-    """The scale of the first step (2^16, GradScaler's default)."""
+    """The scale of the first step (2^16, GradScaler's default); in [2^-14, 2^32]: below fp16's smallest normal
+    number the scaled gradients underflow."""
     growth_interval: int = 2000
     """After this many steps in a row without an overflow the scale grows by ``growth``."""
     backoff: float = 0.5

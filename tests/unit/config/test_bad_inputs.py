@@ -31,7 +31,12 @@ BAD = [
     ("trainer.loss_scale.growth=1", "trainer.loss_scale.growth=1.0: must be a finite number > 1"),
     ("trainer.loss_scale.growth_interval=-1", "trainer.loss_scale.growth_interval=-1: must be an integer >= 1"),
     ("trainer.loss_scale.backoff=1.5", "trainer.loss_scale.backoff=1.5: must be a number in (0, 1)"),
-    ("trainer.loss_scale.initial=0", "trainer.loss_scale.initial=0.0: must be a finite number > 0"),
+    ("trainer.loss_scale.initial=0", "trainer.loss_scale.initial=0.0: must be a number in [6.1e-05, 4.3e+09]"),
+    ("trainer.loss_scale.initial=1e-40", "trainer.loss_scale.initial=1e-40: must be a number in [6.1e-05, 4.3e+09] "
+     "(2^-14, fp16's smallest normal number"),
+    ("trainer.loss_scale.initial=1e-5", "trainer.loss_scale.initial=1e-05: must be a number in [6.1e-05, 4.3e+09]"),
+    ("trainer.loss_scale.initial=1e12", "trainer.loss_scale.initial=1000000000000.0: must be a number in "
+     "[6.1e-05, 4.3e+09]"),
     ("optim.outer.every=0", "optim.outer.every=0: must be an integer >= 1"),
     ("optim.outer.lr=-0.7", "optim.outer.lr=-0.7: must be a finite number > 0"),
     ("optim.outer.momentum=1", "optim.outer.momentum=1.0: must be a number in [0, 1)"),
