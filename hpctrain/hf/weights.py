@@ -160,8 +160,9 @@ def file_problem(path: str) -> Optional[str]:
 
 
 def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_kv_heads: int,
-          num_experts: int = 0, limit: int = 3) -> List[str]:
-    """Problems of loading ``hf_dir`` into a model whose logical tensors have the ``expected`` shapes."""
+          num_experts: int = 0, limit: int = 3, model_dir: Optional[str] = None) -> List[str]:
+    """Problems of loading ``hf_dir`` into a model whose logical tensors have the ``expected`` shapes;
+    ``model_dir``: the ``model.hf_dir`` the model's shape came from, if any (the fix named depends on it)."""
     mapping, problems = weight_map(hf_dir)
     if problems:
         return problems
@@ -193,8 +194,22 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
                 wrong.append(f"{name} is {list(shapes[name])}, the model needs {list(want)}")
 
     return weight_mismatches(f"checkpoint.init_from={PREFIX}{hf_dir}", missing, wrong,
-                             "is it the model of model.hf_dir (tied embeddings, layers, experts)?",
-                             f"set model=hf model.hf_dir={hf_dir} so the model takes the directory's shape", limit)
+                             *_mismatch_fixes(hf_dir, model_dir), limit)
+
+
+def _mismatch_fixes(hf_dir: str, model_dir: Optional[str]) -> Tuple[str, str]:
+    """(the fix for missing tensors, the fix for tensors of the wrong shape): setting ``model.hf_dir`` only
+    where it is not already the weights' directory."""
+    if not model_dir:
+        fix = f"set model=hf model.hf_dir={hf_dir} so the model takes the directory's shape"
+        return fix, fix
+    if os.path.realpath(str(model_dir)) != os.path.realpath(hf_dir):
+        fix = (f"the model's shape comes from model.hf_dir={model_dir}, another directory: set "
+               f"model.hf_dir={hf_dir} too, or init_from the weights of {model_dir}")
+        return fix, fix
+    damaged = (f"the shape came from {os.path.join(hf_dir, 'config.json')}, which does not describe these "
+               "weights: the directory is damaged or mixed from two models; download or copy it again")
+    return damaged, damaged
 
 
 def num_experts_of(cfg: Any) -> int:
@@ -231,4 +246,5 @@ def init_from_problems(cfg: Any, pm: Any) -> List[str]:
         spec = get_spec(p)
         expected[spec.logical_name] = tuple(spec.global_shape)
     s = ModelShape.from_config(cfg.model)
-    return check(src[len(PREFIX):], expected, s.n_heads, s.n_kv_heads, num_experts_of(cfg))
+    return check(src[len(PREFIX):], expected, s.n_heads, s.n_kv_heads, num_experts_of(cfg),
+                 model_dir=cfg.model.get("hf_dir"))

@@ -70,8 +70,11 @@ def _rows():
         ("no_weights", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "model.safetensors"),
          ["has neither model.safetensors nor model.safetensors.index.json"]),
         ("tensor_of_the_wrong_shape", _wrong_shape,
-         ["a tensor of the wrong shape: model.layers.1.mlp.up_proj.weight is [95, 64], the model needs [96, 64]"]),
-        ("tensor_missing", _missing_tensor, ["lacks model.layers.0.self_attn.v_proj.weight"]),
+         ["a tensor of the wrong shape: model.layers.1.mlp.up_proj.weight is [95, 64], the model needs [96, 64]",
+          "/config.json, which does not describe these weights: the directory is damaged or mixed from two models; "
+          "download or copy it again"]),
+        ("tensor_missing", _missing_tensor, ["lacks model.layers.0.self_attn.v_proj.weight",
+                                             "/config.json, which does not describe these weights"]),
         ("truncated_weights", lambda models, tmp_path: _cut(_copy(models, tmp_path), "model.safetensors", -100),
          ["/model.safetensors is truncated: ", "bytes, but its header places tensor data up to byte ",
           "download or copy it again"]),
@@ -147,6 +150,20 @@ def test_an_explicit_override_of_the_shape_is_refused_and_of_a_training_choice_k
     assert problems[1].startswith("model.moe.top_k=1 disagrees"), problems
     cfg = make_config("model=hf", f"model.hf_dir={path}", "trainer.seq_len=32", "model.moe.aux_loss_coef=0.5")
     assert validate(cfg, 1, pm) == [] and cfg.model.moe.aux_loss_coef == 0.5  # a training choice: the user's
+
+
+def test_weights_of_another_shape_name_the_fix_that_applies(make_config, pm, models):
+    """Setting model.hf_dir is suggested only where it is not already the weights' directory (the
+    rows above: it is, and the directory itself is at fault)."""
+    llama, mixtral = models["llama"], models["mixtral"]
+    [line] = validate(make_config(f"checkpoint.init_from=hf:{llama}", "trainer.seq_len=32"), 1, pm)  # model=tiny
+    assert line.startswith(f"checkpoint.init_from=hf:{llama}: a tensor of the wrong shape: ")
+    assert line.endswith(f"; set model=hf model.hf_dir={llama} so the model takes the directory's shape"), line
+    problems = validate(make_config("model=hf", f"model.hf_dir={llama}", f"checkpoint.init_from=hf:{mixtral}",
+                                    "trainer.seq_len=32"), 1, pm)
+    assert problems and all(p.endswith(f"; the model's shape comes from model.hf_dir={llama}, another directory: set "
+                                       f"model.hf_dir={mixtral} too, or init_from the weights of {llama}")
+                            for p in problems), problems
 
 
 def test_a_sliding_window_no_shorter_than_the_sequence_passes(make_config, pm, models, tmp_path):
