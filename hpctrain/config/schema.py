@@ -480,7 +480,9 @@ class LoggingConfig:
 
     backends: List[str] = field(default_factory=lambda: ["jsonl"])
     """Backends that get every step's metrics: jsonl (metrics.jsonl in the run directory, built in), tensorboard,
-    wandb, mlflow, or a logger plugin's name (hpctrain-train --plugins lists them)."""
+    wandb, mlflow, or a logger plugin's name (hpctrain-train --plugins lists them). metrics.jsonl is written
+    whatever the list holds (hpctrain-report, hpctrain-plan --compare and a sweep's summary read it), so
+    [wandb] means jsonl and W&B; naming jsonl is allowed and changes nothing."""
     dir: Optional[str] = None
     """Directory the backends write under (TensorBoard events, the W&B offline runs, the MLflow file store); None:
     the run directory, or in a Hydra sweep the sweep directory, so the points are runs side by side."""

@@ -1,13 +1,14 @@
 """Logger backends: where rank 0 sends each step's metrics (``logging.backends``).
 
 ``jsonl`` (``metrics.jsonl`` in the run directory, one JSON object per step)
-is built in, because the sweep summary and ``hpctrain-report`` read it; every
-other backend is a plugin answering ``hpctrain_make_logger`` (the built-in
-TensorBoard, W&B and MLflow loggers in ``plugins/hpctrain_loggers``; a
-third-party logger is a pip package registering the same hook). Only rank 0
-logs. Loggers are opened before the first step (``open_loggers``): a
-backend that cannot start is one ``hpctrain: error:`` line then, not a crash
-at step 500.
+is built in and always on, whatever ``logging.backends`` names, because the
+sweep summary, ``hpctrain-report`` and ``hpctrain-plan --compare`` read it
+(``logging.backends=[wandb]`` is W&B and metrics.jsonl); every other backend
+is a plugin answering ``hpctrain_make_logger`` (the built-in TensorBoard, W&B
+and MLflow loggers in ``plugins/hpctrain_loggers``; a third-party logger is
+a pip package registering the same hook). Only rank 0 logs. Loggers are
+opened before the first step (``open_loggers``): a backend that cannot start
+is one ``hpctrain: error:`` line then, not a crash at step 500.
 
 In a Hydra sweep every point is a run of its own in every backend, named by
 its number and overrides and grouped by the sweep (``logging.group``, filled
@@ -126,10 +127,11 @@ def open_loggers(cfg: Any, pm, run_dir: str) -> Loggers:
     """Rank 0's loggers, opened now; a backend that cannot start is a ConfigError
     naming it and why (the loggers opened before it are closed)."""
     opened: List[Any] = []
+    name = "jsonl"
     try:
+        opened.append(JsonlLogger(os.path.join(run_dir, "metrics.jsonl")))  # always: the run's own record
         for name in cfg.logging.backends:
             if name == "jsonl":
-                opened.append(JsonlLogger(os.path.join(run_dir, "metrics.jsonl")))
                 continue
             made = pm.hook.hpctrain_make_logger(name=name, cfg=cfg, run_dir=run_dir)
             if made is None:
