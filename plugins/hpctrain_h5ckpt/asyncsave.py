@@ -89,8 +89,9 @@ class BackgroundSaver:
                 if not getattr(e, "on_every_rank", False):
                     log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
                 elif self.rank == 0:  # the same agreed failure on every rank: said once
-                    log.warning("background checkpoint save (%s) failed; the run stops at its next save or at the "
-                                "end: %s", what, e)
+                    log.warning("%s. This save ran in the background: training goes on until the next save or the "
+                                "end, where the run stops with this error (exit status %s)", e,
+                                getattr(e, "exit_code", 1))
 
         self._thread = threading.Thread(target=run, name=f"hpctrain-ckpt-{what}", daemon=True)
         try:

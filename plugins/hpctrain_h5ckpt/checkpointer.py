@@ -274,8 +274,9 @@ class H5Checkpointer:
                     pass
                 # measured once the partial file is gone: did the file system run out of room?
                 short = space.shortage(os.path.dirname(final), needed)
+                fix = None if short else writer.fix_for(str(e))
                 message = (f"checkpoint step {stats.step} not saved: {short or e}; older checkpoints are "
-                           "untouched")
+                           "untouched" + (f"; {fix}" if fix else ""))
             message = self.comm.bcast(message, root=0)  # every rank raises only once the .tmp is gone
             raise CheckpointSaveFailed(message) from e
         error = None

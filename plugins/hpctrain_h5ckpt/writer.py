@@ -37,6 +37,7 @@ names that.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -75,8 +76,41 @@ def _write_meta(f: Any, attrs: Mapping[str, Any]) -> None:
         meta.attrs[key] = np.int64(value) if isinstance(value, (bool, int)) else value
 
 
+_MPI_FAILURE = re.compile(r"\s*\((MPI_\w+) failed: MPI error string is '(MPI_ERR_\w+): ([^']*)'\)")
+"""How HDF5 (through h5py) reports an MPI-IO call's failure: ``Unable to create file (MPI_File_open failed:
+MPI error string is 'MPI_ERR_NO_SUCH_FILE: no such file or directory')``."""
+
+FIXES: Tuple[Tuple[Tuple[str, ...], str], ...] = (
+    (("MPI_ERR_NO_SUCH_FILE", "No such file or directory"),
+     "checkpoint.dir must be on a file system every rank sees (a shared one, not a node-local path) and stay "
+     "there while the run saves"),
+    (("MPI_ERR_ACCESS", "Permission denied"),
+     "make checkpoint.dir writable by the user the job runs as, or choose another checkpoint.dir"),
+    (("MPI_ERR_READ_ONLY", "Read-only file system"), "choose a checkpoint.dir on a writable file system"),
+    (("MPI_ERR_NO_SPACE", "No space left on device", "MPI_ERR_QUOTA", "Disk quota exceeded"),
+     "free space (or quota) there, lower checkpoint.keep, or choose another checkpoint.dir"),
+    (("MPI_ERR_IO", "Input/output error"),
+     "the file system reported an I/O error: check its health (the site's status page, dmesg) before relaunching, "
+     "or choose another checkpoint.dir"),
+)
+"""What a failed write's text holds (MPI-IO's error class, or the errno text of a serial write) -> the fix."""
+
+
+def fix_for(text: str) -> Optional[str]:
+    """The fix for a write failure described by ``text``, or None when it is not one we know."""
+    folded = text.lower()
+    return next((fix for marks, fix in FIXES if any(m.lower() in folded for m in marks)), None)
+
+
 def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
+    """One rank's failure in words: an MPI-IO failure as what failed, the reason and where MPI said it
+    (``Unable to create file: no such file or directory (MPI_File_open: MPI_ERR_NO_SUCH_FILE)``), not
+    HDF5's nesting of MPI's error string."""
+    text = str(e)
+    m = _MPI_FAILURE.search(text)
+    if m:
+        return f"{text[:m.start()]}: {m.group(3)} ({m.group(1)}: {m.group(2)}){text[m.end():]}"
+    return f"{type(e).__name__}: {text}"
 
 
 def _write_owned(f: Any, plan: Plan, owned: Owned, opts: IOOptions, collective: bool,
