@@ -48,9 +48,32 @@ def rank_file(root: str, step: int, rank: int) -> str:
 def write_atomic(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def remove_partial(root: str, step: int) -> None:
+    """What a failed save of ``step`` left: its temporary files (a step without every rank's manifest is
+    never used, ``held``)."""
+    d = step_dir(root, step)
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        if name.endswith(".tmp"):
+            try:
+                os.remove(os.path.join(d, name))
+            except OSError:
+                pass
 
 
 def write_manifest(root: str, step: int, holder: int, ranks: List[int], sig: str,

@@ -26,9 +26,20 @@ holds (``store.held``); one allgather shares it; every rank computes the
 same answer: the newest step for which every rank's file, written by this
 layout and experiment (``state.signature``), is on some live rank's node.
 Then each rank whose own copy is gone receives it from a holder (the lowest
-rank holding it), and every rank restores its own state. Files another layout
-wrote are not used (the caller falls back to the persistent checkpoint and
-the log says so).
+rank holding it), every rank checks what it got (magic, checksum) and the
+ranks agree on it before any state changes: when every copy is sound, every
+rank restores its own state; when one is damaged (a flipped bit, a
+truncated file), nothing is restored and ``load`` raises ``DamagedCopies``
+on every rank, naming them, and ``without(damaged)`` decides again without
+those copies (a partner's copy of the same step, else an older step, else
+nothing: the caller's persistent checkpoint). Files another layout wrote
+are not used (the caller falls back to the persistent checkpoint and the
+log says so).
+
+A save that fails (a full or broken node-local disk) removes its temporary
+files and is kept as this rank's failure; ``agree_failures`` (collective)
+reports every rank's at a step boundary, so the ranks decide together what
+the run does next (``hpctrain.train.checkpointing``).
 """
 from __future__ import annotations
 
@@ -94,6 +105,27 @@ def partners(rank_nodes: Tuple[int, ...], rank: int, replicas: int) -> List[int]
     return out
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """One rank's file of one step, as read from one node, that failed its check."""
+
+    step: int
+    rank: int
+    """The rank whose state the file holds (the writing layout's rank)."""
+    node: int
+    """The node whose directory it was read from."""
+    why: str
+
+
+class DamagedCopies(LocalStateError):
+    """Copies ``load`` found damaged, the same on every rank; nothing was restored."""
+
+    def __init__(self, damaged: List[Damaged]):
+        self.damaged = damaged
+        super().__init__("; ".join(f"rank {d.rank}'s state of step {d.step} on node {d.node}: {d.why}"
+                                   for d in damaged))
+
+
 @dataclass
 class Found:
     """What ``agree`` settled, the same on every rank."""
@@ -125,6 +157,8 @@ class LocalTier:
         self.local_leader = runtime.local_rank == 0
         self.comm = runtime.mpi_comm.Dup() if self.size > 1 else None
         self.threads = self.comm is not None and _threads_ok()
+        self.rank_nodes = nodes
+        """Each rank's node."""
         self.targets = partners(nodes, self.rank, self.replicas) if self.replicas else []
         self.sources = [r for r in range(self.size) if r != self.rank and self.rank in
                         (partners(nodes, r, self.replicas) if self.replicas else [])]
@@ -137,6 +171,10 @@ class LocalTier:
         self.stats: List[Dict[str, float]] = []
         """Per save: blocking_s (in the step), write_s (file), replicate_s (sends and receives), bytes."""
         self._sig: Optional[str] = None
+        self._listed: Optional[Tuple[List[Dict[int, Dict[str, List[int]]]], str, Optional[Replica]]] = None
+        """What ``agree`` decided from (every rank's listing, the signature, the reshard), for ``without``."""
+        self._failed: Optional[str] = None
+        """This rank's failed save, not yet reported (``agree_failures``)."""
         os.makedirs(self.root, exist_ok=True)
 
     # -- saving --------------------------------------------------------------------
@@ -162,7 +200,10 @@ class LocalTier:
             self._thread.start()
         else:
             capture_tensors(train_state, saved)
-            self._write(saved, step, record)
+            try:
+                self._write(saved, step, record)
+            except OSError as e:
+                self._failed = self._failure(step, e)
         record["blocking_s"] = time.perf_counter() - t0
         return record["blocking_s"]
 
@@ -196,18 +237,44 @@ class LocalTier:
             finally:
                 self._staged.set()
             self._write(saved, step, record)
+        except OSError as e:  # the disk: reported by agree_failures, the run decides
+            self._failed = self._failure(step, e)
         except BaseException as e:  # noqa: BLE001 - raised in the training thread by wait()
             log.error("rank %d: local checkpoint of step %d failed: %s", self.rank, step, e)
             self._error = e
 
+    def _failure(self, step: int, e: OSError) -> str:
+        """Remove what the failed save of ``step`` left on this node (its temporary files; the step's
+        files are unusable without every rank's manifest) and describe the failure."""
+        store.remove_partial(self.root, step)
+        return f"{type(e).__name__}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+
+    def agree_failures(self) -> Dict[int, str]:
+        """Every rank's save failure since the last call, by rank (collective; empty when none failed). Waits
+        for the save in flight first."""
+        self.wait()
+        mine, self._failed = self._failed, None
+        everyone = self.comm.allgather(mine) if self.comm is not None else [mine]
+        return {r: why for r, why in enumerate(everyone) if why}
+
     def _write(self, saved: Any, step: int, record: Dict[str, float]) -> None:
         t0 = time.perf_counter()
         data = encode(saved)
-        store.write_atomic(store.rank_file(self.root, step, self.rank), data)
+        failed: Optional[OSError] = None
+        try:
+            store.write_atomic(store.rank_file(self.root, step, self.rank), data)
+        except OSError as e:  # the exchange still runs: the partners wait for this rank's copy
+            failed = e
         t1 = time.perf_counter()
         got = self._exchange(data, step)
         for src, blob in got.items():
-            store.write_atomic(store.rank_file(self.root, step, src), blob)
+            if failed is None:
+                try:
+                    store.write_atomic(store.rank_file(self.root, step, src), blob)
+                except OSError as e:
+                    failed = e
+        if failed is not None:
+            raise failed  # no manifest: this node's files of the step are never used
         store.write_manifest(self.root, step, self.rank, [self.rank, *got], str(saved.meta["signature"]),
                              {"family": saved.meta["family"], "layout": saved.meta["layout"]})
         store.prune(self.root, KEEP)
@@ -268,23 +335,52 @@ class LocalTier:
         for _, a in everyone:
             merged.update(a)
         replica = Replica(family(train_state), layout(train_state.mesh), merged) if elastic else None
-        return decide([h for h, _ in everyone], sig, self.size, replica)
+        self._listed = ([h for h, _ in everyone], sig, replica)
+        return decide(self._listed[0], sig, self.size, replica)
+
+    def without(self, damaged: List[Damaged]) -> Found:
+        """``agree``'s answer again, with the ``damaged`` copies left out (pure: the same on every rank)."""
+        assert self._listed is not None, "agree first"
+        listings, sig, replica = self._listed
+        for d in damaged:
+            for holder, held in enumerate(listings):
+                if self.rank_nodes[holder] != d.node:
+                    continue
+                for ranks in held.get(d.step, {}).values():
+                    if d.rank in ranks:
+                        ranks.remove(d.rank)
+        return decide(listings, sig, self.size, replica)
+
+    def copy_node(self, found: Found, rank: int) -> int:
+        """The node whose copy of ``rank``'s state ``load`` reads for ``found``."""
+        return self.rank_nodes[found.holders.get(rank, rank)]
 
     def load(self, train_state: "TrainState", found: Found) -> int:
-        """Fetch what this rank lacks from its holder and restore all but the step, which is returned
-        (collective)."""
+        """Fetch what this rank lacks from its holder, check it, agree, then restore all but the step, which
+        is returned (collective). ``DamagedCopies`` on every rank, with nothing restored, when a copy is
+        damaged."""
         assert found.step is not None
         step = found.step
-        mine = store.rank_file(self.root, step, found.sources.get(self.rank, self.rank))
+        source = found.sources.get(self.rank, self.rank)
         data: Optional[bytes] = None
         if self.rank not in found.holders:
-            with open(mine, "rb") as f:
-                data = f.read()
+            data = _read(store.rank_file(self.root, step, source))
         if self.comm is not None:
             data = self._fetch(found, step, data)
         assert data is not None
+        saved, why = None, None
         try:
-            return restore(train_state, decode(data), replica=found.resharded_from is not None)
+            saved = decode(data)
+        except LocalStateError as e:
+            why = str(e)
+        everyone = self.comm.allgather(why) if self.comm is not None else [why]
+        damaged = [Damaged(step, found.sources.get(r, r), self.copy_node(found, r), w)
+                   for r, w in enumerate(everyone) if w]
+        if damaged:
+            raise DamagedCopies(damaged)
+        assert saved is not None
+        try:
+            return restore(train_state, saved, replica=found.resharded_from is not None)
         except LocalStateError as e:
             raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
 
@@ -296,8 +392,8 @@ class LocalTier:
         reqs, keep = [], []
         for r, holder in sorted(found.holders.items()):
             if holder == self.rank:
-                with open(store.rank_file(self.root, step, found.sources.get(r, r)), "rb") as f:
-                    buf = np.frombuffer(f.read(), dtype=np.uint8)
+                # an unreadable file goes as nothing: the receiver finds it damaged, and the ranks agree
+                buf = np.frombuffer(_read(store.rank_file(self.root, step, found.sources.get(r, r))), dtype=np.uint8)
                 size = np.array([buf.size], dtype=np.int64)
                 keep += [buf, size]
                 reqs.append(comm.Isend([size, MPI.INT64_T], dest=r, tag=TAG + 2))
@@ -367,6 +463,16 @@ def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int,
             sources, holders = dealt
             return Found(step, holders, other, len(holders), sources, info["layout"], refused)
     return Found(None, {}, other, refused=refused)
+
+
+def _read(path: str) -> bytes:
+    """A local-tier file's bytes; none when it cannot be read (it is then found damaged, not raised on one
+    rank alone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _threads_ok() -> bool:

@@ -25,8 +25,19 @@ The resume rule (``checkpoint.resume``), the same on every rank:
    replaces it when newer (``choose_local``, pure logic); a step another
    layout or experiment wrote is not used, unless ``trainer.elastic`` and
    only dp changed;
-3. local steps after the one resumed from are forgotten (all of them on a
+3. a damaged local copy (a flipped bit, a truncated file: every rank checks
+   what it got and the ranks agree before anything is restored) is left
+   out and the rule decides again: a partner node's copy of the same step,
+   else an older local step, else the persistent checkpoint; one line says
+   which;
+4. local steps after the one resumed from are forgotten (all of them on a
    fresh start), so a later failure never mixes two histories.
+
+The local tier is a cache: a local save that fails (a full or broken
+node-local disk) leaves no temporary files and is reported once, on every
+rank, before the next local save and at the end of the run; training goes
+on when the persistent tier saves periodically (``checkpoint.every``), and
+stops with exit status 6 (``LocalSaveFailed``) when it does not.
 
 A resumed checkpoint saved by another optimizer is refused before training
 (``refuse_another_optimizer``), not by ``hpctrain-eval``, which takes no
@@ -39,12 +50,20 @@ from typing import Any, Dict, List, Optional
 
 from hpctrain.bootstrap import get_runtime
 from hpctrain.checkpoint import Checkpointer, Restored
-from hpctrain.errors import ConfigError, PluginError
+from hpctrain.errors import ConfigError, HpctrainError, PluginError
 from hpctrain.localckpt import LocalTier
-from hpctrain.localckpt.tier import Found
+from hpctrain.localckpt.tier import DamagedCopies, Found
 from hpctrain.log import log_rank0
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.state import TrainState
+
+
+class LocalSaveFailed(HpctrainError):
+    """A local save failed on some rank and no persistent checkpoint is configured to fall back on: every
+    rank stops (exit status 6, as a failed persistent save)."""
+
+    exit_code = 6
+    on_every_rank = True
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,19 @@ def choose_local(found: Found, step_now: int, where: str) -> LocalChoice:
                      f"checkpoint's step {step_now}; using the persistent checkpoint")
         return LocalChoice(False, notes)
     return LocalChoice(True, notes)
+
+
+def damaged_line(where: str, damaged: DamagedCopies, found: Found, use: bool, step_now: int) -> str:
+    """One line: which local copies were found damaged, and what the resume uses instead."""
+    if use and found.step == min(d.step for d in damaged.damaged):
+        instead = "using the partner node's copy"
+    elif use:
+        instead = f"using the local tier's step {found.step}"
+    elif step_now:
+        instead = f"using the persistent checkpoint (step {step_now})"
+    else:
+        instead = "no other copy or step to use: starting from step 0"
+    return f"local tier ({where}): damaged copy: {damaged}; {instead}"
 
 
 class Checkpointing:
@@ -147,8 +179,15 @@ class Checkpointing:
             choice = choose_local(found, state.step, tier.base)
             for line in choice.notes:
                 log_rank0("%s", line)
+            while choice.use:
+                try:
+                    state.step = tier.load(state, found)
+                    break
+                except DamagedCopies as e:  # nothing restored: decide again without them
+                    found = tier.without(e.damaged)
+                    choice = choose_local(found, state.step, tier.base)
+                    log_rank0("%s", damaged_line(tier.base, e, found, choice.use, state.step))
             if choice.use:
-                state.step = tier.load(state, found)
                 self.resumed = Resumed("local", None, None)
                 log_rank0("resumed from the local tier (%s) at step %d (%d samples consumed); %d rank(s)' state "
                           "fetched from partner nodes", tier.base, state.step, state.cursor.consumed_samples,
@@ -182,6 +221,7 @@ class Checkpointing:
         ``checkpoint`` (the path) when the persistent tier did."""
         out: Dict[str, Any] = {}
         if self.local is not None and self.local.due(step):
+            self._local_failures()  # the previous local save's, agreed before the next one starts
             out["local_ckpt_blocking_s"] = self.local.save(self.state)
         every = int(self.state.cfg.checkpoint.every)
         if self.persistent is not None and every and step % every == 0:
@@ -216,9 +256,31 @@ class Checkpointing:
         return self.local.before_update() if self.local is not None else 0.0
 
     def finish_local(self) -> None:
-        """The run's last step is done: the local tier's last save completes before the run ends."""
+        """The run's last step is done: the local tier's last save completes (and its failure is reported)
+        before the run ends."""
         if self.local is not None:
+            self._local_failures()
             self.local.close()
+
+    def _local_failures(self) -> None:
+        """Report the local tier's failed save, agreed over the ranks (collective); stop with
+        ``LocalSaveFailed`` when no persistent checkpoint is configured to fall back on."""
+        assert self.local is not None
+        failed = self.local.agree_failures()
+        if not failed:
+            return
+        nodes = self.local.rank_nodes
+        ranks = ", ".join(f"{r} (node {nodes[r]})" for r in sorted(failed))
+        first = failed[min(failed)]
+        what = f"a local checkpoint save failed on rank(s) {ranks}: {first}"
+        every = int(self.state.cfg.checkpoint.every)
+        if every:
+            log_rank0("%s; the local tier is a cache: its temporary files are removed and training goes on with "
+                      "the persistent checkpoints (checkpoint.every=%d); give checkpoint.local.dir a disk with room",
+                      what, every)
+            return
+        raise LocalSaveFailed(f"{what}; no persistent checkpoint is configured to fall back on (checkpoint.every=0): "
+                              "stopping; give checkpoint.local.dir a disk with room, or set checkpoint.every")
 
     def close(self) -> None:
         """The run is over: wait for a background save and let go of the checkpoint directory (collective)."""
