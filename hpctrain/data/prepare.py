@@ -39,7 +39,9 @@ vocabulary, BOS and EOS) and splits the files over the ranks, balanced by
 size (largest first to the least-loaded rank; a file is never split, so
 give at least as many files as ranks), then broadcasts the plan: other
 ranks never list or stat the inputs. Each rank reads its files in order
-and encodes batches of documents in its own process or, with ``--workers
+and encodes batches of documents (a document longer than 262,144
+characters in pieces cut where the tokenizer agrees nothing changes:
+``hpctrain.data.tokenize``, "Long documents") in its own process or, with ``--workers
 W``, in W worker processes (spawned, not forked: the rank has MPI
 initialised), each on one core; the rank writes its shard as the batches
 come back, in input order, so the output does not depend on W. Rank 0

@@ -38,6 +38,29 @@ token string, or an id; ``--bos none`` drops BOS):
   ``bos_id()`` and ``eos_id()`` of the model (-1 means it has none; no EOS
   is an error that asks for ``--eos``).
 
+**Long documents** (more than ``LONG_DOCUMENT`` = 262,144 characters, e.g.
+a whole book or a web dump read as one text) are encoded in pieces of at
+most that many characters, one piece at a time, each piece's ids turned
+into a numpy array at once: the ``tokenizers`` library holds about 130 bytes
+per character while it encodes (offsets, alignments, token strings) and
+Python about 36 bytes per id in a list, so a 50 MB document peaked at 7 GB;
+in pieces at 0.23 GB, the input and its ids (measured: ``docs/data.md``,
+"Long documents"). A piece ends right before a space that
+follows a non-space character (``"word| next"``), the nearest such place
+below the limit, and only where the tokenizer itself agrees that the cut
+changes nothing: the 256 characters on each side of the cut, encoded
+together and apart, give the same ids. The ids are then those of the whole
+document for tokenizers whose pre-tokenizer splits there anyway (GPT-2's and
+Llama 3's byte-level BPE, Metaspace, SentencePiece with its default
+whitespace handling; ``tests/unit/data/test_long_documents.py`` compares
+them on a BPE built in the test). A tokenizer that joins text across spaces
+(a ``tokenizer.json`` with no pre-tokenizer whose normalizer prepends ``▁``,
+as converted SentencePiece models such as Llama 2's are) fails a probe made
+once (cuts in a fixed text, encoded together and apart): its long documents
+are encoded whole, as before, exact, with one warning naming the size. A
+long stretch with no acceptable cut (no space, e.g. a base64 blob) stays in
+one piece.
+
 **Token dtype**: Megatron's rule (``indexed.token_dtype``): uint16 below
 65,500 ids, else int32.
 
@@ -52,6 +75,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass
 from itertools import chain, repeat
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
@@ -275,6 +299,77 @@ def resolve_tokenizer(arg: str, bos: Optional[str] = None, eos: Optional[str] = 
 
 Document = Union[str, bytes]
 
+LONG_DOCUMENT = 1 << 18
+"""Characters above which a document is encoded in pieces (see "Long documents" above)."""
+_WINDOW = 256
+"""Characters on each side of a cut that the tokenizer encodes together and apart to accept it."""
+_TRIES = 16
+"""Candidate cuts tried below the limit (then above it) before a piece is left longer."""
+_PROBE = ("Hello world, this is a probe. Numbers 12345 67 and  two spaces;\nnew line\n\n  indented text "
+          "(brackets) \"quotes\" it's we'll don't x-y café naïve 東京 😀 end. " * 3)
+"""Text whose every cut of the kind above must change nothing for a tokenizer to be encoded in pieces."""
+
+
+def _cut_ok(text: str, at: int, ids_of: Callable[[str], List[int]]) -> bool:
+    """Whether cutting ``text`` at ``at`` changes no id near the cut, by the tokenizer's own encoding."""
+    left, right = text[max(0, at - _WINDOW):at], text[at:at + _WINDOW]
+    return list(ids_of(left + right)) == list(ids_of(left)) + list(ids_of(right))
+
+
+def _candidates(text: str, lo: int, hi: int) -> Iterable[int]:
+    """Places in ``(lo, hi]`` right before a space that follows a non-space, nearest ``hi`` first."""
+    at = hi + 1
+    while True:
+        at = text.rfind(" ", lo + 1, at)
+        if at <= lo:
+            return
+        if not text[at - 1].isspace():
+            yield at
+
+
+def _forward_candidates(text: str, start: int) -> Iterable[int]:
+    at = start
+    while True:
+        at = text.find(" ", at + 1)
+        if at < 0:
+            return
+        if not text[at - 1].isspace():
+            yield at
+
+
+def split_long(text: str, ids_of: Callable[[str], List[int]], limit: int = LONG_DOCUMENT) -> List[Tuple[int, int]]:
+    """``(start, end)`` of the pieces a long document is encoded in (one piece when it is not long): each
+    at most ``limit`` characters where an acceptable cut exists in its second half, else up to the first
+    acceptable cut after the limit (a piece with none stays whole)."""
+    pieces: List[Tuple[int, int]] = []
+    start, n = 0, len(text)
+    while n - start > limit:
+        cut = None
+        for tries, at in enumerate(_candidates(text, start + limit // 2, start + limit)):
+            if tries >= _TRIES:
+                break
+            if _cut_ok(text, at, ids_of):
+                cut = at
+                break
+        if cut is None:
+            for tries, at in enumerate(_forward_candidates(text, start + limit)):
+                if tries >= _TRIES:
+                    break
+                if _cut_ok(text, at, ids_of):
+                    cut = at
+                    break
+        if cut is None:
+            break
+        pieces.append((start, cut))
+        start = cut
+    pieces.append((start, n))
+    return pieces
+
+
+def splits_safely(ids_of: Callable[[str], List[int]]) -> bool:
+    """Whether every cut of ``split_long``'s kind in ``_PROBE`` changes nothing for this tokenizer."""
+    return all(_cut_ok(_PROBE, at, ids_of) for at in _candidates(_PROBE, 0, len(_PROBE) - 1))
+
 
 class Encoder:
     """Encodes batches of documents with the tokenizer of ``spec`` on one core."""
@@ -296,6 +391,26 @@ class Encoder:
             self._batch = lambda docs: sp.encode(list(docs), out_type=int, num_threads=1)
         else:
             self._batch = None
+        self._splittable: Optional[bool] = None  # probed at the first long document
+        self.warned = False
+
+    def _one(self, text: str) -> List[int]:
+        assert self._batch is not None  # a tokenizer's encoder
+        return list(self._batch([text])[0])
+
+    def _long(self, text: str) -> np.ndarray:
+        """The ids of one long document, encoded in pieces (module docstring, "Long documents")."""
+        if self._splittable is None:
+            self._splittable = splits_safely(self._one)
+        if not self._splittable:
+            if not self.warned:
+                self.warned = True
+                sys.stderr.write(f"hpctrain: warning: a document of {len(text):,} characters is encoded whole (peak "
+                                 f"memory about {130 * len(text) / 2**30:.1f} GiB more): this tokenizer joins text "
+                                 "across spaces, so cutting it into pieces would change its ids\n")
+            return np.asarray(self._one(text), dtype=self.dtype)
+        return np.concatenate([np.asarray(self._one(text[a:b]), dtype=self.dtype)
+                               for a, b in split_long(text, self._one, LONG_DOCUMENT)])
 
     def encode(self, docs: Sequence[Document], open_ended: Optional[Sequence[bool]] = None
                ) -> Tuple[np.ndarray, np.ndarray]:
@@ -307,6 +422,8 @@ class Encoder:
         if self._batch is None:
             return self._encode_bytes(docs, open_ended)
         texts = [d.decode("utf-8") if isinstance(d, bytes) else d for d in docs]
+        if any(len(t) > LONG_DOCUMENT for t in texts):
+            return self._with_long(texts)
         ids = self._batch(texts)
         bos, eos = self.spec.bos_id, self.spec.eos_id
         for one in ids:
@@ -318,6 +435,20 @@ class Encoder:
             pieces = chain.from_iterable(zip(repeat((bos,)), ids))  # (bos,), ids0, (bos,), ids1, ...
         flat = np.fromiter(chain.from_iterable(pieces), dtype=self.dtype, count=int(lengths.sum()))
         return flat, lengths
+
+    def _with_long(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """``encode`` for a batch holding a long document: every document as an array of its own."""
+        assert self._batch is not None  # a tokenizer's encoder
+        short = iter(self._batch([t for t in texts if len(t) <= LONG_DOCUMENT]))
+        bos = np.array([] if self.spec.bos_id is None else [self.spec.bos_id], dtype=self.dtype)
+        eos = np.array([self.spec.eos_id], dtype=self.dtype)
+        parts: List[np.ndarray] = []
+        lengths = np.zeros(len(texts), dtype=np.int64)
+        for i, text in enumerate(texts):
+            ids = self._long(text) if len(text) > LONG_DOCUMENT else np.asarray(next(short), dtype=self.dtype)
+            parts += [bos, ids, eos]
+            lengths[i] = len(bos) + len(ids) + 1
+        return np.concatenate(parts), lengths
 
     def _encode_bytes(self, docs: Sequence[Document], open_ended: Optional[Sequence[bool]]
                       ) -> Tuple[np.ndarray, np.ndarray]:
