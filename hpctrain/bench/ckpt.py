@@ -119,8 +119,9 @@ def _stand_in(cfg: Any, shapes: List[Tuple[str, Tuple[int, int]]], rank: int, si
 
 
 def _dcp_state(run_state: TrainState, size: int) -> Dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh  # heavy: only when the benchmark runs (DCP peer), not when hpctrain-bench lists it
-    from torch.distributed.tensor import DTensor, Shard  # heavy: the DCP peer's, only when the benchmark runs
+    # heavy (the DCP peer): only when the benchmark runs, not when hpctrain-bench lists it
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard  # heavy: the DCP peer's, as above
 
 
     dm = init_device_mesh("cpu", (size,))

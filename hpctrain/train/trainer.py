@@ -447,7 +447,7 @@ class Trainer:
                       self.history[0]["loss"], self.history[-1]["loss"], where)
         return self.history
 
-    def _raise_stop(self, reason: Optional[str], saved: Optional[str], leave: List[int], stops: StopRequests,
+    def _raise_stop(self, reason: int, saved: Optional[str], leave: List[int], stops: StopRequests,
                     unsaved: Optional[str]) -> None:
         """The run stopped early: a straggler stop (its nodes recorded) or a signal's or the clock's."""
         cfg, is_main = self.cfg, self.mesh.world_rank == 0

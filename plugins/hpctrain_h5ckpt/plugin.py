@@ -77,7 +77,8 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
                                run_dir: Optional[str]) -> Optional[Checkpointer]:
     if name != FORMAT:
         return None
-    from hpctrain_h5ckpt.checkpointer import H5Checkpointer  # h5py: when a checkpointer is made, not when the plugin loads
+    # h5py: when a checkpointer is made, not when the plugin loads
+    from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 
     ck = cfg.checkpoint
     comm = get_runtime().mpi_comm.Dup()  # collective; keeps checkpoint traffic off the world communicator

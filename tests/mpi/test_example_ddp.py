@@ -65,5 +65,6 @@ def test_the_example_ddp_plugin_trains_like_one_process(world, ddp_pm, layout):
     want = shared_reference(BASE, STEPS)
     trainer = world_trainer(ddp_pm, *BASE, *layout, "parallel.impl.dp=torch-ddp")
     assert trainer.mesh.sizes["dp"] == 2
-    assert type(trainer.data_handle).__name__ == "TorchDDP" and trainer.data_handle.wrappers  # the example's handle, DDP inside
+    handle = trainer.data_handle
+    assert type(handle).__name__ == "TorchDDP" and handle.wrappers  # the example's handle, DDP inside
     assert_parity(record(trainer, STEPS), want, 1e-6, 1e-5, 1e-6)

@@ -89,7 +89,8 @@ def test_optimizer_trains_like_one_process(world, pm, name, layout):
     if "zero" in layout:  # the ZeRO memory log counts this optimizer's state to the byte
         from hpctrain_zero.memory import measured
 
-        assert measured(trainer.data_handle, trainer.model, trainer.optimizer).optimizer == trainer.data_handle.memory.optimizer
+        handle = trainer.data_handle
+        assert measured(handle, trainer.model, trainer.optimizer).optimizer == handle.memory.optimizer
 
 
 NORM_LAYOUTS = {**LAYOUTS, "tp4-kv-replicated": ("parallel.tp=4",)}
