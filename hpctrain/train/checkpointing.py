@@ -9,7 +9,10 @@ A run has up to two checkpoint tiers:
   of the newest state for restarts inside the allocation.
 
 The coordinator owns both and the trainer keeps only the loop: ``resume()``
-once before step 1, ``maybe_save(step)`` at every step boundary,
+once before step 1, ``maybe_save_local(step)`` at every step boundary before
+the step's metrics are logged (its blocking time is one of them),
+``maybe_save(step)`` after them (a failed persistent save stops the run
+with the step's line already written),
 ``before_update()`` right before every optimizer step (an async save may
 still be copying state to host memory), ``save()`` on demand (a stop), and
 ``close()`` at the end of the run. Each tier reads and restores the run's
@@ -215,18 +218,21 @@ class Checkpointing:
                           f"checkpoint.dir with checkpoint.init_from={path} (step 0, a fresh optimizer state)")
 
     # -- saving ----------------------------------------------------------------------
-    def maybe_save(self, step: int) -> Dict[str, Any]:
-        """At the boundary after optimizer step ``step``: the local tier's save when due, then the
-        persistent one's (collective). Returns ``local_ckpt_blocking_s`` when the local tier saved and
-        ``checkpoint`` (the path) when the persistent tier did."""
-        out: Dict[str, Any] = {}
-        if self.local is not None and self.local.due(step):
-            self._local_failures()  # the previous local save's, agreed before the next one starts
-            out["local_ckpt_blocking_s"] = self.local.save(self.state)
+    def maybe_save_local(self, step: int) -> Dict[str, float]:
+        """At the boundary after optimizer step ``step``: the local tier's save when due (collective).
+        Returns ``{"local_ckpt_blocking_s": seconds}`` when it saved, for the step's metrics."""
+        if self.local is None or not self.local.due(step):
+            return {}
+        self._local_failures()  # the previous local save's, agreed before the next one starts
+        return {"local_ckpt_blocking_s": self.local.save(self.state)}
+
+    def maybe_save(self, step: int) -> Optional[str]:
+        """At the boundary after optimizer step ``step``, once its metrics are logged: the persistent tier's
+        save when ``checkpoint.every`` is due (collective). Its path, or None."""
         every = int(self.state.cfg.checkpoint.every)
         if self.persistent is not None and every and step % every == 0:
-            out["checkpoint"] = self.save()
-        return out
+            return self.save()
+        return None
 
     def save(self, path: Optional[str] = None, for_stop: bool = False) -> Optional[str]:
         """Save the persistent tier now (collective): ``checkpoint.every``, or on demand (a stop, with

@@ -30,7 +30,8 @@ communicator moved (``comm_bytes.<group>``, from the first step a group
 moves anything).
 
 The loop (``fit``) adds validation, logging, checkpoints at the step
-boundary (``Checkpointing.maybe_save``) and stops (signals, the clock,
+boundary (``Checkpointing.maybe_save_local`` before the step's line,
+``maybe_save`` after it) and stops (signals, the clock,
 stragglers), agreed over the ranks.
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ __all__ = ["Trainer", "peak_rss_bytes"]
 class Trainer:
     def __init__(self, cfg: Any, mesh: Mesh, pm, device: torch.device, run_dir: Optional[str] = None,
                  loggers: Optional[Loggers] = None):
-        self.cfg, self.mesh, self.pm, self.device, self.run_dir = cfg, mesh, pm, device, run_dir
+        self.cfg, self.mesh, self.pm, self.device = cfg, mesh, pm, device
         self.loggers = loggers
         """Rank 0's logger backends (``hpctrain.train.loggers``); None: opened by ``fit``."""
         self.flops_per_token = flops_per_token(cfg)
@@ -163,6 +164,16 @@ class Trainer:
     @step.setter
     def step(self, value: int) -> None:
         self.state.step = value
+
+    @property
+    def run_dir(self) -> Optional[str]:
+        """The run's directory (``TrainState.run_dir``): rank 0 writes metrics, the layout and the axis
+        handles' files there; None for runs without one."""
+        return self.state.run_dir
+
+    @run_dir.setter
+    def run_dir(self, value: Optional[str]) -> None:
+        self.state.run_dir = value
 
     @property
     def checkpointer(self) -> Optional[Checkpointer]:
@@ -400,9 +411,7 @@ class Trainer:
                 every = cfg.trainer.eval_every
                 if self.orders.valid and (self.step == total or (every and self.step % every == 0)):
                     m.update(self.validate())  # collective: the same steps on every rank
-                saves = self.checkpointing.maybe_save(self.step)  # collective: the same steps on every rank
-                saved = saves.pop("checkpoint", None)
-                m.update(saves)
+                m.update(self.checkpointing.maybe_save_local(self.step))  # collective: the same steps everywhere
                 if first:
                     first = False
                     recovery.after_first_step(m, resumed_at, self.checkpointing.resumed.tier)
@@ -415,6 +424,7 @@ class Trainer:
                     loggers.flush()
                 self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(state=self.state, step=self.step, metrics=m)
+                saved = self.checkpointing.maybe_save(self.step)  # collective: the same steps on every rank
                 reason = stops.agree(self.mesh, self.device, m["step_time_s"])  # collective: the same on every rank
                 leave = self._stragglers_to_leave()  # decided from gathered times: the same on every rank
                 if (reason or leave) and self.step < total:

@@ -74,7 +74,7 @@ def _train_and_check(world, pm, pp, *extra):
     trainer = world_trainer(pm, *BASE, f"parallel.pp={pp}", *extra)
     run_dir = world.bcast(tempfile.mkdtemp(prefix="pptl-") if world.Get_rank() == 0 else None)
     trainer.run_dir = run_dir
-    trainer.fit()  # the plugin's hpctrain_on_train_end writes the files
+    trainer.fit()  # the pipeline handle's after_training writes the files
     failure = None
     if world.Get_rank() == 0:
         try:
