@@ -19,10 +19,11 @@ import datetime
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger, setup_logging
@@ -58,7 +59,7 @@ _runtime: Optional[Runtime] = None
 
 def _import_mpi():
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # MPI starts here, in init_runtime, never at import
     except ImportError as e:  # pragma: no cover - mpi4py is a hard dependency
         raise RuntimeError(
             f"mpi4py cannot load an MPI library ({e}); install one (apt install openmpi-bin, "
@@ -149,7 +150,6 @@ def with_device(device: str) -> Runtime:
     rt = get_runtime()
     dev = choose_device(device, rt.local_rank)
     if dev != rt.device:
-        from dataclasses import replace
         rt = _runtime = replace(rt, device=dev)
     return rt
 
@@ -179,8 +179,6 @@ def advertised_address() -> str:
 
 def init_torch_distributed(backend: str, timeout_s: float = 600.0) -> None:
     """Join the default torch process group (idempotent), rendezvous over MPI."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     rt = get_runtime()
@@ -205,8 +203,6 @@ def init_torch_distributed(backend: str, timeout_s: float = 600.0) -> None:
 
 
 def shutdown_torch_distributed() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -15,11 +15,11 @@ DOCS = "README.md and docs/ in the source tree (layouts.md, planner.md, plugins.
 
 def preset_groups(config_dir: str) -> Dict[str, List[str]]:
     """{group: its presets}, schemas left out; groups with no preset are left out."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from hydra import initialize_config_dir  # heavy: keeps --help fast
+    from hydra.core.global_hydra import GlobalHydra  # heavy: keeps --help fast
 
-    from hpctrain.config.store import register_configs
-    from hpctrain.plugins import get_manager
+    from hpctrain.config.store import register_configs  # heavy: keeps --help fast
+    from hpctrain.plugins import get_manager  # heavy: keeps --help fast
 
     register_configs(get_manager())
     GlobalHydra.instance().clear()

@@ -20,6 +20,7 @@ import torch
 
 from hpctrain import hookimpl
 from hpctrain.bootstrap import idle_wait
+from hpctrain.train.grad_norm import gradient_pairs
 
 T = TypeVar("T")
 Box = Tuple[Tuple[int, int], ...]
@@ -64,8 +65,6 @@ class _GradTap:
 
     @hookimpl
     def hpctrain_after_finalize_grads(self, state):
-        from hpctrain.train.grad_norm import gradient_pairs
-
         if state is not self.trainer.state:
             return
         mesh = state.mesh
@@ -107,7 +106,7 @@ def record(trainer, steps: int, comm=None, root: Optional[int] = None) -> List[S
     ``comm`` (an mpi4py communicator, default the MPI world) gathers the
     pieces, to every rank, or to ``root`` only (the others' records then
     hold no gradients). A one-process trainer passes ``MPI.COMM_SELF``."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     comm = comm or MPI.COMM_WORLD
     tap = _GradTap(trainer)

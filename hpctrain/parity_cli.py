@@ -28,7 +28,9 @@ import sys
 from typing import List, Optional
 
 from hpctrain.bootstrap import idle_wait
+from hpctrain.cli import _fail, crash
 from hpctrain.errors import ArgumentParser, ConfigError, HpctrainError
+from hpctrain.log import log_rank0
 from hpctrain.parity import StepDiff, compare, record
 
 
@@ -54,7 +56,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def _compose_on_rank0(overrides: List[str], rt, pm):
     """Rank 0 composes (one error message per job), every rank gets its config."""
-    from hpctrain.config import compose_agreed
+    from hpctrain.config import compose_agreed  # heavy: keeps --help fast
 
     try:
         return compose_agreed(overrides + ["checkpoint.every=0", "checkpoint.resume=null", "trainer.progress=off"],
@@ -97,12 +99,11 @@ def report(diffs: List[StepDiff], loss_rtol: float, grad_tol: float) -> List[str
 
 def check(args: argparse.Namespace, pm=None) -> int:
     """Run the comparison on every rank; 0 or 1 (same on every rank)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
-    from hpctrain.bootstrap import get_runtime
-    from hpctrain.log import log_rank0
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import prepare_run, reference_trainer
+    from hpctrain.bootstrap import get_runtime  # heavy: keeps --help fast
+    from hpctrain.plugins import get_manager  # heavy: keeps --help fast
+    from hpctrain.run import prepare_run, reference_trainer  # heavy: keeps --help fast
 
     rt = get_runtime()
     pm = pm or get_manager()
@@ -124,8 +125,7 @@ def check(args: argparse.Namespace, pm=None) -> int:
 
 
 def main(argv: Optional[List[str]] = None, pm=None) -> int:
-    from hpctrain.bootstrap import init_runtime, shutdown
-    from hpctrain.cli import _fail, crash
+    from hpctrain.bootstrap import init_runtime, shutdown  # heavy: keeps --help fast
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -30,6 +30,13 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from hpctrain.bench.common import Column, Table, print_rank0, time_interleaved
+from hpctrain.bootstrap import init_runtime
+from hpctrain.config import compose_resolved
+from hpctrain.data import index as data_index
+from hpctrain.data.indexed import IndexedWriter, token_dtype
+from hpctrain.data.orders import sample_orders
+from hpctrain.plugins import get_manager
+from hpctrain.run import prepare_run
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -53,8 +60,6 @@ def write_shards(root: str, name: str, shards: int, tokens: int, vocab: int, see
     """``shards`` Megatron-format shards of about ``tokens`` tokens in all
     (documents of ``doc_tokens`` tokens, EOS 0), each with the description
     hpctrain-prepare writes; their prefixes."""
-    from hpctrain.data.indexed import IndexedWriter, token_dtype
-
     rng = np.random.default_rng(seed)
     prefixes = []
     for s in range(shards):
@@ -88,11 +93,6 @@ def _remove(comm: Any, path: str) -> None:
 
 
 def loader_section(args: argparse.Namespace, comm: Any) -> int:
-    from hpctrain.bootstrap import init_runtime
-    from hpctrain.config import compose_resolved
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import prepare_run
-
     init_runtime("cpu")  # the trainers' runtime (idempotent)
     world = comm.Get_size()
     root = _shared_dir(comm, lambda p: (write_shards(p, "books", 4, int(args.corpus_tokens * 0.7), args.vocab_size, 1),
@@ -146,17 +146,12 @@ def loader_section(args: argparse.Namespace, comm: Any) -> int:
 
 
 def _max() -> Any:
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     return MPI.MAX
 
 
 def index_section(args: argparse.Namespace, comm: Any) -> int:
-    from hpctrain.config import compose_resolved
-    from hpctrain.data import index as data_index
-    from hpctrain.data.orders import sample_orders
-    from hpctrain.plugins import get_manager
-
     vocab = 32000
     root = _shared_dir(comm, lambda p: write_shards(p, "shard", args.index_shards, args.index_shards * args.index_docs
                                                     * 210, vocab, 3, doc_tokens=(20, 400)))

@@ -20,6 +20,13 @@ import math
 from typing import Any, Callable, List, Sequence
 
 from hpctrain.bench.common import Column, Table, time_interleaved
+from hpctrain.bootstrap import get_runtime
+from hpctrain.config import compose_resolved
+from hpctrain.config.validate import validate
+from hpctrain.errors import ConfigError
+from hpctrain.plugins import get_manager
+from hpctrain.run import build_mesh, configure_torch
+from hpctrain.train.trainer import Trainer
 
 DEFAULT_OVERRIDES = (
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -31,13 +38,6 @@ DEFAULT_OVERRIDES = (
 
 
 def _trainer(overrides: Sequence[str], pm: Any) -> Any:
-    from hpctrain.bootstrap import get_runtime
-    from hpctrain.config import compose_resolved
-    from hpctrain.config.validate import validate
-    from hpctrain.errors import ConfigError
-    from hpctrain.run import build_mesh, configure_torch
-    from hpctrain.train.trainer import Trainer
-
     cfg = compose_resolved(list(overrides), pm)
     rt = get_runtime()
     problems = validate(cfg, rt.world_size, pm)
@@ -63,8 +63,6 @@ def diloco_section(mpi_comm: Any, overrides: Sequence[str] = (), every: Sequence
                    iters: int = 5, warmup: int = 1, markdown: bool = False) -> str:
     """The table (text or markdown) of DiLoCo against plain dp; collective over ``mpi_comm``
     (the world). ``overrides`` follow ``DEFAULT_OVERRIDES``."""
-    from hpctrain.plugins import get_manager
-
     pm = get_manager()
     base = list(DEFAULT_OVERRIDES) + list(overrides)
     steps = math.lcm(*every)

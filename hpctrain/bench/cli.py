@@ -9,7 +9,9 @@ e.g. ``mpiexec -n 2 hpctrain-bench comm``.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import pkgutil
 import sys
 from typing import Dict, List, Optional
@@ -22,7 +24,7 @@ _NOT_BENCHMARKS = {"cli", "__main__", "common", "torch_peer"}
 
 def modules() -> Dict[str, str]:
     """Every benchmark: name -> module (the core's, then the plugins')."""
-    from hpctrain.plugins import get_manager
+    from hpctrain.plugins import get_manager  # heavy: keeps --help fast
 
     found = {m.name: f"hpctrain.bench.{m.name}" for m in pkgutil.iter_modules(_pkg.__path__)
              if m.name not in _NOT_BENCHMARKS and not m.name.startswith("_")}
@@ -30,6 +32,19 @@ def modules() -> Dict[str, str]:
         for name, module in (offered or {}).items():
             found.setdefault(name, module)
     return found
+
+
+def summary(module: str) -> str:
+    """The first line of a benchmark module's docstring, read from its source
+    without importing it (a benchmark's imports are the run's, not --list's)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        doc = importlib.import_module(module).__doc__
+    else:
+        with open(spec.origin, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read()))
+    lines = (doc or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def available() -> List[str]:
@@ -43,8 +58,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "--list"):
         print("usage: hpctrain-bench NAME [options]   (NAME --help for its options)")
         for name in names:
-            doc = (importlib.import_module(found[name]).__doc__ or "").strip().splitlines()
-            print(f"  {name:<8} {doc[0] if doc else ''}")
+            print(f"  {name:<8} {summary(found[name])}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in names:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from hpctrain.bench.common import (
     Column,
@@ -53,7 +54,13 @@ from hpctrain.bench.common import (
     size_ladder,
     time_interleaved,
 )
+from hpctrain.bootstrap import init_torch_distributed, with_device
+from hpctrain.comm.counting import unwrap
+from hpctrain.config.store import to_config
+from hpctrain.config.validate import validate
 from hpctrain.errors import ArgumentParser
+from hpctrain.plugins import capabilities, get_manager
+from hpctrain.run import build_mesh
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -96,7 +103,7 @@ def make_buffers(op: str, size: int, n: int, dtype: torch.dtype) -> Buffers:
 
 # -- the implementations: each returns a zero-argument call, or None (unsupported) --
 def raw_mpi_call(op: str, b: Buffers, mpi_comm) -> Optional[Callable[[], Any]]:
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     if b.out.dtype != torch.float32:
         return None  # MPI has no 16-bit float type
@@ -113,8 +120,6 @@ def raw_mpi_call(op: str, b: Buffers, mpi_comm) -> Optional[Callable[[], Any]]:
 
 
 def raw_gloo_call(op: str, b: Buffers) -> Optional[Callable[[], Any]]:
-    import torch.distributed as dist
-
     # newer torch renamed the flat-tensor forms (the old names warn); same collectives
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -147,12 +152,6 @@ def peer_of(comm) -> str:
 def make_backends(names: Optional[List[str]], rt, pm) -> Tuple[Dict[str, Any], List[str]]:
     """{name: world-group communicator} for the backends that can run here,
     and notes on the ones skipped. Collective: same calls on every rank."""
-    from hpctrain.comm.counting import unwrap
-    from hpctrain.config.store import to_config
-    from hpctrain.config.validate import validate
-    from hpctrain.plugins import capabilities
-    from hpctrain.run import build_mesh
-
     served = capabilities(pm).get("comm.backend", [])
     wanted = names or served
     made: Dict[str, Any] = {}
@@ -205,10 +204,6 @@ def _time_by_family(impls: List[Tuple[str, Optional[Callable[[], Any]], Optional
 
 
 def run(args, rt, pm) -> Dict[str, Table]:
-    import torch.distributed as dist
-
-    from hpctrain.bootstrap import init_torch_distributed
-
     world, n = rt.mpi_comm, rt.world_size
     backends, notes = make_backends(args.backends, rt, pm)
     init_torch_distributed("gloo")
@@ -280,9 +275,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import with_device
-    from hpctrain.plugins import get_manager
-
     args = _parser().parse_args(argv)
     bad = [op for op in args.ops if op not in OPS]
     if bad:

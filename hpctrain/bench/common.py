@@ -27,6 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
+
+from hpctrain.cli import _fail
+from hpctrain.config import compose_agreed
+from hpctrain.config.validate import validate
+from hpctrain.errors import ConfigError
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -35,10 +42,6 @@ def make_config(overrides: Sequence[str], pm: Any, rt: Any) -> Any:
     """The run config for ``overrides`` (a later value of a key wins, also for a
     preset choice, which Hydra refuses twice), composed on rank 0 and received by the others
     (``compose_agreed``), validated for the job's ranks. Collective."""
-    from hpctrain.config import compose_agreed
-    from hpctrain.config.validate import validate
-    from hpctrain.errors import ConfigError
-
     last = {o.split("=", 1)[0]: o for o in overrides}
     cfg = compose_agreed(list(last.values()), pm, rt.mpi_comm)
     problems = validate(cfg, rt.world_size, pm)
@@ -162,7 +165,7 @@ def timed_call(mpi_comm: Any, fn: Callable[[], Any], sync: Optional[Callable[[],
 
 def max_over_ranks(mpi_comm: Any, value: float) -> float:
     """The largest of every rank's ``value`` (for times: the slowest rank's). Collective."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     return mpi_comm.allreduce(value, op=MPI.MAX)
 
@@ -248,8 +251,6 @@ def paired_ratio(samples: Sequence[float], base: Sequence[float]) -> float:
 def refuse(mpi_comm: Any, problem: str) -> int:
     """Exit status 2 after one ``hpctrain: error:`` line from rank 0 (or the only
     process): a benchmark's bad arguments, found on every rank alike."""
-    from hpctrain.cli import _fail
-
     return _fail(problem, 0 if mpi_comm is None else mpi_comm.Get_rank(), 2)
 
 
@@ -273,8 +274,6 @@ def _cpu_model() -> str:
 
 def machine_summary(mpi_comm: Any = None) -> str:
     """One line: host, CPU, cores, memory, ranks, library versions."""
-    import torch
-
     cores = os.cpu_count()
     bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     try:
@@ -285,7 +284,7 @@ def machine_summary(mpi_comm: Any = None) -> str:
     per_rank = f" ({bound} per rank)" if bound != cores else ""
     parts = [socket.gethostname(), _cpu_model(), f"{cores} cores{per_rank}", mem_s]
     if mpi_comm is not None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
         parts.append(f"{mpi_comm.Get_size()} ranks")
         parts.append(MPI.Get_library_version().splitlines()[0].split(",")[0].strip())

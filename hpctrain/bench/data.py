@@ -52,6 +52,10 @@ import numpy as np
 
 from hpctrain.bench import _data_loader as loader
 from hpctrain.bench.common import Column, Table, machine_summary, parse_size, print_rank0, refuse, time_interleaved
+from hpctrain.data.embedded import generate_corpus
+from hpctrain.data.indexed import IndexedDataset, IndexedWriter
+from hpctrain.data.prepare import BATCH_BYTES, BATCH_DOCS, _Progress, _tokenize, make_plan, parse_args
+from hpctrain.data.tokenize import Encoder, resolve_tokenizer
 from hpctrain.errors import ArgumentParser
 
 
@@ -79,15 +83,13 @@ def _documents(args: argparse.Namespace) -> List[str]:
         with open(args.text, "rb") as f:
             text = f.read(size).decode("utf-8", errors="ignore")
     else:
-        from hpctrain.data.embedded import generate_corpus
-
         text = generate_corpus(size, seed=29).decode()
     lines = text.splitlines()
     return ["\n".join(lines[i:i + args.doc_lines]) for i in range(0, len(lines), args.doc_lines)]
 
 
 def _train_bpe(docs: List[str], vocab: int, path: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # optional: the data extra
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -100,7 +102,7 @@ def _train_bpe(docs: List[str], vocab: int, path: str):
 
 
 def _train_sentencepiece(docs: List[str], vocab: int, prefix: str):
-    import sentencepiece as spm
+    import sentencepiece as spm  # optional: the data extra
 
     spm.SentencePieceTrainer.train(sentence_iterator=iter("\n".join(docs[:2000]).splitlines()), model_prefix=prefix,
                                    vocab_size=min(vocab, 4000), hard_vocab_limit=False, model_type="bpe",
@@ -110,10 +112,7 @@ def _train_sentencepiece(docs: List[str], vocab: int, prefix: str):
 
 def _pipeline(docs: List[str], tokenizer_path: str, workdir: str, name: str) -> Callable[[], Any]:
     """One rank of hpctrain-prepare on a JSON Lines file of ``docs``: read, parse, encode, write a shard."""
-    from mpi4py import MPI
-
-    from hpctrain.data.indexed import IndexedWriter
-    from hpctrain.data.prepare import _Progress, _tokenize, make_plan, parse_args
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     path = os.path.join(workdir, f"{name}.jsonl")
     with open(path, "w") as f:
@@ -135,8 +134,6 @@ def _pipeline(docs: List[str], tokenizer_path: str, workdir: str, name: str) -> 
 def _batched(encoder: Any, docs: List[str]) -> Callable[[], np.ndarray]:
     """The encoder as one rank or worker of hpctrain-prepare calls it: in batches
     of about ``prepare.BATCH_BYTES`` of text (``BATCH_DOCS`` at most)."""
-    from hpctrain.data.prepare import BATCH_BYTES, BATCH_DOCS
-
     batches, batch, size = [], [], 0
     for d in docs:
         batch.append(d)
@@ -149,8 +146,6 @@ def _batched(encoder: Any, docs: List[str]) -> Callable[[], np.ndarray]:
 
 
 def _shard_ids(prefix: str) -> np.ndarray:
-    from hpctrain.data.indexed import IndexedDataset
-
     with IndexedDataset(prefix) as ds:
         ids = ds.tokens[0:ds.num_tokens]
         assert isinstance(ids, np.ndarray)  # a slice of a TokenFile reads an array
@@ -166,9 +161,7 @@ def tokenizer_section(args: argparse.Namespace, comm: Any) -> int:
     except ImportError:
         return refuse(None, "hpctrain-bench data: the tokenizer section needs the tokenizers package; "
                             "pip install 'hpctrain[data]'")
-    from mpi4py import MPI
-
-    from hpctrain.data.tokenize import Encoder, resolve_tokenizer
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     docs = _documents(args)
     table = Table([Column("tokenizer", align="<"), Column("contender", align="<"), Column("tokens", "{:,}"),
@@ -233,7 +226,7 @@ SECTIONS: Dict[str, Callable[[argparse.Namespace, Any], int]] = {
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     args = _parser().parse_args(argv)
     comm = MPI.COMM_WORLD

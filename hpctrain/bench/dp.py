@@ -46,7 +46,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from hpctrain.bench.comm import make_backends
 from hpctrain.bench.common import (
     COMPILED,
     Column,
@@ -61,7 +64,17 @@ from hpctrain.bench.common import (
     refuse,
     time_interleaved,
 )
+from hpctrain.bootstrap import init_torch_distributed, with_device
+from hpctrain.comm.protocol import ReduceOp
+from hpctrain.data import DataCursor, SampleOrder, open_source
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.build import build_model, logical_param_count, materialize
+from hpctrain.optimizers.adamw import build_adamw
+from hpctrain.parallel.handles import LocalData
+from hpctrain.plugins import axis_plugin, get_manager, parallelize_caller
+from hpctrain.run import build_mesh, configure_torch
+from hpctrain.train.lr_schedule import lr_at, set_lr
+from hpctrain.train.trainer import Trainer
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Mesh
@@ -81,15 +94,6 @@ class StepLoop:
     ``"ddp"``, ``"local"`` (not at all) or ``"hpctrain"`` (the dp plugin over ``mesh``)."""
 
     def __init__(self, cfg: Any, rt, pm, sync: str, mesh: Optional[Mesh] = None):
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
-        from hpctrain.data import DataCursor, SampleOrder, open_source
-        from hpctrain.model.build import build_model, materialize
-        from hpctrain.optimizers.adamw import build_adamw
-        from hpctrain.parallel.handles import LocalData
-        from hpctrain.plugins import axis_plugin, parallelize_caller
-
         self.cfg, self.pm, self.sync, self.mesh, self.dist = cfg, pm, sync, mesh, dist
         model = build_model(cfg, pm)
         self.data = LocalData(model)
@@ -114,11 +118,6 @@ class StepLoop:
         """Per step (warm-up included): seconds spent in each of ``PHASES``."""
 
     def step(self) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        from hpctrain.comm.protocol import ReduceOp
-        from hpctrain.train.lr_schedule import lr_at, set_lr
-
         cfg = self.cfg
         clock = PhaseClock()
         micro = self.cursor.next_step()
@@ -180,11 +179,6 @@ Contender = Tuple[str, Callable[[], Any], Callable[[], Optional[float]], Optiona
 
 
 def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
-    from hpctrain.bench.comm import make_backends
-    from hpctrain.bootstrap import init_torch_distributed
-    from hpctrain.run import build_mesh
-    from hpctrain.train.trainer import Trainer
-
     init_torch_distributed("gloo", cfg.comm.timeout_s)
     comms, notes = make_backends(args.backends, rt, pm)
     out: List[Contender] = []
@@ -209,8 +203,6 @@ def contenders(args, cfg, rt, pm) -> Tuple[List[Contender], List[str]]:
 
 
 def run(args, cfg, rt, pm) -> Table:
-    from hpctrain.model.build import build_model, logical_param_count
-
     world = rt.mpi_comm
     runners, notes = contenders(args, cfg, rt, pm)
     params = logical_param_count(build_model(cfg))
@@ -288,10 +280,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import with_device
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import configure_torch
-
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     if rt.world_size < 2:

@@ -25,9 +25,13 @@ import tempfile
 import time
 from typing import List, Optional
 
+from hpctrain import hookimpl
 from hpctrain.bench.common import machine_summary, make_config, print_rank0
 from hpctrain.bench.dp import DEFAULT_OVERRIDES
+from hpctrain.bootstrap import with_device
 from hpctrain.errors import ArgumentParser
+from hpctrain.plugins import get_manager
+from hpctrain.run import configure_torch, prepare_run
 
 ALL = "logging.backends=[jsonl,tensorboard,wandb,mlflow]"
 
@@ -42,8 +46,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _one(cfg, rt, pm, warmup: int):
     """(median loop period s, rank 0's logging s per step, the backends' start s) of one run."""
-    from hpctrain.run import prepare_run
-
     comm = rt.mpi_comm if rt.world_size > 1 else None
     run_dir = tempfile.mkdtemp(prefix="hpctrain-bench-loggers-") if rt.world_rank == 0 else None
     run_dir = comm.bcast(run_dir, root=0) if comm is not None else run_dir
@@ -59,8 +61,6 @@ def _one(cfg, rt, pm, warmup: int):
 
     class Watch:
         hpctrain_on_step_end = staticmethod(watch)
-
-    from hpctrain import hookimpl
 
     hookimpl(Watch.hpctrain_on_step_end)
     pm.register(Watch, name="bench-loggers-watch")
@@ -79,10 +79,6 @@ def _one(cfg, rt, pm, warmup: int):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import with_device
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import configure_torch
-
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     pm = get_manager()

@@ -25,9 +25,20 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from hpctrain.bench.common import Column, Table, machine_summary, metric_reader, print_rank0, time_interleaved
+from hpctrain.bench._optim_outer import diloco_section as table
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    machine_summary,
+    make_config,
+    metric_reader,
+    print_rank0,
+    time_interleaved,
+)
 from hpctrain.bench.torch_peer import start
 from hpctrain.errors import ArgumentParser
+from hpctrain.run import build_mesh
+from hpctrain.train.trainer import Trainer
 
 DEFAULT_OVERRIDES = (  # the tp bench's 3.3M-parameter model, one micro-batch of 8 per step
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -55,10 +66,6 @@ class TimedStep:
 
 
 def _trainer(cfg: Any, rt: Any, pm: Any, name: str, layout: str):
-    from hpctrain.bench.common import make_config
-    from hpctrain.run import build_mesh
-    from hpctrain.train.trainer import Trainer
-
     del cfg  # composed again per optimizer and layout: the preset sets lr, momentum...
     c = copy.deepcopy(make_config([*_overrides(rt.world_size, layout), f"optim={name}"], pm, rt))
     return Trainer(c, build_mesh(c, rt, pm), pm, rt.device)
@@ -115,8 +122,6 @@ def step_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
 
 def diloco_section(args: argparse.Namespace, cfg: Any, rt: Any, pm: Any) -> int:
     """DiLoCo's step time and dp bytes against plain data parallelism (``hpctrain.bench._optim_outer``)."""
-    from hpctrain.bench._optim_outer import diloco_section as table
-
     del cfg  # its own model (the dp benchmark's), composed per contender
     print_rank0(rt.mpi_comm, "", "## " + table(rt.mpi_comm, args.overrides, iters=args.steps, warmup=args.warmup,
                                                  markdown=args.markdown))

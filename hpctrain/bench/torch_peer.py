@@ -9,17 +9,22 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+
+from hpctrain.bench.common import make_config, refuse
+from hpctrain.bootstrap import init_torch_distributed, with_device
+from hpctrain.data import DataCursor, SampleOrder, open_source
+from hpctrain.model.build import init_box
+from hpctrain.optimizers.adamw import build_adamw
+from hpctrain.plugins import get_manager
+from hpctrain.run import configure_torch
+from hpctrain.train.lr_schedule import lr_at, set_lr
 
 
 def start(name: str, overrides: Callable[[int], List[str]]) -> Optional[Tuple[Any, Any, Any]]:
     """(config, runtime, plugin manager) of benchmark ``name`` on this MPI
     job, torch.distributed (gloo) up for the peer; None, said on stderr, with
     fewer than 2 ranks. ``overrides(world_size)`` gives the config overrides."""
-    from hpctrain.bench.common import make_config, refuse
-    from hpctrain.bootstrap import init_torch_distributed, with_device
-    from hpctrain.plugins import get_manager
-    from hpctrain.run import configure_torch
-
     rt = with_device("cpu")
     if rt.world_size < 2:
         refuse(None, f"hpctrain-bench {name} needs at least 2 ranks; run it as mpiexec -n 2 hpctrain-bench {name}")
@@ -34,10 +39,10 @@ def start(name: str, overrides: Callable[[int], List[str]]) -> Optional[Tuple[An
 def fill_from_init(model: torch.nn.Module, specs: Dict[str, Any], cfg: Any) -> None:
     """Give every (possibly DTensor) parameter of a model made on the meta
     device its values from our per-tile init, drawing only its local box."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor  # heavy: ~1 s of torch.distributed, only for the torch peer
 
-    from hpctrain.model.build import init_box
+    # heavy: ~1 s of torch.distributed, only for the torch peer
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -59,11 +64,6 @@ class PeerLoop:
 
     def __init__(self, cfg: Any, model: torch.nn.Module, sample_rank: int, sample_size: int,
                  loss_context: Callable[[], ContextManager] = contextlib.nullcontext):
-        import torch.distributed as dist
-
-        from hpctrain.data import DataCursor, SampleOrder, open_source
-        from hpctrain.optimizers.adamw import build_adamw
-
         self.cfg, self.dist, self.model = cfg, dist, model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_adamw(self.params, cfg.optim)
@@ -76,9 +76,7 @@ class PeerLoop:
         self.last_loss: Optional[float] = None
 
     def step(self) -> None:
-        from torch.distributed.tensor import DTensor
-
-        from hpctrain.train.lr_schedule import lr_at, set_lr
+        from torch.distributed.tensor import DTensor  # heavy: ~1 s of torch.distributed, only for the torch peer
 
         cfg = self.cfg
         micro = self.cursor.next_step()

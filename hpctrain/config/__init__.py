@@ -1,6 +1,8 @@
 """Configuration: typed schema, Hydra registration and composition, validation."""
 from typing import Any, Dict, cast
 
+from omegaconf import OmegaConf
+
 from hpctrain.config.schema import (  # noqa: F401
     CheckpointConfig,
     ClusterConfig,
@@ -28,8 +30,6 @@ from hpctrain.config.validate import validate  # noqa: F401
 def plugin_section(cfg, key: str, cls):
     """A plugin's typed config section ``key`` (e.g. ``parallel.zero``) as an
     instance of its dataclass ``cls``; the defaults when the config lacks it."""
-    from omegaconf import OmegaConf
-
     node = OmegaConf.select(cfg, key, default=None)
     if node is None:
         return cls()

@@ -23,8 +23,12 @@ import dataclasses
 import difflib
 import os
 import re
+import traceback
 import typing
 from typing import Any, List, Optional, Tuple
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from hpctrain.plugins import blocked_hint
 
@@ -33,9 +37,6 @@ _HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
 def explain(exc: BaseException, schema: type) -> Optional[str]:
     """The one line for a composition error ``exc``, or None if it is not one."""
-    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import OmegaConfBaseException
-
     if isinstance(exc, MissingConfigException):
         return _missing_preset(exc)
     if isinstance(exc, OverrideParseException):
@@ -58,8 +59,6 @@ def explain(exc: BaseException, schema: type) -> Optional[str]:
 def _raised_by_hydra(exc: BaseException) -> bool:
     """Raised inside Hydra's own code (e.g. ``parallel=3``: "Config group
     override must be a string or a list"), not in a task it called."""
-    import traceback
-
     frames = traceback.extract_tb(exc.__traceback__)
     return isinstance(exc, ValueError) and bool(frames) and f"{os.sep}hydra{os.sep}" in frames[-1].filename
 
@@ -81,7 +80,6 @@ def _missing_preset(exc: Any) -> str:
     options = [o for o in (getattr(exc, "options", None) or []) if not o.endswith("_schema")]
     if not group:
         return f"no config named {wanted!r}" + (f"; choose one of: {', '.join(options)}" if options else "")
-    from hpctrain.plugins import blocked_hint
 
     hint = blocked_hint()  # the preset may be a blocked plugin's
     return (f"{group}={name}: there is no preset {name!r} in group {group}; choose one of: "
@@ -90,8 +88,6 @@ def _missing_preset(exc: Any) -> str:
 
 
 def _omegaconf_problem(cause: Any, schema: type) -> str:
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
     key = str(cause.full_key)
     found = _lookup(key, schema)
     if found is None:

@@ -20,11 +20,22 @@ import pickle
 from importlib import resources
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from hpctrain.bootstrap import idle_wait
 from hpctrain.config import schema as S
 from hpctrain.config.explain import explain
 from hpctrain.errors import ConfigError, HpctrainError, PluginError
+from hpctrain.hf.config import apply_hf_config
+from hpctrain.plugins import broke_contract, call_each
 
 CONF_DIR = os.environ.get("HPCTRAIN_CONF_DIR") or str(resources.files("hpctrain") / "conf")
 
@@ -54,7 +65,6 @@ def _sections(pm) -> Tuple[Tuple[str, str, Any], ...]:
     """Every plugin's (plugin name, key, section), in hook order (the schema's inputs)."""
     if pm is None:
         return ()
-    from hpctrain.plugins import broke_contract, call_each
 
     out = []
     for plugin, sections in call_each(pm, "hpctrain_config_sections"):
@@ -141,7 +151,6 @@ def register_configs(pm=None) -> type:
     that overwrites or removes these entries inside the store must store them again
     itself (nothing in hpctrain does)."""
     global _registered
-    from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     top, groups = build_schema(pm)
@@ -154,8 +163,6 @@ def register_configs(pm=None) -> type:
     for group, cls in groups.items():
         cs.store(group=group, name=f"{group}_schema", node=cls)
     if pm is not None:
-        from hpctrain.plugins import call_each
-
         stored: Dict[Tuple[Optional[str], str], str] = {}
         call_each(pm, "hpctrain_register_configs",
                   per_plugin=lambda plugin: {"config_store": _PluginStore(cs, stored, plugin)})
@@ -216,11 +223,6 @@ def compose(overrides: Sequence[str] = (), pm=None, config_name: str = "train") 
     search path, the environment) is composed by Hydra whole, every time.
     Presets are read once per process: one stored again under the same name
     in the ConfigStore, or edited on disk, is not seen by later compositions."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_configs(pm)
     full = expand_shorthands(overrides)
     parsed = OverridesParser.create().parse_overrides(full)
@@ -270,8 +272,6 @@ def _chooses_a_preset(override: Any, groups: frozenset) -> bool:
 def _group_names() -> frozenset:
     """The config groups a composition can choose from: the preset directories and
     the groups in Hydra's ConfigStore (the schema's, the plugins')."""
-    from hydra.core.config_store import ConfigStore
-
     found = {d for d in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, d))}
     found.update(name for name, node in ConfigStore.instance().repo.items() if isinstance(node, dict))
     return frozenset(found)
@@ -279,10 +279,6 @@ def _group_names() -> frozenset:
 
 def _hydra_compose(overrides: List[str], config_name: str) -> DictConfig:
     """Hydra's own composition of all of ``overrides`` (its compose API)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides)
@@ -293,8 +289,6 @@ def compose_resolved(overrides: Sequence[str] = (), pm=None) -> DictConfig:
     job receives from rank 0 (tests, benchmarks, tools). A composition error
     (a value of the wrong type, an unknown key or preset) is a ConfigError
     with the one line ``hpctrain-train`` prints for it."""
-    from hpctrain.hf.config import apply_hf_config
-
     try:
         cfg = to_config(OmegaConf.to_container(compose(list(overrides), pm=pm), resolve=True), pm)
         # model.hf_dir's shape, as hpctrain-train fills it (validation reports problems)
@@ -316,8 +310,6 @@ def compose_agreed(overrides: Sequence[str], pm, mpi_comm: Any = None) -> DictCo
     error (``HpctrainError``) is raised as a ConfigError with its message on
     every rank; any other failure is raised on rank 0 and as a RuntimeError
     naming it on the others, so none waits for a config that never comes."""
-    from hpctrain.bootstrap import idle_wait
-
     many = mpi_comm is not None and mpi_comm.Get_size() > 1
     cfg: Optional[DictConfig] = None
     failure: Optional[BaseException] = None

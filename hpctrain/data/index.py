@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from hpctrain.data.indexed import bin_path, check_shard, idx_path, prefix_of, read_description, read_index
 from hpctrain.data.streams import DocumentStream, DocumentTable, Shard
@@ -303,8 +304,6 @@ _BUILT: Dict[str, DataIndex] = {}
 
 
 def _config_key(data: Any, model_vocab: int) -> str:
-    from omegaconf import OmegaConf
-
     return json.dumps([OmegaConf.to_container(data, resolve=True) if OmegaConf.is_config(data) else str(data),
                        model_vocab], sort_keys=True, default=str)
 

@@ -214,7 +214,7 @@ class DocumentReader:
             return gzip.GzipFile(fileobj=raw, mode="rb")
         if self.inp.compression == "zstd":
             try:
-                import zstandard
+                import zstandard  # optional: the data extra
             except ImportError:
                 raise InputError(f"input {path} is zstd-compressed and the zstandard package is not installed; "
                                  f"{INSTALL}") from None
@@ -330,8 +330,8 @@ class DocumentReader:
     def _parquet(self) -> Iterator[Tuple[Document, int, bool]]:
         path, key = self.inp.path, self.text_key
         try:
-            import pyarrow
-            import pyarrow.parquet as pq
+            import pyarrow  # optional: the data extra
+            import pyarrow.parquet as pq  # optional: the data extra
         except ImportError:
             raise InputError(f"input {path} is Parquet and the pyarrow package is not installed; {INSTALL}") from None
         try:

@@ -68,10 +68,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -257,7 +259,7 @@ class _Progress:
                 self.interval = min(2 * self.interval, 60.0)
 
     def _drain(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
         status = MPI.Status()
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_PROGRESS, status=status):
@@ -296,7 +298,7 @@ class _Progress:
         """After the ranks have agreed (so every message above was sent): take
         a stop message that was sent to this rank after it finished, and
         complete this rank's sends."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
         if self.rank in stop_sent and self.stopped_by is None:
             self.comm.recv(source=0, tag=TAG_STOP)
@@ -386,9 +388,6 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
     workers = 1 if spec.kind == BYTES else args.workers  # bytes need no encoding worth a process
     pool = None
     if workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_worker_init, initargs=(spec,))
         def submit(b: _Batch) -> Any:
@@ -460,7 +459,7 @@ def _description(spec: TokenizerSpec, num_tokens: int, num_documents: int) -> di
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -562,7 +561,7 @@ def prepare(input_path: str, output_path: str, dtype: str = "uint16") -> int:
     chunks so files larger than memory work, plus the ``.json`` sidecar the
     ``data=tokens`` loader reads (dtype, vocab_size, num_tokens). Returns the
     token count."""
-    from hpctrain.data.sources import TOKEN_DTYPES, sidecar_path
+    from hpctrain.data.sources import TOKEN_DTYPES, sidecar_path  # heavy: keeps --help fast
 
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input text file {input_path} does not exist")

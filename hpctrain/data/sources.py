@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from hpctrain.bootstrap import get_runtime
 from hpctrain.data.embedded import generate_corpus
 from hpctrain.data.index import index_on_rank0
 from hpctrain.data.indexed import read_json_object
@@ -143,8 +144,6 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
 def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
     """Rank 0 indexes the shards (the other ranks never touch them before
     training; the problems are agreed with theirs) and reports what it found."""
-    from hpctrain.bootstrap import get_runtime
-
     if not (data.paths or data.blend):
         return ["data.source=indexed needs data.paths=[<shards>] or data.blend (shards written by hpctrain-prepare)"]
     if data.paths and data.blend:

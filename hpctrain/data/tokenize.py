@@ -202,7 +202,7 @@ def _override(value: str, to_id, vocab: int, flag: str, arg: str) -> Optional[in
 
 def _load_hf(path: str, arg: str):
     _import("tokenizers", f"--tokenizer {arg}")
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # optional: the data extra
 
     try:
         tok = Tokenizer.from_file(path)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hpctrain.boxes import Box, box_shape, full_box, intersect
+from hpctrain.errors import PluginError
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.shapes import ModelShape
@@ -43,7 +44,6 @@ def _make_part(pm, kind: str, name: str, builtins: Dict[str, Any], cfg: Any, sha
             return part
     if name in builtins:
         return builtins[name]() if kind == "attention" else builtins[name](shape)
-    from hpctrain.errors import PluginError
 
     raise PluginError(
         f"model.{kind}={name!r} is neither built in ({', '.join(builtins)}) nor provided by an installed plugin"

@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from hpctrain import eager
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.model.transformer import Block, Transformer
 
@@ -55,7 +56,7 @@ its own guards), and past the limit dynamo silently runs the frame eagerly."""
 
 def backends() -> List[str]:
     """The backend names dynamo accepts for ``trainer.compile_backend``."""
-    import torch._dynamo
+    import torch._dynamo  # heavy: torch.compile's stack (~2 s), only when compiling
 
     return sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
 
@@ -66,7 +67,7 @@ def cannot_compile(backend: str) -> Optional[str]:
     if backend != "inductor":
         return None
     try:
-        from torch._inductor import cpp_builder
+        from torch._inductor import cpp_builder  # heavy: torch.compile's stack (~2 s), only when compiling
 
         cpp_builder.get_cpp_compiler()
     except (RuntimeError, ImportError, OSError) as e:  # InvalidCxxCompiler (a RuntimeError), or inductor missing
@@ -92,7 +93,9 @@ class _Backend:
         self.__name__ = f"hpctrain_{name}"  # dynamo names backends in its logs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
-        from torch._dynamo import lookup_backend
+        from torch._dynamo import lookup_backend  # heavy: torch.compile's stack (~2 s), only when compiling
+
+        # heavy: torch.compile's stack (~2 s), only when compiling
         from torch._dynamo.exc import RestartAnalysis, SkipFrame
 
         self.stats.graphs += 1
@@ -121,7 +124,7 @@ def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
 
 def graph_break_reasons() -> Dict[str, int]:
     """dynamo's graph breaks in this process so far, by reason."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # heavy: torch.compile's stack (~2 s), only when compiling
 
     return dict(counters["graph_break"])
 
@@ -191,14 +194,12 @@ def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: b
         if main:
             log.warning("trainer.compile=true: %s; training eagerly", why)
         return None
-    import torch._dynamo
-
-    from hpctrain import eager
+    import torch._dynamo  # heavy: torch.compile's stack (~2 s), only when compiling
 
     eager.prepare()  # collectives and recomputation: graph breaks, never traced
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     if backend == "inductor":
-        import torch._inductor.config as inductor_config
+        import torch._inductor.config as inductor_config  # heavy: torch.compile's stack (~2 s), only when compiling
 
         # trainer.deterministic: inductor picks kernels without timing them (timings differ run to run)
         inductor_config.deterministic = bool(deterministic)

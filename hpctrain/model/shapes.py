@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hpctrain.errors import ConfigError
+
 
 def default_ffn_hidden(d_model: int, multiple_of: int) -> int:
     """Llama's SwiGLU width: 2/3 of 4h, rounded up to ``multiple_of``."""
@@ -58,8 +60,6 @@ class ModelShape:
     @classmethod
     def from_config(cls, m: Any) -> "ModelShape":
         """From a ModelConfig (dataclass or DictConfig), checking consistency."""
-        from hpctrain.errors import ConfigError
-
         n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
         if m.d_model % m.n_heads:
             raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")

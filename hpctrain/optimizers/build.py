@@ -7,6 +7,10 @@ import torch
 
 from hpctrain.errors import PluginError
 from hpctrain.mesh import Mesh
+from hpctrain.optimizers.adamw import build_adamw
+from hpctrain.optimizers.lamb import Lamb
+from hpctrain.optimizers.lars import Lars
+from hpctrain.optimizers.muon import Muon
 from hpctrain.shard import ShardSpec
 
 
@@ -15,11 +19,6 @@ def build_optimizer(tensors: Sequence[torch.nn.Parameter], optim: Any, mesh: Mes
     """AdamW (torch's), LAMB, LARS or Muon over ``tensors`` (``base``
     describes ``specs``: every tensor of the stage, held or not; collective
     set-up for all but AdamW, so every rank calls it)."""
-    from hpctrain.optimizers.adamw import build_adamw
-    from hpctrain.optimizers.lamb import Lamb
-    from hpctrain.optimizers.lars import Lars
-    from hpctrain.optimizers.muon import Muon
-
     name = optim.name
     if name == "adamw":
         return build_adamw(tensors, optim)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence
 
+from hpctrain.model.build import build_model
 from hpctrain.optimizers.kinds import ADAPTATION_KINDS, OPTIMIZERS, muon_matrix
+from hpctrain.optimizers.muon import NS_DTYPES
+from hpctrain.shard import get_spec
 
 
 def optimizer_problems(cfg: Any, pm: Any, plugin_names: Sequence[str] = ()) -> List[str]:
     """One message per bad optimizer setting; ``plugin_names``: optimizers plugins provide."""
-    from hpctrain.optimizers.muon import NS_DTYPES
-
     o = cfg.optim
     out = []
     if o.name not in OPTIMIZERS and o.name not in plugin_names:
@@ -29,9 +30,6 @@ def optimizer_problems(cfg: Any, pm: Any, plugin_names: Sequence[str] = ()) -> L
 
 def _muon_has_matrices(cfg: Any, pm: Any) -> List[str]:
     """Muon needs a hidden matrix left after ``optim.adamw_params`` (checked on the model built on the meta device)."""
-    from hpctrain.model.build import build_model
-    from hpctrain.shard import get_spec
-
     try:
         model = build_model(cfg, pm)
     except Exception:  # noqa: BLE001 (a model config the other checks reject: they say why)

@@ -7,10 +7,7 @@ enumerates the layouts that pass the training validator's layout checks
 ranks those that fit (``search``) and prints them (``report``). The formulas,
 their sources and the validation against published tables are in
 docs/planner.md.
+
+The package itself imports nothing: ``hpctrain-plan --help`` then starts
+without torch (``estimate`` reaches it through the mesh).
 """
-from hpctrain.planner.arch import Arch  # noqa: F401
-from hpctrain.planner.cluster import ClusterSpec, cluster_spec  # noqa: F401
-from hpctrain.planner.estimate import Estimate, Workload, estimate  # noqa: F401
-from hpctrain.planner.layouts import Layout, enumerate_layouts  # noqa: F401
-from hpctrain.planner.memory import HPCTRAIN, ZERO_PAPER, StateBytes  # noqa: F401
-from hpctrain.planner.search import Plan, search  # noqa: F401

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
+from hpctrain.config.store import CONF_DIR
 from hpctrain.errors import ConfigError
 from hpctrain.planner.comm_model import Link
 
@@ -77,8 +78,6 @@ class ClusterSpec:
 
 def available_presets(group: str) -> List[str]:
     """Preset names under hpctrain/conf/<group>/ (for error messages)."""
-    from hpctrain.config.store import CONF_DIR
-
     folder = os.path.join(CONF_DIR, group)
     if not os.path.isdir(folder):
         return []

@@ -19,6 +19,7 @@ import os
 import statistics
 from typing import Any, Dict, List, Sequence
 
+from hpctrain.config.store import run_config_path
 from hpctrain.errors import ConfigError
 from hpctrain.planner.plan import make_plan
 
@@ -27,8 +28,6 @@ GB = 1e9
 
 def read_run(run_dir: str) -> Dict[str, Any]:
     """The run's config, overrides, mesh sizes and metric rows; ConfigError naming what is missing."""
-    from hpctrain.config.store import run_config_path
-
     hydra = os.path.join(run_dir, ".hydra")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     config = run_config_path(run_dir)

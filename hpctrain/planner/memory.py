@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from hpctrain.optimizers.kinds import state_bytes_per_element
+
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -66,8 +68,6 @@ def optimizer_profile(name: str, muon_share: float = 1.0) -> StateBytes:
     momentum), Muon 4 on its hidden matrices (``muon_share`` of the
     parameters, ``Arch.muon_share``) and AdamW's 8 on the rest. The share is
     the model's average: the stage holding the embedding keeps a little more."""
-    from hpctrain.optimizers.kinds import state_bytes_per_element
-
     if name == "adamw":
         return HPCTRAIN
     per_tensor = 0.0 if name == "lars" else 4.0

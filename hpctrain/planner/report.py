@@ -18,6 +18,8 @@ from __future__ import annotations
 import shlex
 from typing import Any, Dict, List, Sequence
 
+from omegaconf import OmegaConf
+
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.estimate import Estimate, Workload
@@ -64,8 +66,6 @@ def train_overrides(user_overrides: Sequence[str], lay: Layout, precision: str) 
 
 def unknown_keys(overrides: Sequence[str], cfg: Any) -> List[str]:
     """Override keys that the composed config (schema with installed plugins) lacks."""
-    from omegaconf import OmegaConf
-
     missing = object()
     out = []
     for o in overrides:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional, cast
 
+from omegaconf import DictConfig, OmegaConf
+
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger
 from hpctrain.planner.activations import RECOMPUTE
@@ -57,8 +59,6 @@ def model_config_for(arch: Arch, max_seq_len: int) -> Any:
 def _plain(model_cfg: Any) -> Any:
     """A plain copy of a DictConfig model section: check_layout reads it for
     every candidate, and OmegaConf attribute access is slow."""
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(model_cfg, DictConfig):
         # (cast: OmegaConf types to_container for any node; a DictConfig gives a dict)
         return SimpleNamespace(**cast(Dict[str, Any], OmegaConf.to_container(model_cfg, resolve=True)))

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from hpctrain.errors import ArgumentParser, HpctrainError, write_error
+from hpctrain.errors import ArgumentParser, ConfigError, HpctrainError, write_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prediction(run) -> Tuple[Optional[Dict[str, float]], str]:
-    from hpctrain.report.predict import predicted_bytes
+    from hpctrain.report.predict import predicted_bytes  # heavy: keeps --help fast
 
     if run.config is None or not run.layout:
         return None, "the run directory has no .hydra/config.yaml or layout.json"
@@ -34,11 +34,9 @@ def _prediction(run) -> Tuple[Optional[Dict[str, float]], str]:
 
 def build(run_dir: str) -> str:
     """The page's HTML for ``run_dir`` (a run or a sweep)."""
-    from hpctrain.report import data, page
+    from hpctrain.report import data, page  # heavy: keeps --help fast
 
     if not os.path.isdir(run_dir):
-        from hpctrain.errors import ConfigError
-
         raise ConfigError(f"{run_dir} is not a directory; give a run directory (runs/<date>/<time>) or a sweep's")
     if not data.is_run(run_dir) and data.sweep_points(run_dir):
         points = [data.load_run(p) for p in data.sweep_points(run_dir)]

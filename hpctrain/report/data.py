@@ -6,7 +6,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from omegaconf import OmegaConf
+
+from hpctrain.config.store import run_config_path, to_config
 from hpctrain.errors import ConfigError
+from hpctrain.plugins import get_manager
 
 
 @dataclass
@@ -39,9 +43,6 @@ def _json(path: str, default: Any) -> Any:
 
 
 def _config(run_dir: str) -> Optional[Any]:
-    from hpctrain.config.store import run_config_path, to_config
-    from hpctrain.plugins import get_manager
-
     path = run_config_path(run_dir)
     if path is None:
         return None
@@ -56,7 +57,6 @@ def _overrides(run_dir: str) -> List[str]:
     path = os.path.join(run_dir, ".hydra", "overrides.yaml")
     if not os.path.exists(path):
         return []
-    from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.load(path)]
 

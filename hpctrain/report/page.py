@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -201,8 +202,6 @@ def _value(p: Run, key: str) -> str:
 
 
 def sweep_page(sweep_dir: str, points: List[Run]) -> str:
-    import os
-
     keys = _swept(points)
     rows = [(os.path.basename(p.path), *(_value(p, k) for k in keys), _num(p.last.get("loss")),
              _num(next((r["val_loss"] for r in reversed(p.metrics) if "val_loss" in r), None)),

@@ -13,16 +13,15 @@ from typing import Any, Dict, Mapping
 from omegaconf import OmegaConf
 
 from hpctrain.pipeline.bubble import NO_PIPELINE
+from hpctrain.planner.arch import Arch
+from hpctrain.planner.cluster import cluster_spec
+from hpctrain.planner.estimate import Workload, estimate
+from hpctrain.planner.layouts import Layout
+from hpctrain.planner.memory import HPCTRAIN
 
 
 def predicted_bytes(cfg: Any, sizes: Mapping[str, int]) -> Dict[str, float]:
     """{axis: bus bytes per GPU per step} the planner predicts for ``cfg`` at ``sizes``."""
-    from hpctrain.planner.arch import Arch
-    from hpctrain.planner.cluster import cluster_spec
-    from hpctrain.planner.estimate import Workload, estimate
-    from hpctrain.planner.layouts import Layout
-    from hpctrain.planner.memory import HPCTRAIN
-
     world = 1
     for n in sizes.values():
         world *= int(n)

@@ -39,6 +39,7 @@ percent of the step slower, steadily, is what a user can act on.
 from __future__ import annotations
 
 import statistics
+import time as _time
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -195,8 +196,6 @@ class ForwardClock:
     """Wall time spent in the forwards of ``modules`` since the last ``take``."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]):
-        import time as _time
-
         self._now = _time.perf_counter
         self.total = 0.0
         self._window: List[float] = []

@@ -21,6 +21,7 @@ import os
 from typing import Any, Dict, List, Optional, Protocol
 
 from hpctrain.errors import ConfigError
+from hpctrain.plugins import blocked_hint, capabilities
 from hpctrain.train.metrics import MetricsWriter
 
 BUILTIN = ("jsonl",)
@@ -101,15 +102,11 @@ class Loggers:
 
 
 def known_backends(pm) -> List[str]:
-    from hpctrain.plugins import capabilities
-
     return list(BUILTIN) + sorted(n for n in capabilities(pm).get("logging.backend", []) if n not in BUILTIN)
 
 
 def backend_problems(cfg: Any, pm) -> List[str]:
     """Backends in ``logging.backends`` that nothing provides (validation; every rank)."""
-    from hpctrain.plugins import blocked_hint
-
     known = known_backends(pm) if pm is not None else list(BUILTIN)
     problems = []
     for name in cfg.logging.backends:

@@ -9,6 +9,8 @@ report draws one bar per rank.
 """
 from __future__ import annotations
 
+import resource
+import sys
 from typing import Dict, List
 
 import torch
@@ -18,9 +20,6 @@ from hpctrain.mesh import AXES, Mesh
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -21,6 +21,10 @@ import os
 import sys
 from typing import Dict, Optional
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
 from hpctrain.log import log_rank0
 
 
@@ -130,9 +134,6 @@ class Progress:
         self._bar = None
         if not enabled or mode == "off" or (mode == "auto" and not interactive_launch()):
             return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-        from rich.progress import Progress as RichProgress
 
         self._bar = RichProgress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

@@ -48,6 +48,7 @@ from hpctrain.comm.protocol import ReduceOp
 from hpctrain.errors import HpctrainError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import AXES, Mesh
+from hpctrain.plugins import DISABLE_ENV, blocked_names, capabilities
 
 log = get_logger(__name__)
 
@@ -225,8 +226,6 @@ def why_no_stop_save(cfg: Any, pm: Any, have_checkpointer: bool) -> Optional[str
         periodic = "; checkpoint.resume=auto resumes from the newest periodic one" if ck.every else ""
         return "checkpoint.save_on_stop=false; leave it true (the default) to save when a run is stopped" + periodic
     if not have_checkpointer:
-        from hpctrain.plugins import DISABLE_ENV, blocked_names, capabilities
-
         formats = capabilities(pm).get("checkpoint.format", [])
         if ck.format not in formats:
             blocked = blocked_names()

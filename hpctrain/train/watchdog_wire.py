@@ -26,6 +26,7 @@ import hmac
 import json
 import secrets
 import socket
+import time
 from typing import Any, Dict, List, Optional
 
 MAX_LINE = 64 * 1024
@@ -151,8 +152,6 @@ class LineReader:
     def read_one(self, timeout: float) -> Dict[str, Any]:
         """Block (up to ``timeout`` seconds in all) for the next message.
         Raises ``WireError`` when none comes or the connection closes."""
-        import time
-
         deadline = time.monotonic() + timeout
         self.sock.settimeout(timeout)
         pending: List[Dict[str, Any]] = []

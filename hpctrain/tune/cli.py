@@ -29,6 +29,7 @@ import shlex
 import sys
 from typing import Any, List, Optional, Tuple
 
+from hpctrain.cli import _fail, crash
 from hpctrain.errors import ArgumentParser, ConfigError, HpctrainError
 from hpctrain.log import log_rank0
 
@@ -67,7 +68,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _device_memory_gb(rt: Any) -> float:
-    import torch
+    import torch  # heavy: keeps --help fast
 
     if rt.device.type == "cuda":
         return torch.cuda.get_device_properties(rt.device).total_memory / 1e9
@@ -120,13 +121,13 @@ def _also(user: List[str], extra: str, precision_default: str) -> Tuple[str, Lis
 
 
 def tune(args: argparse.Namespace, rt: Any, pm) -> int:
-    from hpctrain.bootstrap import with_device
-    from hpctrain.config import compose_agreed
-    from hpctrain.planner.report import launch_line
-    from hpctrain.run import configure_torch
-    from hpctrain.tune import measure, rank, report
-    from hpctrain.tune.rank import Candidate
-    from hpctrain.tune.trial import run_trial
+    from hpctrain.bootstrap import with_device  # heavy: keeps --help fast
+    from hpctrain.config import compose_agreed  # heavy: keeps --help fast
+    from hpctrain.planner.report import launch_line  # heavy: keeps --help fast
+    from hpctrain.run import configure_torch  # heavy: keeps --help fast
+    from hpctrain.tune import measure, rank, report  # heavy: keeps --help fast
+    from hpctrain.tune.rank import Candidate  # heavy: keeps --help fast
+    from hpctrain.tune.trial import run_trial  # heavy: keeps --help fast
 
     _check_args(args)
     user = list(args.overrides)
@@ -187,10 +188,9 @@ def tune(args: argparse.Namespace, rt: Any, pm) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import init_runtime, shutdown
-    from hpctrain.cli import _fail, crash
-    from hpctrain.plugins import get_manager
-    from hpctrain.train.watchdog import JobStopped
+    from hpctrain.bootstrap import init_runtime, shutdown  # heavy: keeps --help fast
+    from hpctrain.plugins import get_manager  # heavy: keeps --help fast
+    from hpctrain.train.watchdog import JobStopped  # heavy: keeps --help fast
 
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from hpctrain.bench.common import time_collective
+from hpctrain.planner.arch import Arch
 from hpctrain.planner.comm_model import bus_factor, latency_steps
+from hpctrain.run import build_mesh
 
 LATENCY_BYTES = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,8 +53,6 @@ class AxisLink:
 
 def gemm_shapes(model_cfg: Any, tokens: int) -> List[Tuple[int, int, int]]:
     """(m, k, n) of one block's GEMMs at ``tokens`` tokens (tensor parallelism off)."""
-    from hpctrain.planner.arch import Arch
-
     arch = Arch.from_model_config(model_cfg)
     d = arch.d_model
     return [(tokens, d, d + 2 * arch.kv_dim), (tokens, d, d), (tokens, d, 2 * arch.ffn_hidden),
@@ -112,10 +113,6 @@ def measure_links(cfg: Any, layouts: Mapping[str, Tuple[str, Dict[str, int]]], r
                   iters: int = 5) -> List[AxisLink]:
     """Each axis's link, on the mesh of ``layouts[axis]`` = (label, sizes), ``iters`` timed all-reduces
     per size. Collective: every rank passes the same ``layouts`` (rank 0's, broadcast)."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.run import build_mesh
-
     dtype = DTYPES.get(cfg.trainer.precision, torch.float32)
     elem = torch.empty((), dtype=dtype).element_size()
     out = []

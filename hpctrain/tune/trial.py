@@ -26,9 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
+from hpctrain.config import compose_agreed
 from hpctrain.errors import HpctrainError
+from hpctrain.run import run
+from hpctrain.train.memory import peak_rss_bytes
 from hpctrain.train.profile import OutOfMemoryWithSnapshot
+from hpctrain.train.watchdog import JobStopped
 
 TRIAL_OVERRIDES = ("trainer.progress=off", "checkpoint.every=0", "trainer.eval_every=0")
 """Tuning trains to measure: no progress bar, no checkpoints, no validation passes."""
@@ -71,7 +76,6 @@ def _peak(device: torch.device) -> float:
                     return float(line.split()[1]) * 1024
     except OSError:
         pass
-    from hpctrain.train.memory import peak_rss_bytes
 
     return float(peak_rss_bytes())
 
@@ -118,12 +122,6 @@ def _trial_overrides(overrides: List[str], steps: int) -> List[str]:
 def _train(trial: Trial, overrides: List[str], run_dir: Optional[str], rt: Any, pm,
            watchdog: List[Any]) -> Tuple[str, float]:
     """Train on this rank; (why it failed here or "", peak memory). Everything it built is freed."""
-    from omegaconf import OmegaConf
-
-    from hpctrain.config import compose_agreed
-    from hpctrain.run import run
-    from hpctrain.train.watchdog import JobStopped
-
     reason, peak = "", 0.0
     try:
         cfg = compose_agreed(overrides, pm, rt.mpi_comm)

@@ -17,6 +17,7 @@ from hpctrain.errors import CommError, ConfigError, PluginError
 from hpctrain.log import get_logger
 from hpctrain.mesh import Group
 from hpctrain.plugins import get_manager
+from hpctrain.run import resolve_backend_name
 
 from hpctrain_comm_hier.communicator import HierCommunicator
 from hpctrain_comm_hier.layout import Partition, plan_partition
@@ -25,8 +26,6 @@ log = get_logger(__name__)
 
 
 def _resolve(name: str, role: str, device: Any, pm: Any) -> str:
-    from hpctrain.run import resolve_backend_name
-
     resolved = resolve_backend_name(name, device, pm)
     if resolved == "hier":
         raise ConfigError(f"comm.hier.{role}=hier would nest the hierarchical backend in itself")

@@ -33,7 +33,16 @@ from typing import Any, List, Optional
 import torch
 
 from hpctrain.bench.common import Column, Table, machine_summary, print_rank0, refuse, time_collective
+from hpctrain.bootstrap import with_device
+from hpctrain.config.store import to_config
+from hpctrain.data.sequence import SequenceLayout as Layout
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.attention import SdpaAttention
+from hpctrain.plugins import get_manager
+from hpctrain.run import build_mesh
+
+from hpctrain_cp.allgather import AllGatherAttention
+from hpctrain_cp.ring import ComputeTime, RingAttention
 
 
 def _inputs(args: Any, seed: int = 0):
@@ -52,8 +61,6 @@ def _fwd_bwd(core: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
 
 def _one_process(args: Any, world: Any, full) -> float:
     """Median seconds of sdpa forward + backward on the whole sequence (timed on rank 0, given to every rank)."""
-    from hpctrain.model.attention import SdpaAttention
-
     out = None
     if world.Get_rank() == 0:
         core = SdpaAttention()
@@ -72,14 +79,6 @@ def _one_process(args: Any, world: Any, full) -> float:
 
 
 def run(args: Any, rt: Any, pm: Any) -> None:
-    from hpctrain.config.store import to_config
-    from hpctrain.data.sequence import SequenceLayout as Layout
-    from hpctrain.model.attention import SdpaAttention
-    from hpctrain.run import build_mesh
-
-    from hpctrain_cp.allgather import AllGatherAttention
-    from hpctrain_cp.ring import ComputeTime, RingAttention
-
     world, n = rt.mpi_comm, rt.world_size
     cfg = to_config({"comm": {"backend": args.backend}, "parallel": {"cp": n},
                      "trainer": {"seq_len": args.seq, "global_batch_size": 1, "micro_batch_size": 1}}, pm)
@@ -131,9 +130,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bootstrap import with_device
-    from hpctrain.plugins import get_manager
-
     args = _parser().parse_args(argv)
     rt = with_device("cpu")
     if rt.world_size < 2:

@@ -14,6 +14,8 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+
 from hpctrain import hookimpl
 from hpctrain.train.loggers import logging_dir, run_group, run_name
 
@@ -29,8 +31,6 @@ def tracking_uri(cfg: Any, run_dir: str) -> str:
 
 
 def flat_params(cfg: Any) -> Dict[str, str]:
-    from omegaconf import OmegaConf
-
     out: Dict[str, str] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -46,8 +46,8 @@ def flat_params(cfg: Any) -> Dict[str, str]:
 
 class MlflowLogger:
     def __init__(self, cfg: Any, run_dir: str):
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
+        from mlflow.entities import Param  # optional: the mlflow extra
+        from mlflow.tracking import MlflowClient  # optional: the mlflow extra
 
         self.uri = tracking_uri(cfg, run_dir)
         if self.uri.startswith("file:"):
@@ -66,7 +66,7 @@ class MlflowLogger:
         self._pending: List[Any] = []
 
     def log(self, step: int, metrics: Dict[str, float]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional: the mlflow extra
 
         now = int(time.time() * 1000)
         self._pending += [Metric(k, v, now, step) for k, v in metrics.items()]

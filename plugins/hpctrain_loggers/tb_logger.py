@@ -26,7 +26,7 @@ def event_dir(cfg: Any, run_dir: str) -> str:
 
 class TensorBoardLogger:
     def __init__(self, cfg: Any, run_dir: str):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard extra
 
         self.dir = event_dir(cfg, run_dir)
         os.makedirs(self.dir, exist_ok=True)

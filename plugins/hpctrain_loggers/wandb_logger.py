@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional
 
+from omegaconf import OmegaConf
+
 from hpctrain import hookimpl
 from hpctrain.train.loggers import logging_dir, run_group, run_name
 
@@ -23,8 +25,7 @@ MODES = ("offline", "online", "disabled")
 
 class WandbLogger:
     def __init__(self, cfg: Any, run_dir: str):
-        import wandb
-        from omegaconf import OmegaConf
+        import wandb  # optional: the wandb extra
 
         w = cfg.logging.wandb
         self.dir = logging_dir(cfg, run_dir)

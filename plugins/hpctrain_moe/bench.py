@@ -45,9 +45,29 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
+from omegaconf import OmegaConf
 
-from hpctrain.bench.common import Column, Table, machine_summary, paired_ratio, print_rank0, time_interleaved
+from hpctrain.bench.common import (
+    Column,
+    Table,
+    machine_summary,
+    paired_ratio,
+    print_rank0,
+    time_collective,
+    time_interleaved,
+)
+from hpctrain.bench.torch_peer import start
+from hpctrain.comm.differentiable import all_to_all
+from hpctrain.config import plugin_section
+from hpctrain.config.store import to_config
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.aux import collect_aux_losses
+from hpctrain.run import build_mesh
+
+from hpctrain_moe.config import MoEConfig
+from hpctrain_moe.dispatch import combine, dispatch, plan_dispatch
+from hpctrain_moe.layer import MoE, MoERegions
+from hpctrain_moe.router import route
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Group
@@ -61,11 +81,6 @@ DEFAULT_OVERRIDES = (  # 8 experts of width 1024 on d_model 512, top-2; 2048 tok
 def make_layer(cfg: Any, group: Optional[Group], seed: int = 0):
     """The MoE layer of ``cfg`` with random weights (the same on every rank),
     holding this rank's experts of ``group`` (None: all of them)."""
-    from hpctrain.config import plugin_section
-
-    from hpctrain_moe.config import MoEConfig
-    from hpctrain_moe.layer import MoE, MoERegions
-
     m = plugin_section(cfg, "model.moe", MoEConfig)
     torch.manual_seed(seed)
     layer = MoE(cfg.model.d_model, cfg.model.ffn_hidden, m, MoERegions(ep=group))
@@ -89,7 +104,7 @@ def tokens_of(cfg: Any, rank: int) -> torch.Tensor:
 
 def _raw_alltoallv(mpi_comm: Any, send: torch.Tensor, recv: torch.Tensor, send_rows: List[int],
                    recv_rows: List[int], width: int):
-    from mpi4py import MPI
+    from mpi4py import MPI  # after bootstrap: MPI must not start at import
 
     def displs(rows):
         out, at = [], 0
@@ -110,15 +125,6 @@ def _raw_alltoallv(mpi_comm: Any, send: torch.Tensor, recv: torch.Tensor, send_r
 
 
 def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Tuple[Table, float]:
-    from omegaconf import OmegaConf
-
-    from hpctrain.comm.differentiable import all_to_all
-    from hpctrain.config.store import to_config
-    from hpctrain.run import build_mesh
-
-    from hpctrain_moe.dispatch import combine, dispatch, plan_dispatch
-    from hpctrain_moe.router import route
-
     world = rt.mpi_comm
     x = tokens_of(cfg, rt.world_rank).reshape(-1, cfg.model.d_model)
     contenders: List[Tuple[str, Callable[[], Any]]] = []
@@ -175,8 +181,6 @@ def exchange_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Tuple[Table, float]
 
 
 def _forward_backward(layer: Any, x: torch.Tensor) -> None:
-    from hpctrain.model.aux import collect_aux_losses
-
     layer.zero_grad(set_to_none=True)
     with collect_aux_losses() as aux:
         out = layer(x)
@@ -184,12 +188,6 @@ def _forward_backward(layer: Any, x: torch.Tensor) -> None:
 
 
 def layer_table(args: Any, cfg: Any, rt: Any, pm: Any) -> Table:
-    from omegaconf import OmegaConf
-
-    from hpctrain.bench.common import time_collective
-    from hpctrain.config.store import to_config
-    from hpctrain.run import build_mesh
-
     world = rt.mpi_comm
     raw = cast(Dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # (OmegaConf types it for any node)
     raw["comm"]["backend"] = args.backends[0]
@@ -248,8 +246,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from hpctrain.bench.torch_peer import start
-
     args = _parser().parse_args(argv)
     given = [*DEFAULT_OVERRIDES, *args.overrides]
     micro = int([o for o in given if o.startswith("trainer.micro_batch_size=")][-1].split("=", 1)[1])

@@ -38,7 +38,9 @@ import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 
 from hpctrain.bench.common import (
     Column,
@@ -50,7 +52,17 @@ from hpctrain.bench.common import (
     time_interleaved,
 )
 from hpctrain.bench.torch_peer import fill_from_init, start
+from hpctrain.data import DataCursor, SampleOrder, open_source
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.build import build_model, logical_param_count
+from hpctrain.model.shapes import ModelShape
+from hpctrain.optimizers.adamw import build_adamw
+from hpctrain.pipeline.bubble import formula_bubble
+from hpctrain.pipeline.split import model_end_cost, stage_layers
+from hpctrain.run import build_mesh
+from hpctrain.shard import get_spec
+from hpctrain.train.lr_schedule import lr_at, set_lr
+from hpctrain.train.trainer import Trainer
 
 DEFAULT_OVERRIDES = (  # 8 blocks of d_model 256: 2 per virtual stage at pp 2 x vpp 2; 8 micro-batches per step
     "model.d_model=256", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=4",
@@ -79,16 +91,6 @@ class TorchPipelineLoop:
     """Our model's stages under ``torch.distributed.pipelining`` (see the module docstring)."""
 
     def __init__(self, cfg: Any, rt: Any, pm: Any, schedule: str):
-        import torch.distributed as dist
-        from torch.distributed import pipelining
-
-        from hpctrain.data import DataCursor, SampleOrder, open_source
-        from hpctrain.model.build import build_model
-        from hpctrain.model.shapes import ModelShape
-        from hpctrain.pipeline.split import model_end_cost, stage_layers
-        from hpctrain.shard import get_spec
-        from hpctrain.optimizers.adamw import build_adamw
-
         self.cfg, self.dist = cfg, dist
         cls_name, v = SCHEDULES[schedule]
         p, r = rt.world_size, rt.world_rank
@@ -117,8 +119,6 @@ class TorchPipelineLoop:
         self.last_loss: Optional[float] = None
 
     def step(self) -> None:
-        from hpctrain.train.lr_schedule import lr_at, set_lr
-
         cfg = self.cfg
         micro = self.cursor.next_step()
         set_lr(self.optimizer, lr_at(self.step_count, cfg.optim, cfg.trainer.steps))
@@ -151,9 +151,6 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str, schedule: str):
-    from hpctrain.run import build_mesh
-    from hpctrain.train.trainer import Trainer
-
     c = copy.deepcopy(cfg)
     c.comm.backend = backend
     c.parallel.pipeline.schedule = schedule
@@ -189,15 +186,12 @@ def measured_bubbles(trainer: Any, steps: int) -> Dict[str, float]:
         theory = tl.simulated_per_rank()
         measured.append(tl.bubble())
         simulated.append(sum(theory.bubble(r) for r in range(tl.p)) / tl.p)
-    from hpctrain.pipeline.bubble import formula_bubble
 
     return {"measured": statistics.median(measured), "simulated": statistics.median(simulated),
             "formula": formula_bubble(tl.schedule, tl.p, tl.v, tl.m), "m": tl.m, "v": tl.v}
 
 
 def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
-    from hpctrain.model.build import build_model, logical_param_count
-
     world = rt.mpi_comm
     runners = contenders(args, cfg, rt, pm)
     t = cfg.trainer

@@ -161,10 +161,10 @@ def _event(pid: int, rank: int, a: Action, start: float, end: float) -> Dict[str
 
 def draw(tl: PipelineTimeline, path: str) -> None:
     """Measured timeline above the theoretical one, one row per pipeline rank."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, only to draw
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # heavy: matplotlib, only to draw
+    from matplotlib.patches import Patch  # heavy: matplotlib, only to draw
 
     theory = tl.theory()
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 1.0 * tl.p), sharex=True)

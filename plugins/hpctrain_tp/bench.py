@@ -29,8 +29,11 @@ loss, which must agree.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 from typing import Any, Callable, List, Optional, Tuple
+
+from torch.distributed.device_mesh import init_device_mesh
 
 from hpctrain.bench.common import (
     COMPILED,
@@ -45,6 +48,10 @@ from hpctrain.bench.common import (
 )
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.build import build_model, logical_param_count
+from hpctrain.run import build_mesh
+from hpctrain.shard import get_spec
+from hpctrain.train.trainer import Trainer
 
 DEFAULT_OVERRIDES = (  # the dp/zero benches' 3.3M-parameter model, one micro-batch of 8 per step
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -56,8 +63,10 @@ class TorchTpLoop(PeerLoop):
     """The model under torch's tensor-parallel API (see the module docstring)."""
 
     def __init__(self, cfg: Any, rt: Any, pm: Any):
-        from torch.distributed.device_mesh import init_device_mesh
+        # heavy: ~1 s of torch.distributed, only for the torch peer
         from torch.distributed.tensor import Replicate, Shard
+
+        # heavy: ~1 s of torch.distributed, only for the torch peer
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
@@ -66,9 +75,6 @@ class TorchTpLoop(PeerLoop):
             loss_parallel,
             parallelize_module,
         )
-
-        from hpctrain.model.build import build_model
-        from hpctrain.shard import get_spec
 
         model = build_model(cfg, pm)  # meta device
         specs = {name: get_spec(p) for name, p in model.named_parameters()}
@@ -95,11 +101,6 @@ class TorchTpLoop(PeerLoop):
 
 
 def _our_trainer(cfg: Any, rt: Any, pm: Any, backend: str, compile_backend: Optional[str] = None):
-    import copy
-
-    from hpctrain.run import build_mesh
-    from hpctrain.train.trainer import Trainer
-
     c = copy.deepcopy(cfg)
     c.comm.backend = backend
     if compile_backend is not None:
@@ -123,8 +124,6 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
 
 
 def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
-    from hpctrain.model.build import build_model, logical_param_count
-
     world = rt.mpi_comm
     runners = contenders(args, cfg, rt, pm)
     t = cfg.trainer

@@ -48,6 +48,7 @@ import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from hpctrain.bench.common import (
     Column,
@@ -61,6 +62,11 @@ from hpctrain.bench.common import (
 )
 from hpctrain.bench.torch_peer import PeerLoop, fill_from_init, start
 from hpctrain.errors import ArgumentParser
+from hpctrain.model.build import build_model, logical_param_count
+from hpctrain.run import build_mesh
+from hpctrain.shard import get_spec
+from hpctrain.train.trainer import Trainer
+from hpctrain.train.trainer import peak_rss_bytes as mine
 
 DEFAULT_OVERRIDES = (  # as hpctrain-bench dp: 3.3M parameters, a step well under a second per core
     "model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -78,11 +84,8 @@ class Fsdp2Loop(PeerLoop):
     """One training step of the model under FSDP2 (see the module docstring)."""
 
     def __init__(self, cfg: Any, rt: Any, pm: Any, param_dtype: Optional[torch.dtype]):
-        from torch.distributed.device_mesh import init_device_mesh
+        # heavy: ~1 s of torch.distributed, only for the torch peer
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from hpctrain.model.build import build_model
-        from hpctrain.shard import get_spec
 
         model = build_model(cfg, pm)  # meta device
         specs = {name: get_spec(p) for name, p in model.named_parameters()}
@@ -96,9 +99,6 @@ class Fsdp2Loop(PeerLoop):
 
 
 def _zero_trainer(cfg: Any, rt: Any, pm: Any, stage: int, backend: str, param_dtype: str):
-    from hpctrain.run import build_mesh
-    from hpctrain.train.trainer import Trainer
-
     c = copy.deepcopy(cfg)
     c.parallel.zero.stage = stage
     c.parallel.zero.param_dtype = param_dtype
@@ -133,8 +133,6 @@ def contenders(args: Any, cfg: Any, rt: Any, pm: Any) -> List[Contender]:
 
 
 def peak_rss_bytes(world: Any) -> int:
-    from hpctrain.train.trainer import peak_rss_bytes as mine
-
     return max(world.allgather(mine()))
 
 
@@ -160,8 +158,6 @@ def measure_rss(args: Any, labels: List[str], overrides: List[str], rt: Any) -> 
 
 
 def run(args: Any, cfg: Any, rt: Any, pm: Any, overrides: List[str]) -> None:
-    from hpctrain.model.build import build_model, logical_param_count
-
     world = rt.mpi_comm
     runners = contenders(args, cfg, rt, pm)
     if args.rss_out:  # a child job of measure_rss: just train and report the peak

@@ -35,7 +35,11 @@ from typing import Any
 
 import torch
 
+from hpctrain.optimizers.kinds import muon_matrix, state_bytes_per_element
 from hpctrain.planner.memory import sharded_states, zero_in_flight
+from hpctrain.shard import get_spec
+
+from hpctrain_zero.config import dtype_of
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,6 @@ def expected(setup: Any) -> ZeroMemory:
     """The core's table (``hpctrain.planner.memory.sharded_states`` and
     ``zero_in_flight``, the module docstring) for ``setup`` (the plugin's
     handle, ``Zero``), padding included."""
-    from hpctrain_zero.config import dtype_of
-
     z = setup.cfg
     flats = setup.flats
     first = next((p for fg in flats for p in fg.params), None)
@@ -106,9 +108,6 @@ def _state_bytes(setup: Any, optim: Any) -> float:
     """Bytes of LAMB's, LARS's or Muon's state on this rank: per element it
     holds (``hpctrain.optimizers.kinds.state_bytes_per_element``; Muon: 4 on
     its matrices, AdamW's 8 on the rest), shards and unsharded parameters."""
-    from hpctrain.optimizers.kinds import muon_matrix, state_bytes_per_element
-    from hpctrain.shard import get_spec
-
     def per_element(spec: Any) -> float:
         return state_bytes_per_element(optim.name, float(muon_matrix(spec, list(optim.adamw_params))))
 

@@ -26,10 +26,13 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Files whose function-level imports are still being commented by the one who owns them
-# (issue 58: the lead's files, edited in parallel). Empty it as each is done; a file listed
-# here that has no uncommented import left fails test_the_pending_list_is_current.
+# Files whose function-level imports are still being sorted out by the one who owns them
+# (issue 58: the lead's files, edited in parallel with this test). Remove each as it is done;
+# a file listed here with no uncommented import left fails test_the_pending_list_is_current.
 PENDING: Set[str] = {
+    "plugins/hpctrain_comm_hier/plugin.py",
+    "plugins/hpctrain_comm_mpi/plugin.py",
+    "plugins/hpctrain_comm_torch/plugin.py",
 }
 
 
@@ -188,3 +191,17 @@ def test_a_cycle_is_found():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"b": 2}}) is None
+
+
+def test_every_function_level_import_says_why():
+    found = {f: lines for f, lines in uncommented_imports().items() if f not in PENDING}
+    listing = "\n".join(f"  {f}:{line}" for f, lines in sorted(found.items()) for line in lines)
+    assert not found, ("an import inside a function needs a reason in a comment on its line or the line "
+                       "above (optional extra, heavy start-up, after bootstrap, a cycle), or it belongs at "
+                       f"the top of its module:\n{listing}")
+
+
+def test_the_pending_list_is_current():
+    found = uncommented_imports()
+    done = sorted(f for f in PENDING if f not in found)
+    assert not done, f"no uncommented import left: remove from PENDING in {__file__}: {done}"
