@@ -157,7 +157,7 @@ def tokenizer_section(args: argparse.Namespace, comm: Any) -> int:
         return 0
     os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")  # before tokenizers is imported: one core, as prepare's encoders
     try:
-        import tokenizers  # noqa: F401
+        import tokenizers  # noqa: F401 - optional: the data extra
     except ImportError:
         return refuse(None, "hpctrain-bench data: the tokenizer section needs the tokenizers package; "
                             "pip install 'hpctrain[data]'")

@@ -24,8 +24,11 @@ from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.data.sources import check_data_config, data_vocab_size
 from hpctrain.errors import ConfigError, PluginError
 from hpctrain.hf.config import hf_model_problems
+from hpctrain.hf.weights import init_from_problems
 from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
 from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
+from hpctrain.model.compile import backends
+from hpctrain.model.recompute import RECOMPUTE
 from hpctrain.model.shapes import ModelShape
 from hpctrain.optimizers.checks import optimizer_problems
 from hpctrain.plugins import broke_contract, call_each
@@ -159,7 +162,6 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     given = {a: p[a] for a in AXES}
     problems = check_layout(given, t, cfg.model, world_size, p.order, bool(p.sequence_parallel))
     sizes, _ = given_sizes(given, world_size, p.order, [])  # check_layout has reported a bad product
-    from hpctrain.model.recompute import RECOMPUTE
     if cfg.model.recompute not in RECOMPUTE:
         problems.append(f"model.recompute={cfg.model.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if t.precision not in PRECISIONS:
@@ -181,7 +183,6 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
     if t.compile_backend != "inductor":  # (the default needs no look-up: listing backends imports dynamo)
-        from hpctrain.model.compile import backends
         if t.compile_backend not in backends():
             problems.append(f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "
                             f"use inductor or aot_eager (or one of {', '.join(backends())})")
@@ -257,7 +258,6 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     hf_problems = hf_model_problems(cfg)
     problems += hf_problems
     if not problems:  # the model's tensors are built (on the meta device) to check the weights against
-        from hpctrain.hf.weights import init_from_problems
 
         problems += init_from_problems(cfg, pm)
     problems += optimizer_problems(cfg, pm, caps.get("optim", []))

@@ -19,6 +19,8 @@ import os
 import statistics
 from typing import Any, Dict, List, Sequence
 
+from omegaconf import OmegaConf
+
 from hpctrain.config.store import run_config_path
 from hpctrain.errors import ConfigError
 from hpctrain.planner.plan import make_plan
@@ -36,8 +38,6 @@ def read_run(run_dir: str) -> Dict[str, Any]:
             raise ConfigError(f"--compare {run_dir}: {path} does not exist; give the run directory of a finished "
                               "hpctrain-train run (it holds .hydra/ and metrics.jsonl)")
     assert config is not None  # (the loop refused a directory without one)
-    from omegaconf import OmegaConf
-
     cfg: Any = OmegaConf.to_container(OmegaConf.load(config))
     vocab = (cfg.get("model") or {}).get("vocab_size")
     if isinstance(vocab, str):  # auto, in a run older than its resolved_config.yaml
