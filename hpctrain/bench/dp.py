@@ -100,7 +100,7 @@ class StepLoop:
         if sync == "hpctrain":  # on the meta model, as the composition does: the data axes' handle
             name = axis_plugin(pm, cfg, "dp")
             assert name is not None  # hpctrain installs its dp plugin
-            self.data = parallelize_caller(pm, name)(model=model, axis="dp", mesh=mesh, cfg=cfg)
+            self.data = parallelize_caller(pm, name)(model=model, axis="dp", mesh=mesh, cfg=cfg, run_dir=None)
         materialize(model, rt.device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers)
         self.data.after_materialize()
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from hpctrain import hookimpl
+from hpctrain.plugins import capabilities, get_manager
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.comm.protocol import Communicator
@@ -74,7 +75,6 @@ def hpctrain_register_configs(config_store):
 def hpctrain_validate(cfg, world_size) -> Optional[List[str]]:
     if not _uses_hier(cfg):
         return None
-    from hpctrain.plugins import capabilities, get_manager
 
     opts, problems = options(cfg), []
     served = capabilities(get_manager()).get("comm.backend", [])
@@ -95,6 +95,8 @@ def hpctrain_validate(cfg, world_size) -> Optional[List[str]]:
 def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name != NAME:
         return None
-    from hpctrain_comm_hier.build import build_hier
+    from hpctrain_comm_hier.build import (
+        build_hier,  # heavy (hpctrain.run): when a backend is made, not at plugin loading
+    )
 
     return build_hier(group, cfg, options(cfg))

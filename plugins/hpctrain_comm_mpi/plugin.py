@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from hpctrain import hookimpl
+from hpctrain.bootstrap import get_runtime
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.comm.protocol import Communicator
@@ -57,10 +58,9 @@ def hpctrain_register_configs(config_store):
 def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name != NAME:
         return None
-    from hpctrain.bootstrap import get_runtime
 
-    from hpctrain_comm_mpi.buffers import detect_cuda_aware
-    from hpctrain_comm_mpi.communicator import MpiCommunicator
+    from hpctrain_comm_mpi.buffers import detect_cuda_aware  # MPI starts at import: after bootstrap only
+    from hpctrain_comm_mpi.communicator import MpiCommunicator  # MPI starts at import: after bootstrap only
 
     opts = options(cfg)
     return MpiCommunicator(group, get_runtime().mpi_comm, check_shapes=opts.check_shapes,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+
 from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime, init_torch_distributed
 
@@ -22,7 +24,9 @@ def hpctrain_capabilities():
 def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communicator]:
     if name not in NAMES:
         return None
-    from hpctrain_comm_torch.communicator import TorchCommunicator
+    from hpctrain_comm_torch.communicator import (
+        TorchCommunicator,  # torch.distributed: when a group's communicator is made
+    )
 
     rt = get_runtime()
     backend = name if name != "torch" else ("nccl" if rt.device.type == "cuda" else "gloo")
@@ -32,8 +36,6 @@ def hpctrain_make_backend(name: str, group: Group, cfg: Any) -> Optional[Communi
 
 @hookimpl
 def hpctrain_validate(cfg, world_size):
-    import torch
-
     uses_nccl = cfg.comm.backend == "nccl" or "nccl" in dict(cfg.comm.per_axis).values()
     if uses_nccl and not torch.cuda.is_available():
         return ["comm.backend=nccl needs CUDA GPUs; use comm.backend=torch (gloo on CPU)"]

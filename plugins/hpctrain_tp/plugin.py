@@ -38,7 +38,7 @@ from hpctrain.parallel.handles import AxisHandle
 from hpctrain.shard import get_spec
 
 from hpctrain_tp.layers import SumOverTensorParallel, TensorParallelLinears, column_parallel, row_parallel
-from hpctrain_tp.regions import TensorParallelRegions as Regions
+from hpctrain_tp.regions import TensorParallelRegions
 from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
 
 log = get_logger(__name__)
@@ -66,7 +66,7 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
                     "parallel.order", mesh.node_local("tp").size, tp)
     assert isinstance(model, Transformer)  # tp is the first axis: the core model
     sequence_parallel = bool(cfg.parallel.sequence_parallel)
-    regions = Regions(group, sequence_parallel)
+    regions = TensorParallelRegions(group, sequence_parallel)
     shape = model.shape
     head_dim = shape.head_dim
     kv_pieces = None if shape.n_kv_heads >= tp else shape.n_kv_heads
@@ -105,7 +105,7 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
     return AxisHandle(model)
 
 
-def _vocab_parallel(model: Transformer, mesh: Mesh, regions: Regions, padded: int) -> None:
+def _vocab_parallel(model: Transformer, mesh: Mesh, regions: TensorParallelRegions, padded: int) -> None:
     """Cut the embedding and output rows (one tensor when tied) into padded ranges."""
     rows = padded // regions.group.size
     start = mesh.coords["tp"] * rows

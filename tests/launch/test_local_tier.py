@@ -7,7 +7,10 @@ ranks of node 2 are gone) and records ``last_failure.json``; the test deletes no
 step 20, fetches ranks 4 and 5's state from node 0 (their partner), and
 its per-step losses from step 21 on are bit-identical to an uninterrupted
 run's; metrics.jsonl's first step after the restart carries the recovery
-fields."""
+fields. Before the relaunch the test also flips one byte of rank 0's own
+file of step 20 on node 0 (issue 61: one damaged file crash-looped every
+relaunch): the relaunch finds it by its checksum, says so in one line and
+takes rank 0's copy on node 1 instead, bit-identically."""
 import json
 import shutil
 import subprocess
@@ -49,11 +52,17 @@ def test_a_lost_node_resumes_from_its_partners_copies_bit_identically(tmp_path):
     assert sorted(p.name for p in (local / "node_2").iterdir()) == ["step_00000015", "step_00000020"]
     shutil.rmtree(local / "node_2")  # the lost node's storage goes with it
     assert not list(tmp_path.glob("job/ck/*.h5"))  # nothing persistent to fall back on
+    damaged = local / "node_0" / "step_00000020" / "rank_00000.bin"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
 
     again = _run(tmp_path, "job")
     assert again.returncode == 0, again.stderr
     assert "resumed from the local tier" in again.stderr and "at step 20" in again.stderr, again.stderr
-    assert "2 rank(s)' state fetched from partner nodes" in again.stderr
+    assert "3 rank(s)' state fetched from partner nodes" in again.stderr  # ranks 4 and 5, and rank 0's damaged copy
+    [line] = [x for x in again.stderr.splitlines() if "damaged copy" in x]
+    assert "rank 0's state of step 20 on node 0: checksum mismatch" in line and "using the partner node's copy" in line
     assert "nothing to resume from" not in again.stderr and "starting from step 0" not in again.stderr
     assert "resumed at step 20 from the local tier, 3 step(s) recomputed" in again.stderr
     got = _metrics(run)

@@ -29,7 +29,8 @@ def data_parallel(model, mesh, cfg, pm):
     from hpctrain.plugins import axis_plugin, parallelize_caller
 
     assign_specs(model)
-    handle = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg)
+    handle = parallelize_caller(pm, axis_plugin(pm, cfg, "dp"))(model=model, axis="dp", mesh=mesh, cfg=cfg,
+                                                                run_dir=None)
     handle.after_materialize()
     return handle
 
