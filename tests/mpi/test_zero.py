@@ -72,7 +72,7 @@ def test_stage3_gathers_each_unit_twice_per_microbatch_and_frees_it(world, pm, o
     assert all(b.untyped_storage().nbytes() == 0 for u in gatherer.units for b in u.buffers)
     keep = _trainer(pm, "parallel.zero.stage=3", "parallel.zero.reshard_after_forward=false")
     got = record(keep, STEPS)
-    assert keep.data.gatherer.gathers == STEPS * keep.cursor.num_microbatches * units
+    assert keep.data_handle.gatherer.gathers == STEPS * keep.cursor.num_microbatches * units
     assert_parity(got, one_process, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 
