@@ -6,22 +6,19 @@ under ``mpiexec -n N python -m pytest --with-mpi tests/mpi`` and are marked
 ranks. Every rank runs the whole session, so fixtures that touch the
 filesystem agree on one path through MPI.
 
-At 8 ranks (and more) only the tests written for 8 ranks and those marked
-``every_size`` run: 8 oversubscribed ranks cost several times what 4 do on
-a small CI machine, and a test written for 2 or 4 ranks has already run at
-2 and 4 (at 8 the same code gets only a larger dp). Mark ``every_size`` what
-the world size changes (collectives, resharding, shard padding, emulated
-nodes, tp = the world). ``HPCTRAIN_TEST_EVERY_SIZE=1`` runs every test at
-every size.
-
-Below 8, a test written for 2 ranks runs at 4 too, unless it is marked
-``same_at_every_size``: what it checks does not depend on the world size
-(a fixed layout, a file format, a message), so it runs at its ``min_size``
-only. Mark that only where a larger world changes nothing the test looks at.
+A test runs at the world size it is written for (its ``min_size``) and at
+larger sizes only when marked ``every_size``: what it checks changes with the
+world size (collectives over the world, a dp or ep of the world's size, shard
+padding, emulated nodes, tp = the world). A test with a fixed layout written
+for 2 ranks gets only an extra dp at 4 or 8, which the tests written for 4
+and 8 (tp x dp, pp x dp, 3D) check on their own; 8 oversubscribed ranks
+cost several times what 4 do on a small CI machine. ``HPCTRAIN_TEST_EVERY_SIZE=1``
+runs every test at every size.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -79,33 +76,36 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "build", "inductor-cache"))
 
-#: from this world size on, tests written for fewer ranks run only when marked ``every_size``
-LARGE_WORLD = 8
-
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "every_size: a test written for fewer ranks that also runs at 8 and more (see tests/conftest.py)")
-    config.addinivalue_line(
-        "markers", "same_at_every_size: the world size changes nothing this test checks: it runs at its min_size "
-                   "only (see tests/conftest.py)")
+        "markers", "every_size: the world size changes what this test checks: it runs at every world size from its "
+                   "min_size up, not only at its min_size (see tests/conftest.py)")
+
+
+def _runs_every_size(config) -> bool:
+    return not config.getoption("--with-mpi", default=False) or os.environ.get("HPCTRAIN_TEST_EVERY_SIZE") == "1"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Above 2 ranks, a test module with nothing written for this size and nothing marked
+    ``every_size`` is not even imported: collecting it costs every rank seconds of imports."""
+    if _runs_every_size(config) or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    size = _world().Get_size()
+    if size <= 2:
+        return None
+    text = collection_path.read_text()
+    return None if "every_size" in text or re.search(rf"min_size={size}\b", text) else True
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--with-mpi", default=False) or os.environ.get("HPCTRAIN_TEST_EVERY_SIZE") == "1":
+    if _runs_every_size(config):
         return
     size = _world().Get_size()
     for item in items:
         mpi = item.get_closest_marker("mpi")
         written_for = mpi.kwargs.get("min_size", 1) if mpi is not None else None
-        if written_for is not None and size > written_for and item.get_closest_marker("same_at_every_size"):
-            item.add_marker(pytest.mark.skip(reason=f"same at every size: runs at {written_for} ranks only"))
-    if size < LARGE_WORLD:
-        return
-    for item in items:
-        mpi = item.get_closest_marker("mpi")
-        written_for = mpi.kwargs.get("min_size", 1) if mpi is not None else None
-        if written_for is not None and written_for < LARGE_WORLD and item.get_closest_marker("every_size") is None:
-            skip = pytest.mark.skip(reason=f"written for {written_for} ranks: runs below {LARGE_WORLD}, "
-                                           f"at {size} only if marked every_size")
-            item.add_marker(skip)
+        if written_for is not None and size > written_for and item.get_closest_marker("every_size") is None:
+            item.add_marker(pytest.mark.skip(reason=f"written for {written_for} ranks: runs at {size} only if marked "
+                                                    "every_size"))

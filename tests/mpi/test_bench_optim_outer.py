@@ -10,7 +10,6 @@ import pytest
 TINY = ("model.d_model=64", "model.n_layers=1", "trainer.seq_len=32", "trainer.global_batch_size=4")
 
 
-@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 def test_diloco_section_reports_every_contender(world):
     from hpctrain.bench._optim_outer import diloco_section

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from cli_session import metrics, module_dir, remove_dir, train
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.same_at_every_size]
+pytestmark = pytest.mark.mpi(min_size=2)
 
 
 @pytest.fixture(scope="module")

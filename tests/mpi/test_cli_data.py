@@ -32,7 +32,7 @@ from cli_session import command, metrics, run_main, train
 from hpctrain.data.embedded import generate_corpus
 from hpctrain.data.indexed import IndexedDataset, IndexedWriter
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.same_at_every_size]
+pytestmark = pytest.mark.mpi(min_size=2)
 tokenizers = pytest.importorskip("tokenizers")
 spm = pytest.importorskip("sentencepiece")
 pa = pytest.importorskip("pyarrow")

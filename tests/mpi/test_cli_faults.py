@@ -26,7 +26,6 @@ def _verify(world, path):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.same_at_every_size
 def test_nan_at_step_3_with_stop_keeps_the_last_finite_checkpoint(world, job, shared_tmp):
     ckpt = os.path.join(shared_tmp, "ckpt")
     j = job("trainer.steps=6", "checkpoint.every=1", f"checkpoint.dir={ckpt}", "debug.fault=nan",
@@ -40,7 +39,6 @@ def test_nan_at_step_3_with_stop_keeps_the_last_finite_checkpoint(world, job, sh
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.same_at_every_size
 def test_nan_at_step_3_with_skip_trains_on_and_counts_it(job, shared_tmp):
     j = job("trainer.steps=5", "reliability.nonfinite=skip", "debug.fault=nan", "debug.fault_rank=1",
             "debug.fault_step=3")
@@ -65,7 +63,6 @@ def test_a_corrupted_replica_is_named(world, job):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.same_at_every_size
 def test_a_heartbeat_address_that_is_not_rank_0s_is_one_clear_line(job, monkeypatch):
     """Rank 0 listens only on the address it advertises (not on every interface)."""
     monkeypatch.setenv("HPCTRAIN_MASTER_ADDR", "0.0.0.1")

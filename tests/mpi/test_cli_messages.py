@@ -13,7 +13,7 @@ import os
 import pytest
 from cli_session import metrics, train
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.same_at_every_size]
+pytestmark = pytest.mark.mpi(min_size=2)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import os
 import pytest
 from cli_session import command, metrics, run_main, train
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.same_at_every_size]
+pytestmark = pytest.mark.mpi(min_size=2)
 
 SMALL = ["trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32"]
 

@@ -61,7 +61,6 @@ def _check(pm, model, *layout):
     return trainer
 
 
-@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
 def test_masking_changes_the_one_process_run(world, pm, model):

@@ -15,7 +15,6 @@ import pytest
 MAX_RANKS = 4
 
 
-@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 def test_comm_bench_prints_a_row_per_implementation(world, capsys):
     from hpctrain.bench import comm

@@ -61,6 +61,7 @@ def _rank_grads(rank: int):
             for k in SIZES]
 
 
+@pytest.mark.every_size  # the average over the world: its roundings grow with the replicas
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("backend", ["torch", "mpi"])
 @pytest.mark.parametrize("compress", list(WIRE))

@@ -49,12 +49,14 @@ def _check(mesh, spec, logical):
     assert got == pytest.approx(want, rel=RTOL)
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_replicated(world, make_config, pm):
     mesh = _mesh(world, make_config, pm, dp=-1)  # every rank holds all of it
     _check(mesh, replicated_spec("w", (8, 6)), _logical((8, 6)))
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_split(world, make_config, pm):
     n = world.Get_size()
@@ -64,6 +66,7 @@ def test_split(world, make_config, pm):
         _check(mesh, replicated_spec("w", (8, 16)).split(1, ("dp", "tp")), _logical((8, 16), 2))
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_padded(world, make_config, pm):
     n = world.Get_size()
@@ -75,6 +78,7 @@ def test_padded(world, make_config, pm):
     _check(mesh, spec, _logical((5, 3), 3))
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_replicated_pieces(world, make_config, pm):
     n = world.Get_size()
@@ -88,6 +92,7 @@ def test_replicated_pieces(world, make_config, pm):
     _check(mesh, qkv, _logical((4 * n + 16, 3), 5))
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_flat(world, make_config, pm):
     mesh = _mesh(world, make_config, pm, dp=-1)
@@ -96,6 +101,7 @@ def test_flat(world, make_config, pm):
     _check(mesh, replicated_spec("w", (3, 2)).flat_split("dp", offset=40, total=50), _logical((3, 2), 7))
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_ranks_without_gradients_enter_the_same_collective(world, make_config, pm):
     """A pipeline stage with no gradient at all, and a tensor tied across the
@@ -113,6 +119,7 @@ def test_ranks_without_gradients_enter_the_same_collective(world, make_config, p
     assert _norm(mesh, pairs) == pytest.approx(want, rel=RTOL)
 
 
+@pytest.mark.every_size  # the pieces each rank holds change with the world size
 @pytest.mark.mpi(min_size=2)
 def test_loss_is_the_global_token_mean(world, make_config, pm):
     """The loss rides the same all-reduce: sum over ranks of loss sums over their tokens."""

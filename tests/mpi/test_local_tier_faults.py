@@ -26,7 +26,7 @@ from mpi4py import MPI
 from hpctrain.bootstrap import get_runtime
 from hpctrain.train import checkpointing
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.same_at_every_size]
+pytestmark = pytest.mark.mpi(min_size=2)
 
 RUN = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.progress=off",
        "trainer.log_every=1", "model.d_model=32", "model.n_layers=1", "parallel.dp=2",

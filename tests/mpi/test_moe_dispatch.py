@@ -80,6 +80,7 @@ def _ep_group(world, pm):
     return group
 
 
+@pytest.mark.every_size  # ep is the world: every rank's exchange has world-size - 1 peers
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("routing", ["random", "first rank only"])
 @pytest.mark.parametrize("drop", [False, True])

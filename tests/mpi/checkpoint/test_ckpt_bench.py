@@ -9,7 +9,6 @@ import os
 import pytest
 
 
-@pytest.mark.same_at_every_size
 @pytest.mark.mpi(min_size=2)
 def test_ckpt_bench_prints_its_tables_and_keeps_only_the_last_files(world, shared_tmp, capsys):
     from hpctrain.bench import ckpt

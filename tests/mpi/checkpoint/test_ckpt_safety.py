@@ -193,7 +193,6 @@ def test_an_in_place_write_before_the_copy_fails_the_save_on_every_rank(shared_t
     assert t.checkpointer.stats[-1].committed
 
 
-@pytest.mark.same_at_every_size
 def test_corrupt_newest_checkpoint_is_named_and_auto_falls_back(baseline, shared_tmp):
     d = _copy(baseline, f"{shared_tmp}/flip")
     bad = _ck(d, 4)
@@ -218,7 +217,6 @@ def test_corrupt_newest_checkpoint_is_named_and_auto_falls_back(baseline, shared
         assert any(bad in r.getMessage() and "skipping" in r.getMessage() for r in logged)
 
 
-@pytest.mark.same_at_every_size
 def test_truncated_newest_checkpoint_is_named_and_auto_falls_back(baseline, shared_tmp):
     d = _copy(baseline, f"{shared_tmp}/trunc")
     bad = _ck(d, 4)
@@ -248,7 +246,6 @@ def test_a_failed_save_loses_nothing(baseline, shared_tmp, monkeypatch):
         r.read({})  # still complete and verified
 
 
-@pytest.mark.same_at_every_size
 def test_keep_last_k(shared_tmp):
     d = f"{shared_tmp}/keep"
     build_trainer(f"checkpoint.dir={d}", "checkpoint.keep=2", "trainer.steps=3", "checkpoint.every=1").fit()

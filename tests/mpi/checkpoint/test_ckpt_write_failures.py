@@ -5,9 +5,10 @@ readable, one message naming the space. At 4 ranks; the full disk is a
 small tmpfs mounted here (root only)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -16,7 +17,7 @@ from mpi4py import MPI
 
 from hpctrain.parity import on_rank0
 
-from ckpt_helpers import build_trainer, clean_env
+from ckpt_helpers import build_trainer
 from hpctrain_h5ckpt import h5io, space
 from hpctrain_h5ckpt.checkpointer import H5Checkpointer
 from hpctrain_h5ckpt.errors import CheckpointSaveFailed
@@ -56,11 +57,17 @@ def _files(d):
 
 
 def _readable(path):
-    """``hpctrain-ckpt verify``: every checksum and every value of the older checkpoint."""
-    exe = os.path.join(os.path.dirname(sys.executable), "hpctrain-ckpt")
-    done = on_rank0(MPI.COMM_WORLD, lambda: subprocess.run([exe, "verify", path], env=clean_env(),
-                                                           capture_output=True, text=True, timeout=120))
-    assert done.returncode == 0, done.stdout + done.stderr
+    """``hpctrain-ckpt verify`` (its ``main``, on rank 0): every checksum and every value of the older
+    checkpoint. The file is read serially, as the command reads it."""
+    from hpctrain_h5ckpt.cli import main as ckpt_main
+
+    def verify():
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = ckpt_main(["verify", path])
+        return code, out.getvalue()
+    code, out = on_rank0(MPI.COMM_WORLD, verify)
+    assert code == 0 and out.startswith("OK "), out
 
 
 def _one_step_then_save(d, *overrides):
