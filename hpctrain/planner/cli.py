@@ -3,6 +3,7 @@
     hpctrain-plan model=llama3-8b cluster=h100-80gb cluster.gpus=64 \\
         trainer.global_batch_size=512 trainer.seq_len=8192 \\
         [--json] [--top N] [--calibration FILE] [--pin zero=1] [--pin recompute=selective]
+    hpctrain-plan --validate [TABLE] [--json]   (the planner against published runs)
 
 Arguments are the same Hydra overrides ``hpctrain-train`` takes (the config
 is composed the same way, plugins' sections included). Explicit
@@ -45,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                         "schedule=1f1b|interleaved|zb-h1|gpipe, vpp=N, layers=[7,8,8,7], "
                         "optim=adamw|lamb|lars|muon (the optimizer's state bytes; the same as the optim=NAME "
                         "override) (repeatable)")
+    p.add_argument("--validate", nargs="?", const="", metavar="TABLE",
+                   help="pin the planner to each published run's layout (hpctrain/planner/published_runs.yaml, or "
+                        "TABLE) and print predicted against published MFU with the summary (docs/planner.md)")
     return p
 
 
@@ -55,6 +59,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hpctrain.planner.plan import check_with_training, make_plan, parse_pins  # heavy: after parsing (above)
     from hpctrain.plugins import create_manager  # heavy: after parsing (above)
 
+    if args.validate is not None:
+        from hpctrain.planner import validate  # heavy: after parsing (above)
+
+        try:
+            outcomes, table = validate.run_validation(args.validate or None, args.overrides, create_manager)
+        except HpctrainError as e:
+            write_error(str(e))
+            return 2
+        print(json.dumps(validate.as_json(outcomes, table), indent=1) if args.json else validate.text(outcomes, table))
+        return 0
     if args.compare:
         from hpctrain.planner.compare import compare  # heavy: after parsing (above)
 
