@@ -33,7 +33,8 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    """Decoder-only transformer shape (Llama-style: RMSNorm, RoPE, SwiGLU, GQA)."""
+    """Decoder-only transformer shape (Llama-style: RMSNorm, RoPE, SwiGLU, GQA; Qwen2's q/k/v biases and
+    Qwen3's qk-norm as options)."""
 
     name: str = "tiny"
     """Preset name, recorded in metrics and checkpoints."""
@@ -47,6 +48,15 @@ class ModelConfig:
     """Attention (query) heads a."""
     n_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention; None means n_heads (MHA)."""
+    head_dim: Optional[int] = None
+    """Size of one attention head (even, for RoPE); None means d_model / n_heads. Set, it may differ from that
+    (Qwen3 0.6B: 16 heads of 128 over a hidden size of 1024): the query projection is then d_model ->
+    n_heads x head_dim and the output projection back."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2); the output projection has none."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head (weights of size head_dim, shared by the heads), applied before
+    RoPE (Qwen3)."""
     ffn_hidden: Optional[int] = None
     """SwiGLU inner size; None means Llama's rule: 8h/3 rounded up to ffn_multiple_of."""
     ffn_multiple_of: int = 32

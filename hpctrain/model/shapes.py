@@ -39,6 +39,11 @@ def padded_vocab(vocab_size: int, tp: int, pad_to: Optional[int] = None) -> int:
     return -(-vocab_size // m) * m
 
 
+def _key(m: Any, key: str) -> Any:
+    """``m.key``, or None for a config without it (a model config of an older checkpoint)."""
+    return m.get(key) if hasattr(m, "get") else getattr(m, key, None)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     vocab_size: int
@@ -48,10 +53,21 @@ class ModelShape:
     n_kv_heads: int
     ffn_hidden: int
     tie_embeddings: bool
+    explicit_head_dim: Optional[int] = None
+    """``model.head_dim`` when set (it may differ from d_model / n_heads); None: d_model / n_heads."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (``model.qkv_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm weights of size head_dim on the queries and keys (``model.qk_norm``)."""
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim if self.explicit_head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection's output (and the output projection's input)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -61,11 +77,16 @@ class ModelShape:
     def from_config(cls, m: Any) -> "ModelShape":
         """From a ModelConfig (dataclass or DictConfig), checking consistency."""
         n_kv = m.n_kv_heads if m.n_kv_heads is not None else m.n_heads
-        if m.d_model % m.n_heads:
+        head_dim = _key(m, "head_dim")
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2
+                                     or head_dim % 2):
+            raise ConfigError(f"model.head_dim={head_dim}: must be null or an even integer >= 2 (RoPE rotates "
+                              "pairs of a head's dims)")
+        if head_dim is None and m.d_model % m.n_heads:
             raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
         if m.n_heads % n_kv:
             raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={n_kv}")
-        if (m.d_model // m.n_heads) % 2:
+        if head_dim is None and (m.d_model // m.n_heads) % 2:
             raise ConfigError(f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
         ffn: Optional[int] = m.ffn_hidden
         return cls(
@@ -76,13 +97,21 @@ class ModelShape:
             n_kv_heads=n_kv,
             ffn_hidden=ffn if ffn is not None else default_ffn_hidden(m.d_model, m.ffn_multiple_of),
             tie_embeddings=bool(m.tie_embeddings),
+            explicit_head_dim=head_dim,
+            qkv_bias=bool(_key(m, "qkv_bias")),
+            qk_norm=bool(_key(m, "qk_norm")),
         )
 
     # -- parameter counts (logical, unsharded) ---------------------------
     @property
     def attention_params(self) -> int:
-        h = self.d_model
-        return h * h + 2 * h * self.kv_dim + h * h  # wq, wk, wv, wo
+        h, q, kv = self.d_model, self.q_dim, self.kv_dim
+        out = h * q + 2 * h * kv + q * h  # wq, wk, wv, wo
+        if self.qkv_bias:
+            out += q + 2 * kv
+        if self.qk_norm:
+            out += 2 * self.head_dim
+        return out
 
     @property
     def ffn_params(self) -> int:

@@ -1,4 +1,6 @@
-"""Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+"""Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention; as
+options of the same forward, Qwen2's q/k/v biases and Qwen3's qk-norm
+(``Attention``) and a head size other than d_model / n_heads.
 
 Replaceable parts: ``block.attn.core`` (core attention), ``block.ffn`` (the
 feed-forward block: SwiGLU here, MoE from a plugin) and ``model.loss_fn``
@@ -9,10 +11,12 @@ block's forward (so recomputation, MoE and context parallelism keep
 working under every axis):
 
 - ``Attention.linears`` and ``SwiGLU.linears`` (``Linears``): how the input
-  projections (Q/K/V; gate/up) and the output projection compute. Tensor
-  parallelism puts its column/row-parallel region here;
+  projections (Q/K/V with their biases, if any; gate/up) and the output
+  projection compute. Tensor parallelism puts its column/row-parallel region
+  here;
 - ``RMSNorm.weight_view``: the weight as forward uses it (sequence
-  parallelism routes it through a collective that sums its gradient).
+  parallelism routes it through a collective that sums its gradient; so
+  does tensor parallelism for qk-norm, each rank normalising its own heads).
 
 Head counts are derived from the projection outputs at run time, so a
 plugin that narrows ``wq``/``wk``/``wv`` to a rank's heads, or gathers the
@@ -52,7 +56,8 @@ class Linears:
     """How a sub-layer's projections compute (one process: each ``nn.Linear`` called).
 
     ``columns(x, linears)`` projects the sub-layer input ``x`` by each of
-    ``linears`` (Q/K/V, or gate/up); ``rows(y, linear)`` projects back to
+    ``linears`` (Q/K/V, or gate/up), its bias added when it has one
+    (``model.qkv_bias``); ``rows(y, linear)`` projects back to
     the hidden size (the output projection). Tensor parallelism replaces this
     object with one that enters and leaves its region. The one-process
     version calls the modules, so whatever wraps or hooks them (torch's own
@@ -149,17 +154,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. Options of the shape (``ModelShape``): ``qkv_bias``, biases on ``wq``, ``wk``
+    and ``wv`` (Qwen2; ``wo`` has none), initialised to zero; ``qk_norm``, an RMSNorm over each query and key
+    head (``q_norm``, ``k_norm``: one weight of size head_dim each, shared by the heads), applied before RoPE
+    (Qwen3). Both go through the seams: the biases are the projections' own (``Linears``), the norms'
+    weights pass ``RMSNorm.weight_view``."""
+
     param_init: Dict[str, str] = {}
 
-    def __init__(self, shape: ModelShape, core: nn.Module):
+    def __init__(self, shape: ModelShape, core: nn.Module, eps: float = 1e-5):
         super().__init__()
         self.head_dim = shape.head_dim
-        self.wq = nn.Linear(shape.d_model, shape.n_heads * shape.head_dim, bias=False)
-        self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
-        self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
-        self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
+        bias = shape.qkv_bias
+        self.wq = nn.Linear(shape.d_model, shape.q_dim, bias=bias)
+        self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=bias)
+        self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=bias)
+        self.wo = nn.Linear(shape.q_dim, shape.d_model, bias=False)
         # (cast: torch types Module.__setattr__ for tensors and modules only)
         cast(Any, self.wo).param_init = {"weight": "normal_scaled"}
+        if bias:
+            for linear in (self.wq, self.wk, self.wv):
+                cast(Any, linear).param_init = {"bias": "zeros"}
+        self.q_norm: Optional[RMSNorm] = RMSNorm(shape.head_dim, eps) if shape.qk_norm else None
+        """qk-norm of the query heads (None: none)."""
+        self.k_norm: Optional[RMSNorm] = RMSNorm(shape.head_dim, eps) if shape.qk_norm else None
+        """qk-norm of the key heads (None: none)."""
         self.core = core
         self.linears: Linears = LOCAL
         """The projections' seam (see ``Linears``)."""
@@ -172,8 +191,10 @@ class Attention(nn.Module):
         index, handed to the core (which is called with q, k, v alone when None)."""
         q, k, v = self.linears.columns(x, [self.wq, self.wk, self.wv])
         b, t = q.shape[:2]  # t: the tokens the projections produced (sequence parallelism gathers them)
-        q = apply_rope(q.view(b, t, -1, self.head_dim), cos, sin)
-        k = apply_rope(k.view(b, t, -1, self.head_dim), cos, sin)
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(b, t, -1, self.head_dim)
         args: Tuple[torch.Tensor, ...] = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         if segments is not None:
@@ -201,7 +222,7 @@ class Block(nn.Module):
     def __init__(self, shape: ModelShape, eps: float, attention_core: nn.Module, ffn: nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(shape.d_model, eps)
-        self.attn = Attention(shape, attention_core)
+        self.attn = Attention(shape, attention_core, eps)
         self.ffn_norm = RMSNorm(shape.d_model, eps)
         self.ffn = ffn
         self.recompute = False

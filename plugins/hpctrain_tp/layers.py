@@ -9,7 +9,12 @@ one-process names and checkpoints hold logical tensors:
 - attention: ``wq`` column-parallel by whole heads; ``wk``/``wv`` too, or,
   when tp > n_kv_heads, each rank holds the one key/value head its query
   heads use (a replicated piece, ``tp / n_kv_heads`` ranks per head, whose
-  gradient those ranks sum); ``wo`` row-parallel;
+  gradient those ranks sum); ``wo`` row-parallel. Biases on q/k/v
+  (``model.qkv_bias``) are cut and replicated with their weights' rows;
+  qk-norm weights (size head_dim, ``model.qk_norm``) are whole on every
+  rank, and since each rank normalises its own heads, their gradient is
+  summed over tp through the norm's weight seam (``SumOverTensorParallel``),
+  with or without sequence parallelism;
 - SwiGLU: ``w1`` (gate) and ``w3`` (up) column-parallel, ``w2`` row-parallel;
 - the projections' seam (``Linears``) becomes ``TensorParallelLinears``:
   enter the region for the column-parallel projections, leave it after the
@@ -36,8 +41,10 @@ from hpctrain_tp.regions import TensorParallelRegions
 
 
 def column_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1, pieces: Optional[int] = None) -> None:
-    """Output features (weight dim 0) cut over tp in whole ``unit``s (a head's rows)."""
+    """Output features (weight dim 0, and the bias with them) cut over tp in whole ``unit``s (a head's rows)."""
     narrow_param(linear, "weight", get_spec(linear.weight).split(0, "tp", pieces=pieces, unit=unit), mesh)
+    if linear.bias is not None:
+        narrow_param(linear, "bias", get_spec(linear.bias).split(0, "tp", pieces=pieces, unit=unit), mesh)
 
 
 def row_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1) -> None:
@@ -60,9 +67,14 @@ class TensorParallelLinears(Linears):
 
     def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
         replicas = self.replicas
-        weights = [copy_to_region(m.weight, replicas) if replicas is not None and i in self.replicated else m.weight
-                   for i, m in enumerate(linears)]
-        return self.regions.columns(x, weights)
+
+        def view(i: int, t: torch.Tensor) -> torch.Tensor:
+            return copy_to_region(t, replicas) if replicas is not None and i in self.replicated else t
+
+        outs = self.regions.columns(x, [view(i, m.weight) for i, m in enumerate(linears)])
+        # a bias (q/k/v, model.qkv_bias) is cut with its weight's rows and added to this rank's columns, whose
+        # tokens are the whole sequence under sequence parallelism too: its gradient is this rank's whole one
+        return [y if m.bias is None else y + view(i, m.bias) for i, (y, m) in enumerate(zip(outs, linears))]
 
     def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         return self.regions.exit(F.linear(y, linear.weight))

@@ -82,6 +82,9 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
         column_parallel(attn.wv, mesh, unit=head_dim, pieces=kv_pieces)
         row_parallel(attn.wo, mesh, unit=head_dim)
         attn.linears = attention_linears
+        for qk_norm in (attn.q_norm, attn.k_norm):
+            if qk_norm is not None:  # each rank normalises its own heads: the weight's gradient sums over tp
+                qk_norm.weight_view = SumOverTensorParallel(group)
         ffn = block.ffn
         if type(ffn) is SwiGLU:
             column_parallel(ffn.w1, mesh)
