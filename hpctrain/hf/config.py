@@ -1,12 +1,20 @@
-"""A Hugging Face ``config.json`` (Llama 2/3/3.1/3.2, Mistral, Mixtral) as our model config.
+"""A Hugging Face ``config.json`` (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3) as our model config.
 
 ``read_hf_config(dir)`` returns the ``model`` overrides the directory
 implies, or the problems: one line per field the model does not implement
-(another architecture, attention or MLP bias, a sliding window shorter than
-the sequence, qk-norm, another RoPE type, another activation, dropout,
-router jitter), each naming the field and what to do. Nothing else of
-the file matters to the forward (e.g. ``pretraining_tp`` only changes how
-Meta's code sliced its matmuls).
+(another architecture, Llama's attention or MLP bias, Qwen3's
+``attention_bias`` (o_proj too), a sliding window a layer uses and the
+sequence reaches, qk-norm outside Qwen3, another RoPE type, another
+activation, dropout, router jitter, an odd head size), each naming the field
+and what to do. Nothing else of the file matters to the forward (e.g.
+``pretraining_tp`` only changes how Meta's code sliced its matmuls).
+
+The families are options of one decoder (``hpctrain.model.transformer``):
+Qwen2 is a Llama with biases on q/k/v (``model.qkv_bias``, always on in
+transformers' Qwen2, which has no field for it), Qwen3 one with an RMSNorm
+over each query and key head before RoPE (``model.qk_norm``). A
+``head_dim`` other than hidden_size / num_attention_heads (Qwen3 0.6B, 4B,
+32B; Llama 3.2 writes it equal) becomes ``model.head_dim``.
 
 RoPE parameters come in two spellings: transformers 4's top-level
 ``rope_theta`` + ``rope_scaling`` (what published checkpoints carry) and
@@ -21,8 +29,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 """The Hugging Face architectures our decoder computes exactly, with their model_type."""
+
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Qwen's windowing fields (use_sliding_window, max_window_layers, layer_types) rule their sliding window."""
 
 _REFUSED_TRUE = {
     "attention_bias": "biases on the attention projections",
@@ -84,6 +96,34 @@ def _rope(data: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[
                           "original_max_seq_len": int(scaling["original_max_position_embeddings"])}, []
 
 
+def _qwen_window_problems(data: Dict[str, Any], path: str, seq_len: Optional[int]) -> List[str]:
+    """Qwen2/Qwen3's sliding window, as transformers applies it: ``sliding_window`` only with
+    ``use_sliding_window``, on the layers ``layer_types`` marks sliding_attention (when the file lists them),
+    else on the layers from ``max_window_layers`` on. Refused where a layer uses it and a sequence reaches it."""
+    n_layers = int(data.get("num_hidden_layers") or 0)
+    types = data.get("layer_types")
+    if types is not None:
+        unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if unknown:
+            return [f"{path}: layer_types holds {', '.join(unknown)}, which is not implemented (full_attention only; "
+                    "sliding_attention where the sequence fits the window)"]
+    window = data.get("sliding_window") if data.get("use_sliding_window", False) else None
+    if window is None:
+        return []
+    if types is not None:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        where = "layer_types"
+    else:
+        first = int(data.get("max_window_layers", 28))
+        sliding = list(range(first, n_layers))
+        where = f"max_window_layers={first}"
+    if not sliding or (seq_len is not None and int(window) >= seq_len):
+        return []
+    return [f"{path}: use_sliding_window=true with sliding_window={window} on layers {sliding[0]}-{sliding[-1]} "
+            f"({where}) is not implemented (attention here is fully causal); use trainer.seq_len <= {window}, where "
+            "the window changes nothing"]
+
+
 def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str, Any], List[str]]:
     """(``model`` overrides, problems) for ``hf_dir``; ``seq_len`` (trainer.seq_len) decides whether a
     sliding window changes anything."""
@@ -96,15 +136,21 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     model_type = data.get("model_type")
     if arch not in ARCHITECTURES or (model_type is not None and model_type != ARCHITECTURES[arch]):
         return {}, [f"{path}: architecture {arch or model_type!r} is not supported; hpctrain trains "
-                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral)"]
-    for key, what in _REFUSED_TRUE.items():
-        if data.get(key):
-            problems.append(f"{path}: {key}={data[key]} ({what}) is not implemented; this model cannot be "
-                            "trained here")
-    window = data.get("sliding_window")
-    if window is not None and data.get("use_sliding_window", True) and (seq_len is None or int(window) < seq_len):
-        problems.append(f"{path}: sliding_window={window} is not implemented (attention here is fully causal); "
-                        f"use trainer.seq_len <= {window}, where the window changes nothing")
+                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3)"]
+    if arch in QWEN:  # transformers' Qwen2/Qwen3 read neither mlp_bias nor qk_norm; Qwen3's attention_bias is all four
+        if arch == "Qwen3ForCausalLM" and data.get("attention_bias"):
+            problems.append(f"{path}: attention_bias={data['attention_bias']} (Qwen3: biases on q/k/v and on o_proj) "
+                            "is not implemented (only Qwen2's q/k/v biases); this model cannot be trained here")
+        problems += _qwen_window_problems(data, path, seq_len)
+    else:
+        for key, what in _REFUSED_TRUE.items():
+            if data.get(key):
+                problems.append(f"{path}: {key}={data[key]} ({what}) is not implemented; this model cannot be "
+                                "trained here")
+        window = data.get("sliding_window")
+        if window is not None and data.get("use_sliding_window", True) and (seq_len is None or int(window) < seq_len):
+            problems.append(f"{path}: sliding_window={window} is not implemented (attention here is fully causal); "
+                            f"use trainer.seq_len <= {window}, where the window changes nothing")
     act = data.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"{path}: hidden_act={act!r} is not implemented (SwiGLU with silu only)")
@@ -126,9 +172,12 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     except (KeyError, TypeError, ValueError) as e:
         return {}, problems + [f"{path}: field {e} is missing or not a number; download or copy it again"]
     head_dim = data.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        problems.append(f"{path}: head_dim={head_dim} is not hidden_size/num_attention_heads={hidden // heads} "
-                        "(a decoupled head size is not implemented)")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        problems.append(f"{path}: head_dim={head_dim} is not an even number (RoPE rotates pairs of a head's dims)")
+    # a head size other than hidden / heads is model.head_dim; the same one is left implied (null)
+    out["head_dim"] = int(head_dim) if isinstance(head_dim, int) and head_dim * heads != hidden else None
+    out["qkv_bias"] = arch == "Qwen2ForCausalLM"
+    out["qk_norm"] = arch == "Qwen3ForCausalLM"
     theta, scaling, rope_problems = _rope(data, path)
     problems += rope_problems
     out["rope_theta"] = theta
@@ -147,9 +196,9 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     return out, problems
 
 
-WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "norm_eps", "rope_theta",
-               "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts", "moe.top_k", "moe.router",
-               "moe.shared_experts", "moe.every")
+WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
+               "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts",
+               "moe.top_k", "moe.router", "moe.shared_experts", "moe.every")
 """``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
 directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE
 loss coefficients and capacity) an explicit override sets instead: training choices, not the model's shape."""

@@ -15,9 +15,14 @@ parallelism's padding is never in a checkpoint.
 
 The architecture follows the model: MoE blocks -> MixtralForCausalLM (a
 softmax router with top-k >= 2 in every block, no shared experts: what
-Mixtral computes), otherwise LlamaForCausalLM (a Mistral without a sliding
-window is a Llama). RoPE is written in the spelling published checkpoints
-use (``rope_theta``, ``rope_scaling``), which every transformers reads.
+Mixtral computes); q/k/v biases (``model.qkv_bias``) -> Qwen2ForCausalLM;
+qk-norm (``model.qk_norm``) -> Qwen3ForCausalLM (without biases: its
+``attention_bias`` would put one on o_proj too); otherwise LlamaForCausalLM
+(a Mistral without a sliding window is a Llama). Both options together, or
+with experts, have no architecture and are refused in one line. RoPE is
+written in the spelling published checkpoints use (``rope_theta``,
+``rope_scaling``), which every transformers reads; Qwen's sliding window is
+written off.
 """
 from __future__ import annotations
 
@@ -69,10 +74,18 @@ class Entry:
 
 
 def _architecture(model: Any) -> str:
+    s = ModelShape.from_config(model)
     if model.ffn != "moe":
-        return "LlamaForCausalLM"
+        if s.qkv_bias and s.qk_norm:
+            raise ConfigError("this model has no Hugging Face architecture: model.qkv_bias=true with "
+                              "model.qk_norm=true (Qwen2 has q/k/v biases without qk-norm; Qwen3 qk-norm, and "
+                              "biases on o_proj too when it has any)")
+        return "Qwen2ForCausalLM" if s.qkv_bias else "Qwen3ForCausalLM" if s.qk_norm else "LlamaForCausalLM"
     moe = model.moe
     problems = []
+    if s.qkv_bias or s.qk_norm:
+        problems.append(f"model.qkv_bias={str(s.qkv_bias).lower()}, model.qk_norm={str(s.qk_norm).lower()} "
+                        "(Mixtral has neither)")
     if moe.router != "softmax" or int(moe.top_k) < 2:
         problems.append(f"model.moe.router={moe.router} with top_k={moe.top_k} (Mixtral: softmax, top_k >= 2)")
     if int(moe.shared_experts):
@@ -84,13 +97,18 @@ def _architecture(model: Any) -> str:
     return "MixtralForCausalLM"
 
 
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
+               "Qwen3ForCausalLM": "qwen3"}
+"""config.json's model_type of each architecture an export writes."""
+
+
 def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
     """``config.json`` for ``model`` (our model config section)."""
 
     s = ModelShape.from_config(model)
     arch = _architecture(model)
     out: Dict[str, Any] = {
-        "architectures": [arch], "model_type": "mixtral" if arch == "MixtralForCausalLM" else "llama",
+        "architectures": [arch], "model_type": MODEL_TYPES[arch],
         "hidden_size": s.d_model, "intermediate_size": s.ffn_hidden, "num_attention_heads": s.n_heads,
         "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "num_hidden_layers": s.n_layers,
         "vocab_size": s.vocab_size, "rms_norm_eps": float(model.norm_eps), "rope_theta": float(model.rope_theta),
@@ -110,6 +128,11 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
         out.update(num_local_experts=int(model.moe.num_experts), num_experts_per_tok=int(model.moe.top_k),
                    router_aux_loss_coef=float(model.moe.aux_loss_coef), router_jitter_noise=0.0,
                    sliding_window=None, output_router_logits=False)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        del out["attention_bias"]  # Qwen2 has no such field (q/k/v biases always); Qwen3's is written below
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=s.n_layers)
+        if arch == "Qwen3ForCausalLM":
+            out["attention_bias"] = False
     else:
         out["mlp_bias"] = False
     return out

@@ -1,7 +1,9 @@
-"""Our logical tensor names and Hugging Face's (Llama/Mistral and Mixtral naming).
+"""Our logical tensor names and Hugging Face's (Llama/Mistral/Qwen2/Qwen3 and Mixtral naming).
 
 ``tok_embeddings`` <-> ``model.embed_tokens``; per layer ``attn.w{q,k,v,o}``
-<-> ``self_attn.{q,k,v,o}_proj``, ``ffn.w1/w3/w2`` <-> ``mlp.gate/up/down_proj``,
+<-> ``self_attn.{q,k,v,o}_proj`` (Qwen2's ``attn.w{q,k,v}.bias`` <->
+``self_attn.{q,k,v}_proj.bias``), Qwen3's ``attn.{q,k}_norm`` <->
+``self_attn.{q,k}_norm``, ``ffn.w1/w3/w2`` <-> ``mlp.gate/up/down_proj``,
 ``attn_norm`` / ``ffn_norm`` <-> ``input_layernorm`` / ``post_attention_layernorm``;
 Mixtral's ``ffn.router`` <-> ``block_sparse_moe.gate`` and our stacked
 ``ffn.experts.w{1,3,2}`` (E, ...) <-> one tensor per expert,
@@ -15,7 +17,9 @@ i + d/2. Ordering the rows of each head of ``q_proj`` and ``k_proj`` as
 ``[0, 2, 4, ..., d-2, 1, 3, ..., d-1]`` of ours turns one into the other:
 the rotated q and k come out permuted the same way within each head, and
 the scores q.k are unchanged (transformers' forward checks it:
-tests/unit/hf/test_hf_logits.py).
+tests/unit/hf/test_hf_logits.py). What acts on those rows elementwise goes
+with them: the q/k biases are permuted as the rows, and the qk-norm
+weights (one head's dims) as the rows of one head.
 """
 from __future__ import annotations
 
@@ -32,7 +36,13 @@ _PER_LAYER = {
     "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight", "ffn.router.weight": "block_sparse_moe.gate.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias", "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias", "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
 }
+_QUERY_ROWS = ("attn.wq.weight", "attn.wq.bias")
+_KEY_ROWS = ("attn.wk.weight", "attn.wk.bias")
+_ONE_HEAD = ("attn.q_norm.weight", "attn.k_norm.weight")
 _EXPERTS = {"ffn.experts.w1": "w1", "ffn.experts.w3": "w3", "ffn.experts.w2": "w2"}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -45,7 +55,8 @@ class HfTensor:
     names: List[str]
     """The Hugging Face tensor(s): one, or one per expert (stacked on our dim 0)."""
     rope_heads: Optional[int] = None
-    """q_proj / k_proj: the heads whose rows are in rotate_half order there (``rope_row_permutation``)."""
+    """q_proj / k_proj (weight and bias): the heads whose rows are in rotate_half order there
+    (``rope_row_permutation``); 1 for the qk-norm weights (one head's dims)."""
 
 
 def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0) -> Optional[HfTensor]:
@@ -60,7 +71,7 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0)
         return HfTensor([f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(num_experts)])
     if rest not in _PER_LAYER:
         return None
-    heads = n_heads if rest == "attn.wq.weight" else n_kv_heads if rest == "attn.wk.weight" else None
+    heads = n_heads if rest in _QUERY_ROWS else n_kv_heads if rest in _KEY_ROWS else 1 if rest in _ONE_HEAD else None
     return HfTensor([prefix + _PER_LAYER[rest]], heads)
 
 

@@ -7,7 +7,8 @@ wanted, and ``box(logical, box)`` reads exactly that box of a logical
 tensor with ``safe_open(...).get_slice(name)[...]``: a tensor-parallel rank
 reads its rows, an expert-parallel rank its experts, a pipeline stage its
 layers, so no process ever holds the whole model (a 70B import included).
-q_proj / k_proj rows come back in our interleaved RoPE order
+q_proj / k_proj rows (weights and biases, and the qk-norm weights) come back
+in our interleaved RoPE order
 (``hpctrain.hf.names``): the slice read covers the whole heads the box
 touches, which is the box itself under tensor parallelism (whole heads per
 rank).

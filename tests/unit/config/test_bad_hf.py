@@ -13,6 +13,7 @@ import os
 import shutil
 
 import pytest
+from qwen_models import qwen2_config, qwen3_config
 
 from hpctrain.config.validate import validate
 
@@ -23,7 +24,8 @@ from hf_models import llama_config, mixtral_config, save
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     return {"llama": save(llama_config(), d / "llama"), "mixtral": save(mixtral_config(), d / "mixtral"),
-            "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB")}
+            "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB"),
+            "qwen2": save(qwen2_config(), d / "qwen2"), "qwen3": save(qwen3_config(), d / "qwen3")}
 
 
 def _copy(models, tmp_path, which="llama"):
@@ -60,7 +62,22 @@ def _rows():
          field(rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2}),
          ["rope_scaling type 'linear' is not implemented"]),
         ("another_activation", field(hidden_act="gelu"), ["hidden_act='gelu' is not implemented"]),
-        ("decoupled_head_dim", field(head_dim=16), ["head_dim=16 is not hidden_size/num_attention_heads=8"]),
+        ("odd_head_dim", field(head_dim=7), ["head_dim=7 is not an even number (RoPE rotates pairs"]),
+        ("qwen3_attention_bias", field("qwen3", attention_bias=True),
+         ["attention_bias=True (Qwen3: biases on q/k/v and on o_proj) is not implemented"]),
+        ("qwen_sliding_window_by_layer_types",
+         field("qwen2", use_sliding_window=True, sliding_window=16,
+               layer_types=["full_attention", "sliding_attention"]),
+         ["use_sliding_window=true with sliding_window=16 on layers 1-1 (layer_types) is not implemented",
+          "trainer.seq_len <= 16"]),
+        ("qwen_sliding_window_by_max_window_layers",
+         field("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None),
+         ["use_sliding_window=true with sliding_window=16 on layers 0-1 (max_window_layers=0) is not implemented"]),
+        ("qwen_layer_type", field("qwen3", layer_types=["full_attention", "chunked_attention"]),
+         ["layer_types holds chunked_attention, which is not implemented"]),
+        ("qwen3_yarn_rope", field("qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                             "original_max_position_embeddings": 32}),
+         ["rope_scaling type 'yarn' is not implemented"]),
         ("router_jitter", field("mixtral", router_jitter_noise=0.1), ["router_jitter_noise=0.1 is not implemented"]),
         ("no_config_json", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "config.json"),
          ["has no config.json"]),
@@ -136,9 +153,20 @@ def test_a_bad_model_is_one_line_naming_it(make_config, pm, models, tmp_path, na
         assert fragment in line, (fragment, line)
 
 
-@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded"])
+@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3"])
 def test_a_good_model_passes(make_config, pm, models, which):
     assert _problems(make_config, pm, models[which]) == []
+
+
+def test_a_qwen_sliding_window_no_layer_uses_or_the_sequence_fits_passes(make_config, pm, models, tmp_path):
+    """Published Qwen2/Qwen3 configs carry sliding_window with use_sliding_window false, or a window from
+    max_window_layers on past the last layer: what transformers computes is then fully causal."""
+    for i, (use, window, first) in enumerate([(False, 16, 0), (True, 16, 28), (True, 32, 0)]):
+        fields = dict(use_sliding_window=use, sliding_window=window, max_window_layers=first, layer_types=None)
+        path = str(tmp_path / f"q{i}")
+        shutil.copytree(models["qwen2"], path)
+        _edit(path, **fields)
+        assert _problems(make_config, pm, path) == [], fields
 
 
 def test_an_explicit_override_of_the_shape_is_refused_and_of_a_training_choice_kept(make_config, pm, models):
