@@ -9,7 +9,7 @@ session against one shared one-process reference.
 
 Tolerances (fp32): the layouts differ from one process only in how the sum
 over samples is associated (per-rank means averaged by an all-reduce instead
-of one accumulation), ~1e-7 relative per step; 3 steps of AdamW keep losses
+of one accumulation), ~1e-7 relative per step; 2 steps of AdamW keep losses
 within 1e-6 relative and gradients within 1e-5 relative plus 1e-6 of the
 largest element (elements near zero have no meaningful relative error).
 A missed reduction, a rank reading another's samples or an average over the
@@ -21,8 +21,8 @@ import pytest
 
 from parity import agreed_config, assert_parity, record, reference_of
 
-STEPS = 3
-BASE = ("trainer.steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32",
+STEPS = 2  # the second step runs on weights the first AdamW step moved
+BASE = ("trainer.steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32",
         "trainer.device=cpu", "trainer.progress=off", "trainer.log_every=100", "comm.bucket_mb=0.05")
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 

@@ -26,7 +26,7 @@ from parity import assert_parity, record, shared_reference, world_trainer
 EXAMPLE = Path(__file__).resolve().parents[2] / "plugins" / "examples" / "hpctrain-example-ddp"
 BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "model.n_layers=4")
-STEPS = 3
+STEPS = 2  # the second step runs on weights the first AdamW step moved
 
 
 @pytest.fixture(scope="module")
