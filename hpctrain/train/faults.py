@@ -11,7 +11,7 @@ Kinds (``debug.fault``):
 - ``freeze``: the whole process stops (SIGSTOP), like a node that hangs;
 - ``nan``: its loss becomes NaN (the global loss and gradient norm follow);
 - ``slow``: every micro-batch forward sleeps ``debug.slow_s`` from that step
-  on (a straggler);
+  on (a straggler), also in a run resumed after that step;
 - ``corrupt``: one of its weights changes after that step's update (silent
   data corruption, which the replica check catches);
 - ``overflow``: one of the gradients it holds becomes inf once the step's
@@ -65,13 +65,17 @@ class FaultInjector:
 
     def before_step(self, step: int, modules: List[torch.nn.Module]) -> None:
         """At the start of ``step`` (1-based), before its forward."""
-        if not self.mine or step != self.step:
+        if not self.mine:
             return
-        if self.kind == "slow" and not self._slowed:
-            self._slowed = True
-            for m in modules:
-                m.register_forward_pre_hook(lambda *_: time.sleep(self.slow_s))
-        elif self.kind in ("die", "stall", "freeze") and self.at == "step":
+        if self.kind == "slow":  # from that step on, also in a run resumed past it
+            if step >= self.step and not self._slowed:
+                self._slowed = True
+                for m in modules:
+                    m.register_forward_pre_hook(lambda *_: time.sleep(self.slow_s))
+            return
+        if step != self.step:
+            return
+        if self.kind in ("die", "stall", "freeze") and self.at == "step":
             self._fire(f"step {step}")
         elif self.kind == "oom":
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (debug.fault=oom in step {step}). "
