@@ -105,6 +105,13 @@ run starts from (``checkpoint.init_from``) count too, when set: two fine-tunings
 of one model from different weights are different experiments (left out when
 unset, so the directories of runs without it keep their names)."""
 
+LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model.qk_norm": False}
+"""Keys added to the ``EXPERIMENT_KEYS`` sections after directories were first
+named, with their defaults: left out of the hash while at their default, so an
+experiment that does not use them keeps the directory name it had before they
+existed (a relaunch after an upgrade finds its checkpoints). A new key of
+those sections joins this table (tests/unit/test_checkpoint_dir_names.py)."""
+
 
 def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
     """``<launch dir>/checkpoints/<model name>-<8 hex digits>``: the digits hash
@@ -117,6 +124,10 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
     chosen = {key: OmegaConf.to_container(OmegaConf.select(cfg, key), resolve=True)
               if OmegaConf.is_config(OmegaConf.select(cfg, key)) else OmegaConf.select(cfg, key)
               for key in EXPERIMENT_KEYS}
+    for key, default in LATER_KEYS_AT_DEFAULT.items():
+        section, name = key.split(".", 1)
+        if isinstance(chosen.get(section), dict) and chosen[section].get(name, default) == default:
+            chosen[section].pop(name, None)
     if OmegaConf.select(cfg, "checkpoint.init_from", default=None):
         chosen["checkpoint.init_from"] = str(cfg.checkpoint.init_from)
     digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
