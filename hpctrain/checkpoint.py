@@ -126,8 +126,9 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
               for key in EXPERIMENT_KEYS}
     for key, default in LATER_KEYS_AT_DEFAULT.items():
         section, name = key.split(".", 1)
-        if isinstance(chosen.get(section), dict) and chosen[section].get(name, default) == default:
-            chosen[section].pop(name, None)
+        values = chosen.get(section)
+        if isinstance(values, dict) and values.get(name, default) == default:
+            values.pop(name, None)
     if OmegaConf.select(cfg, "checkpoint.init_from", default=None):
         chosen["checkpoint.init_from"] = str(cfg.checkpoint.init_from)
     digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]
