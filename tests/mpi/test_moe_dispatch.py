@@ -19,7 +19,7 @@ import torch
 from hpctrain_moe import dispatch as D
 from parity import agreed_config
 
-N, K, DIM, E = 24, 2, 8, 8
+N, K, DIM, E = 24, 2, 8, 16  # 2 experts per rank at 8 ranks: "first rank only" picks K of its own
 TOL = 1e-6
 
 
