@@ -36,6 +36,15 @@ a sequence per sentence and groups them into documents with the document
 index; this reader exposes *documents* (a document's sequences are
 contiguous in the .bin), which is what document masking needs.
 
+**A loss mask** (chat data, ``hpctrain-prepare --format chat``):
+``<prefix>.mask`` beside the pair, one uint8 per token of the .bin in the
+same order (1: the loss counts the token as a target), so the .idx's
+document index reads it as it reads the tokens (document ``d``'s mask is
+bytes ``[offset, offset + length)`` of its token offset and length). The
+shard's description says so (``"loss_mask"``); Megatron's readers ignore
+the file. Written by ``IndexedWriter(..., loss_mask=True)`` with the pair
+(renamed into place before the .idx), read by ``IndexedDataset.loss_mask``.
+
 **Token dtype** (``token_dtype``): Megatron's rule (``DType.optimal_dtype``),
 uint16 when the vocabulary has fewer than 65,500 entries, else int32 (the
 format has no uint32 code). The reader takes any integer code.
@@ -139,6 +148,20 @@ def idx_path(prefix: str) -> str:
 
 def description_path(prefix: str) -> str:
     return prefix + ".json"
+
+
+MASK_SUFFIX = ".mask"
+MASK_DTYPE = np.dtype(np.uint8)
+
+
+def mask_path(prefix: str) -> str:
+    """The loss mask beside a shard (chat and instruction data): one uint8 per token of the .bin, in its order."""
+    return prefix + MASK_SUFFIX
+
+
+def described_mask(description: Optional[dict]) -> bool:
+    """Whether a shard's description says a loss mask lies beside it."""
+    return bool((description or {}).get("loss_mask"))
 
 
 class IndexFormatError(ValueError):
@@ -278,6 +301,10 @@ class IndexedDataset:
         self.document_offsets: np.ndarray = np.append(docs.offsets, docs.num_tokens).astype(np.int64)
         self.tokens = TokenFile(bin_path(self.prefix), self.dtype, self.num_tokens, label=self.label)
         """Every token, in order: ``len()`` and ``[a:b]`` across documents (positioned reads)."""
+        self.loss_mask: Optional[TokenFile] = None
+        """The loss mask (chat data: one uint8 per token, read like ``tokens``), or None without one."""
+        if os.path.isfile(mask_path(self.prefix)):
+            self.loss_mask = TokenFile(mask_path(self.prefix), MASK_DTYPE, self.num_tokens, label=self.label)
 
     @property
     def num_documents(self) -> int:
@@ -291,8 +318,20 @@ class IndexedDataset:
         assert isinstance(tokens, np.ndarray)  # a slice of a TokenFile reads an array
         return tokens
 
+    def document_loss_mask(self, d: int) -> np.ndarray:
+        """Document ``d``'s loss mask (1: trained on as a target); the shard must have one."""
+        if self.loss_mask is None:
+            raise ValueError(f"{self.label} has no loss mask ({mask_path(self.prefix)})")
+        d = range(self.num_documents)[d]
+        start = int(self.document_offsets[d])
+        mask = self.loss_mask[start:start + int(self.document_lengths[d])]
+        assert isinstance(mask, np.ndarray)  # (as in document)
+        return mask
+
     def close(self) -> None:
         self.tokens.close()
+        if self.loss_mask is not None:
+            self.loss_mask.close()
 
     def __enter__(self) -> "IndexedDataset":
         return self
@@ -305,35 +344,49 @@ class IndexedWriter:
     """Writes one shard: tokens streamed to ``<prefix>.bin.tmp`` as they come,
     the lengths kept (4 bytes per document), the ``.idx`` written by
     ``finish`` and both renamed into place then, so a shard that exists is
-    whole. One sequence per document."""
+    whole. One sequence per document. ``loss_mask``: a loss mask is written
+    beside (``<prefix>.mask``, one uint8 per token), given with every
+    ``add_documents``."""
 
-    def __init__(self, prefix: str, dtype):
+    def __init__(self, prefix: str, dtype, loss_mask: bool = False):
         self.prefix = prefix_of(prefix)
         self.dtype = np.dtype(dtype)
         code_of(self.dtype)  # refuse a dtype the format cannot name, before writing anything
         self._bin_tmp, self._idx_tmp = bin_path(self.prefix) + ".tmp", idx_path(self.prefix) + ".tmp"
+        self._mask_tmp = mask_path(self.prefix) + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         self._bin = open(self._bin_tmp, "wb")
+        self._mask = open(self._mask_tmp, "wb") if loss_mask else None
         self._lengths: List[np.ndarray] = []
         self._open = 0  # tokens of a document written in pieces so far
         self.num_tokens = 0
         self.num_documents = 0
 
-    def add_document(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
+    def add_document(self, tokens: Union[Sequence[int], np.ndarray],
+                     mask: Optional[Union[Sequence[int], np.ndarray]] = None) -> None:
         arr = np.asarray(tokens)
-        self.add_documents(arr, np.array([arr.size]))
+        self.add_documents(arr, np.array([arr.size]), mask=None if mask is None else np.asarray(mask))
 
-    def add_documents(self, flat: np.ndarray, lengths: np.ndarray, open_ended: Optional[np.ndarray] = None) -> None:
-        """Documents back to back in ``flat`` with their ``lengths``. Where
-        ``open_ended`` is true, that piece's document continues in the next
-        piece (this call's or the next call's): their lengths add up to one
-        document."""
+    def add_documents(self, flat: np.ndarray, lengths: np.ndarray, open_ended: Optional[np.ndarray] = None,
+                      mask: Optional[np.ndarray] = None) -> None:
+        """Documents back to back in ``flat`` with their ``lengths`` (and
+        their loss ``mask``, one 0/1 per token, when the writer has one).
+        Where ``open_ended`` is true, that piece's document continues in the
+        next piece (this call's or the next call's): their lengths add up to
+        one document."""
         flat = np.asarray(flat)
         if flat.dtype != self.dtype:
             flat = flat.astype(self.dtype)
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != flat.size:
             raise ValueError(f"lengths add up to {int(lengths.sum())}, the tokens are {flat.size}")
+        if (mask is None) != (self._mask is None):
+            raise ValueError("a writer with a loss mask needs one with every document, and one without takes none")
+        if mask is not None:
+            mask = np.asarray(mask)
+            if mask.size != flat.size:
+                raise ValueError(f"the loss mask has {mask.size} entries, the tokens are {flat.size}")
+            (mask != 0).astype(MASK_DTYPE).tofile(self._mask)
         flat.tofile(self._bin)
         self.num_tokens += flat.size
         if open_ended is not None and np.any(open_ended):
@@ -358,12 +411,16 @@ class IndexedWriter:
         if self._open:
             raise ValueError("the last document was left open (open_ended on its last piece)")
         self._bin.close()
+        if self._mask is not None:
+            self._mask.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         write_index(self._idx_tmp, self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
 
     def commit(self) -> None:
-        """Move the closed shard into place (the .bin first: a reader looks for the .idx)."""
+        """Move the closed shard into place (the .bin and the mask first: a reader looks for the .idx)."""
         os.replace(self._bin_tmp, bin_path(self.prefix))
+        if self._mask is not None:
+            os.replace(self._mask_tmp, mask_path(self.prefix))
         os.replace(self._idx_tmp, idx_path(self.prefix))
 
     def finish(self) -> None:
@@ -374,7 +431,9 @@ class IndexedWriter:
     def abort(self) -> None:
         """Remove what was written."""
         self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
+        if self._mask is not None:
+            self._mask.close()
+        for path in (self._bin_tmp, self._idx_tmp, self._mask_tmp):
             try:
                 os.remove(path)
             except FileNotFoundError:

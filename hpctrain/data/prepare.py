@@ -6,6 +6,8 @@ Usage::
                      [--text-key text] [--text-documents file|blank-line|line]
                      [--input-format auto|text|jsonl|parquet] [--workers W]
                      [--bos TOKEN|ID|none] [--eos TOKEN|ID] [--dtype auto|uint16|int32] [--quiet]
+                     [--format text|chat|instruction --seq-len N [--train-on assistant|last-assistant|all]
+                      [--chat-template FILE] [--messages-key K] [--prompt-key K --response-key K --system-key K]]
     mpirun -n N hpctrain-prepare ...     # N ranks, one shard each
 
 INPUTs are files, directories or globs of plain text, JSON Lines or Parquet,
@@ -60,6 +62,17 @@ allgather before anything is renamed into place or the manifest written, so
 a failed run leaves no shard or manifest of its own (only the files of an
 earlier run, untouched) and no rank waits for ever.
 
+**Chat and instruction data** (``--format chat|instruction``,
+``hpctrain.data.chat``): JSON Lines of conversations, each rendered by the
+tokenizer's chat template (transformers' ``apply_chat_template``) into one
+document, with a loss mask written beside the shard (``<prefix>.mask``,
+``hpctrain.data.indexed``) and described under ``"loss_mask"``; the
+summary counts the trained tokens and the conversations longer than a
+sample of ``--seq-len + 1`` tokens (which training will cut; the others
+stay whole: ``hpctrain.data.cursor.PackedOrder``). Conversations without an
+assistant turn are counted over every rank and refused together (with
+``--train-on assistant`` or ``last-assistant``).
+
 ``prepare(input, output, dtype)`` is today's flat writer (bytes, no document
 boundaries, a ``.json`` sidecar), kept for the files today's
 ``data=tokens`` loader reads and the tests that damage such files.
@@ -79,7 +92,18 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hpctrain.data.indexed import IndexedWriter, bin_path, idx_path, prefix_of
+from hpctrain.data.chat import (
+    ASSISTANT,
+    TRAIN_ON,
+    ChatEncoder,
+    ChatSpec,
+    ConversationError,
+    ConversationReader,
+    conversation_size,
+    resolve_chat,
+)
+from hpctrain.data.chat import FORMATS as CHAT_FORMATS
+from hpctrain.data.indexed import MASK_SUFFIX, IndexedWriter, bin_path, idx_path, mask_path, prefix_of
 from hpctrain.data.inputs import FORMATS, TEXT_DOCUMENTS, DocumentReader, InputError, InputFile, expand_inputs
 from hpctrain.data.tokenize import BYTES, Encoder, TokenizerError, TokenizerSpec, resolve_tokenizer
 from hpctrain.errors import write_error
@@ -134,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", choices=("auto", "uint16", "int32"),
                     help="token dtype (default auto: uint16 below 65,500 ids, else int32, as Megatron)")
     ap.add_argument("--quiet", action="store_true", help="no progress line (errors and the summary still print)")
+    chat = ap.add_argument_group("chat and instruction data (docs/data.md, \"Chat and instruction data\")")
+    chat.add_argument("--format", default="text", choices=CHAT_FORMATS,
+                      help="text (default: documents), chat (JSON Lines of messages) or instruction (JSON Lines of "
+                           "prompt and response), rendered by the tokenizer's chat template with a loss mask")
+    chat.add_argument("--train-on", default=ASSISTANT, choices=TRAIN_ON,
+                      help="tokens the loss counts: assistant (default: every assistant turn), last-assistant, all")
+    chat.add_argument("--seq-len", type=int, help="chat/instruction: the trainer.seq_len you will train with (the "
+                      "summary counts conversations longer than a sample of seq_len + 1 tokens)")
+    chat.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template instead of the tokenizer's")
+    chat.add_argument("--messages-key", default="messages", help="chat: the key of the messages (default: messages)")
+    chat.add_argument("--prompt-key", default="prompt", help="instruction: the key of the prompt (default: prompt)")
+    chat.add_argument("--response-key", default="response",
+                      help="instruction: the key of the response (default: response)")
+    chat.add_argument("--system-key", default="system",
+                      help="instruction: the key of an optional system message (default: system)")
     return ap
 
 
@@ -147,6 +186,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.output = prefix_of(args.output[:-5] if args.output.endswith(".json") else args.output)
     if args.workers < 1:
         raise _Usage(f"--workers {args.workers}: give 1 or more encoding processes per rank")
+    if args.format == "text":
+        options = (("--train-on", args.train_on, ASSISTANT), ("--seq-len", args.seq_len, None),
+                   ("--chat-template", args.chat_template, None))
+        given = [flag for flag, value, default in options if value != default]
+        if given:
+            raise _Usage(f"{given[0]} is for chat and instruction data: add --format chat or --format instruction")
+    elif args.seq_len is None or args.seq_len < 1:
+        what = "needs" if args.seq_len is None else f"got --seq-len {args.seq_len}; it needs"
+        raise _Usage(f"--format {args.format} {what} --seq-len N, the trainer.seq_len you will train with (the summary "
+                     f"counts the conversations longer than a sample)")
     return args
 
 
@@ -174,11 +223,17 @@ class Plan:
     spec: TokenizerSpec
     output: str
     assignment: List[List[int]]
+    chat: Optional[ChatSpec] = None
+    """Chat or instruction data (None: documents of text)."""
 
 
 def make_plan(args: argparse.Namespace, world: int) -> Plan:
     """Inputs, tokenizer and the split over ranks; an exception with one line for a bad one."""
     spec = resolve_tokenizer(args.tokenizer, args.bos, args.eos, args.dtype)
+    chat = None
+    if args.format != "text":
+        chat = resolve_chat(spec, args.tokenizer, args.format, args.chat_template, args.train_on, args.seq_len,
+                            args.messages_key, args.prompt_key, args.response_key, args.system_key)
     files = expand_inputs(args.inputs, args.input_format)
     directory = os.path.dirname(os.path.abspath(args.output))
     try:
@@ -189,11 +244,12 @@ def make_plan(args: argparse.Namespace, world: int) -> Plan:
     if not os.access(directory, os.W_OK):
         raise PrepareError(f"-o {args.output}: {directory} is not writable; choose another output")
     outputs = {os.path.realpath(p) for r in range(world) for p in
-               (bin_path(shard_prefix(args.output, r, world)), idx_path(shard_prefix(args.output, r, world)))}
+               (bin_path(shard_prefix(args.output, r, world)), idx_path(shard_prefix(args.output, r, world)),
+                mask_path(shard_prefix(args.output, r, world)))}
     clash = [f.path for f in files if os.path.realpath(f.path) in outputs]
     if clash:
         raise PrepareError(f"-o {args.output} would overwrite the input {clash[0]}; choose another output")
-    return Plan(files, spec, args.output, balance([f.size for f in files], world))
+    return Plan(files, spec, args.output, balance([f.size for f in files], world), chat)
 
 
 # -- progress across ranks ----------------------------------------------------------------
@@ -328,15 +384,20 @@ class _Progress:
 
 # -- one rank's work -------------------------------------------------------------------------
 
-_worker_encoder: Optional[Encoder] = None
+_worker_encoder: Any = None
 
 
-def _worker_init(spec: TokenizerSpec) -> None:
+def _encoder(spec: TokenizerSpec, chat: Optional[ChatSpec]) -> Any:
+    """The encoder of documents (``Encoder``) or of conversations (``ChatEncoder``)."""
+    return Encoder(spec) if chat is None else ChatEncoder(spec, chat)
+
+
+def _worker_init(spec: TokenizerSpec, chat: Optional[ChatSpec] = None) -> None:
     global _worker_encoder
-    _worker_encoder = Encoder(spec)
+    _worker_encoder = _encoder(spec, chat)
 
 
-def _worker_encode(docs: List[Any], open_ended: Optional[List[bool]]) -> Tuple[np.ndarray, np.ndarray]:
+def _worker_encode(docs: List[Any], open_ended: Optional[List[bool]]) -> Tuple[np.ndarray, ...]:
     assert _worker_encoder is not None
     return _worker_encoder.encode(docs, open_ended)
 
@@ -366,10 +427,12 @@ class _Immediate:
 
 def _describe_failure(e: BaseException, batch: _Batch, plan: Plan, units: Dict[int, str], spec: TokenizerSpec) -> str:
     """One line for a batch that could not be encoded: the first document that fails on its own."""
-    encoder = Encoder(spec)
+    encoder = _encoder(spec, plan.chat)
     for doc, origin in zip(batch.docs, batch.origins):
         try:
             encoder.encode([doc])
+        except ConversationError as one:  # the reason says what to do
+            return f"input {plan.files[origin[0]].path} {units[origin[0]]} {origin[1]}: {one}"
         except Exception as one:  # noqa: BLE001 - any failure of the tokenizer names the document
             path = plan.files[origin[0]].path
             return (f"input {path} {units[origin[0]]} {origin[1]}: the tokenizer cannot encode this document "
@@ -384,32 +447,39 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
               progress: _Progress) -> Dict[str, int]:
     """Encode this rank's files into ``writer``; counts. Raises InputError /
     PrepareError (one line) or _Stopped."""
-    spec = plan.spec
+    spec, chat = plan.spec, plan.chat
     workers = 1 if spec.kind == BYTES else args.workers  # bytes need no encoding worth a process
     pool = None
     if workers > 1:
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_worker_init, initargs=(spec,))
+                                   initializer=_worker_init, initargs=(spec, chat))
         def submit(b: _Batch) -> Any:
             return pool.submit(_worker_encode, b.docs, b.open_ended if any(b.open_ended) else None)
     else:
-        encoder = Encoder(spec)
+        encoder = _encoder(spec, chat)
 
         def submit(b: _Batch) -> Any:
             return _Immediate(encoder.encode, b.docs, b.open_ended if any(b.open_ended) else None)
     pending: Deque[Tuple[Any, _Batch]] = deque()
     units: Dict[int, str] = {}
-    counts = {"documents": 0, "tokens": 0}
+    counts: Dict[str, Any] = {"documents": 0, "tokens": 0}
+    if chat is not None:
+        counts.update(trained_tokens=0, longer_than_sample=0, no_assistant=0, no_assistant_first=None)
     done_bytes, files_done = 0, 0
 
     def collect(keep: int) -> None:
         while len(pending) > keep:
             future, batch = pending.popleft()
             try:
-                flat, lengths = future.result()
+                result = future.result()
             except Exception as e:  # noqa: BLE001 - a worker's failure, named by its document
                 raise PrepareError(_describe_failure(e, batch, plan, units, spec)) from None
-            writer.add_documents(flat, lengths, np.array(batch.open_ended) if any(batch.open_ended) else None)
+            flat, lengths = result[0], result[1]
+            if chat is None:
+                writer.add_documents(flat, lengths, np.array(batch.open_ended) if any(batch.open_ended) else None)
+            else:
+                _count_conversations(counts, result, batch, plan, units, chat)
+                writer.add_documents(flat, lengths, mask=result[2])
             counts["documents"] += sum(1 for o in batch.open_ended if not o)
             counts["tokens"] += int(flat.size)
 
@@ -417,13 +487,14 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
         batch = _Batch()
         for i in mine:
             inp = plan.files[i]
-            reader = DocumentReader(inp, args.text_documents, args.text_key, as_bytes=spec.kind == BYTES)
+            reader: Any = (DocumentReader(inp, args.text_documents, args.text_key, as_bytes=spec.kind == BYTES)
+                           if chat is None else ConversationReader(inp, chat))  # documents, or conversations
             units[i] = reader.unit
             for doc, where, open_ended in reader:
                 batch.docs.append(doc)
                 batch.open_ended.append(open_ended)
                 batch.origins.append((i, where))
-                batch.text_bytes += len(doc)
+                batch.text_bytes += len(doc) if chat is None else conversation_size(doc)
                 if batch.text_bytes >= BATCH_BYTES or len(batch.docs) >= BATCH_DOCS:
                     pending.append((submit(batch), batch))
                     batch = _Batch()
@@ -442,6 +513,19 @@ def _tokenize(args: argparse.Namespace, plan: Plan, mine: List[int], writer: Ind
     return {**counts, "input_bytes": done_bytes, "files": files_done}
 
 
+def _count_conversations(counts: Dict[str, Any], result: Tuple[np.ndarray, ...], batch: _Batch, plan: Plan,
+                         units: Dict[int, str], chat: ChatSpec) -> None:
+    """A batch of conversations' counts: trained tokens, longer than a sample, without an assistant turn."""
+    _, lengths, mask, lacking = result
+    counts["trained_tokens"] += int(mask.sum())
+    counts["longer_than_sample"] += int((lengths > chat.seq_len + 1).sum())
+    if chat.train_on != "all" and lacking.any():
+        counts["no_assistant"] += int(lacking.sum())
+        if counts["no_assistant_first"] is None:
+            origin = batch.origins[int(np.flatnonzero(lacking)[0])]
+            counts["no_assistant_first"] = f"{plan.files[origin[0]].path} {units[origin[0]]} {origin[1]}"
+
+
 # -- the run ----------------------------------------------------------------------------------
 
 def _write_json(path: str, data: dict) -> None:
@@ -452,10 +536,28 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _description(spec: TokenizerSpec, num_tokens: int, num_documents: int) -> dict:
-    return {"format": "megatron-indexed", "dtype": spec.dtype, "vocab_size": spec.vocab_size,
-            "bos_id": spec.bos_id, "eos_id": spec.eos_id, "num_tokens": num_tokens, "num_documents": num_documents,
-            "tokenizer": {"kind": spec.kind, "name": spec.name, "path": spec.path}}
+def _description(spec: TokenizerSpec, num_tokens: int, num_documents: int, chat: Optional[ChatSpec] = None,
+                 counts: Optional[Sequence[Dict[str, Any]]] = None) -> dict:
+    out = {"format": "megatron-indexed", "dtype": spec.dtype, "vocab_size": spec.vocab_size,
+           "bos_id": spec.bos_id, "eos_id": spec.eos_id, "num_tokens": num_tokens, "num_documents": num_documents,
+           "tokenizer": {"kind": spec.kind, "name": spec.name, "path": spec.path}}
+    if chat is not None:
+        every = list(counts or [])
+        out["loss_mask"] = {"file": MASK_SUFFIX, "dtype": "uint8", **chat.describe(),
+                            "trained_tokens": sum(c.get("trained_tokens", 0) for c in every),
+                            "longer_than_sample": sum(c.get("longer_than_sample", 0) for c in every)}
+    return out
+
+
+def _no_assistant(outcome: Sequence[Dict[str, Any]], chat: ChatSpec) -> Optional[str]:
+    """The line refusing conversations without an assistant turn (counted over every rank), or None."""
+    counts = [o["counts"] for o in outcome if o["counts"].get("no_assistant")]
+    if not counts:
+        return None
+    total = sum(c["no_assistant"] for c in counts)
+    return (f"{total:,} conversation{'s have' if total != 1 else ' has'} no assistant turn (the first: input "
+            f"{counts[0]['no_assistant_first']}), so --train-on {chat.train_on} would train on nothing in "
+            f"{'them' if total != 1 else 'it'}; drop such lines from the input, or pass --train-on all")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -488,7 +590,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     writer: Optional[IndexedWriter] = None
     error, stopped, counts = None, False, {}
     try:
-        writer = IndexedWriter(prefix, plan.spec.dtype)
+        writer = IndexedWriter(prefix, plan.spec.dtype, loss_mask=plan.chat is not None)
         counts = _tokenize(args, plan, mine, writer, progress)
         writer.close()
     except _Stopped:
@@ -512,13 +614,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not errors and total_docs == 0:
         errors = [f"the inputs hold no document with text ({', '.join(args.inputs[:3])}"
                   f"{', ...' if len(args.inputs) > 3 else ''}); check --text-key and --input-format"]
+    if not errors and plan.chat is not None:
+        errors = [e for e in [_no_assistant(outcome, plan.chat)] if e]
     keep = not errors and counts.get("documents", 0) > 0
     if writer is not None:
         if keep:
             try:
                 writer.commit()
                 if world > 1:
-                    _write_json(prefix + ".json", {**_description(plan.spec, counts["tokens"], counts["documents"]),
+                    _write_json(prefix + ".json", {**_description(plan.spec, counts["tokens"], counts["documents"],
+                                                                  plan.chat, [counts]),
                                                    "manifest": os.path.basename(plan.output) + ".json"})
             except OSError as e:
                 error = f"rank {rank} cannot move its shard {prefix} into place ({e.strerror or e})"
@@ -538,19 +643,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "inputs": [os.path.abspath(plan.files[i].path) for i in plan.assignment[r]]}
                   for r, o in enumerate(outcome) if o["counts"].get("documents", 0) > 0]
         tokens = sum(s["num_tokens"] for s in shards)
-        manifest = {**_description(plan.spec, tokens, total_docs),
+        every = [o["counts"] for o in outcome]
+        manifest = {**_description(plan.spec, tokens, total_docs, plan.chat, every),
                     "created_by": PROG, "text_key": args.text_key, "text_documents": args.text_documents,
                     "input_format": args.input_format, "shards": shards}
         _write_json(plan.output + ".json", manifest)
         spec = plan.spec
+        what = "document" if plan.chat is None else "conversation"
         sys.stdout.write(
-            f"{PROG}: wrote {total_docs:,} document{'s' if total_docs != 1 else ''}, {tokens:,} tokens ({spec.dtype}; "
+            f"{PROG}: wrote {total_docs:,} {what}{'s' if total_docs != 1 else ''}, {tokens:,} tokens ({spec.dtype}; "
             f"tokenizer {spec.name} ({spec.kind}), vocabulary {spec.vocab_size}, BOS "
             f"{'none' if spec.bos_id is None else spec.bos_id}, EOS {spec.eos_id}) to {len(shards)} "
             f"shard{'s' if len(shards) != 1 else ''} in {elapsed:.1f} s ({tokens / max(elapsed, 1e-9):,.0f} "
             f"tokens/s); manifest {plan.output}.json\n")
+        if plan.chat is not None:
+            sys.stdout.write(_chat_summary(manifest["loss_mask"], total_docs, tokens))
         sys.stdout.flush()
     return 0
+
+
+def _chat_summary(mask: Dict[str, Any], conversations: int, tokens: int) -> str:
+    """The summary's lines about the loss mask and the conversations longer than a sample."""
+    trained, long, seq = mask["trained_tokens"], mask["longer_than_sample"], mask["seq_len"]
+    out = (f"{PROG}: loss mask ({mask['file']} beside each shard): --train-on {mask['train_on']} trains on "
+           f"{trained:,} of the {tokens:,} tokens ({100.0 * trained / max(tokens, 1):.1f}%); chat template "
+           f"{mask['chat_template']}\n")
+    if long:
+        out += (f"{PROG}: {long:,} of the {conversations:,} conversations are longer than a sample (--seq-len {seq}: "
+                f"{seq + 1} tokens) and will be split across samples; every other conversation stays whole in "
+                f"one sample\n")
+    else:
+        out += (f"{PROG}: every conversation fits in a sample (--seq-len {seq}: {seq + 1} tokens): none will be "
+                f"split across samples\n")
+    return out
 
 
 # -- today's flat format ------------------------------------------------------------------------

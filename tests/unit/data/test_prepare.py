@@ -157,6 +157,32 @@ def _good(tmp_path):
     return _write(tmp_path, "good.txt", "fine")
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_tokenizer(tmp_path, template=CHATML):
+    """A model directory as transformers saves it: the BPE above with a chat template (None: none)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast  # the test extra installs it (the hf extra does for users)
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(_bpe(tmp_path, ("</s>", "<|im_start|>",
+                                                                                        "<|im_end|>"))),
+                                   eos_token="</s>")
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(str(tmp_path / "model"))
+    return str(tmp_path / "model")
+
+
+def _chat(tmp_path, name, *lines):
+    return _write(tmp_path, name, "".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _turns(*roles):
+    return {"messages": [{"role": r, "content": f"the {r} says"} for r in roles]}
+
+
 # each row: (arguments before -o, fragments the one line must hold)
 BAD_INPUTS = {
     "missing-input": lambda t: ([f"{t}/nope.txt"], [f"input {t}/nope.txt does not exist", "a directory or a glob"]),
@@ -225,6 +251,57 @@ BAD_INPUTS = {
         [_good(t), "--dtype", "uint32"],
         ["argument --dtype: invalid choice: 'uint32'", "see hpctrain-prepare --help"]),
     "unknown-option": lambda t: ([_good(t), "--text-field", "x"], ["unrecognized arguments: --text-field x"]),
+    # chat and instruction data (hpctrain.data.chat)
+    "chat-without-assistant-turns": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant"), _turns("system", "user"), _turns("user")),
+         "--tokenizer", _chat_tokenizer(t), "--format", "chat", "--seq-len", "64"],
+        [f"2 conversations have no assistant turn (the first: input {t}/c.jsonl line 2)",
+         "--train-on assistant would train on nothing", "drop such lines", "or pass --train-on all"]),
+    "chat-tokenizer-without-template": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant")), "--tokenizer", _chat_tokenizer(t, None),
+         "--format", "chat", "--seq-len", "64"],
+        [f"--tokenizer {t}/model has no chat template", "pass --chat-template FILE"]),
+    "chat-template-file-missing": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant")), "--tokenizer", _chat_tokenizer(t, None),
+         "--format", "chat", "--seq-len", "64", "--chat-template", f"{t}/none.jinja"],
+        [f"--chat-template {t}/none.jinja cannot be read", "give a Jinja chat template file"]),
+    "chat-template-cannot-render": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant"), _turns("assistant", "user", "assistant")),
+         "--tokenizer", _chat_tokenizer(t, "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the "
+                                           "first message must be the user\\'s') }}{% endif %}" + CHATML),
+         "--format", "chat", "--seq-len", "64"],
+        [f"input {t}/c.jsonl line 2: the chat template cannot render this conversation", "the first message must "
+         "be the user's", "fix the conversation or give --chat-template FILE"]),
+    "chat-with-bytes-tokenizer": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant")), "--format", "chat", "--seq-len", "64"],
+        ["--format chat renders conversations with a Hugging Face chat template", "(not bytes)"]),
+    "chat-without-seq-len": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant")), "--format", "chat"],
+        ["--format chat needs --seq-len N, the trainer.seq_len you will train with"]),
+    "unknown-train-on": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant")), "--format", "chat", "--seq-len", "64",
+         "--train-on", "answers"],
+        ["argument --train-on: invalid choice: 'answers'", "all", "assistant", "last-assistant",
+         "see hpctrain-prepare --help"]),
+    "train-on-without-chat-format": lambda t: (
+        [_good(t), "--train-on", "all"],
+        ["--train-on is for chat and instruction data: add --format chat or --format instruction"]),
+    "chat-line-without-messages": lambda t: (
+        [_chat(t, "c.jsonl", _turns("user", "assistant"), {"conversation": []}),
+         "--tokenizer", _chat_tokenizer(t), "--format", "chat", "--seq-len", "64"],
+        [f"input {t}/c.jsonl line 2 has no key 'messages' (its keys: conversation)", "pass --messages-key KEY"]),
+    "chat-message-without-role": lambda t: (
+        [_chat(t, "c.jsonl", {"messages": [{"content": "hi"}]}),
+         "--tokenizer", _chat_tokenizer(t), "--format", "chat", "--seq-len", "64"],
+        [f"input {t}/c.jsonl line 1: message 1", "not an object with a string role and a string content"]),
+    "instruction-without-response": lambda t: (
+        [_chat(t, "i.jsonl", {"prompt": "a", "response": "b"}, {"prompt": "a", "answer": "b"}),
+         "--tokenizer", _chat_tokenizer(t), "--format", "instruction", "--seq-len", "64"],
+        [f"input {t}/i.jsonl line 2 has no key 'response' (its keys: prompt, answer)", "pass --response-key KEY"]),
+    "instruction-without-prompt-key-named": lambda t: (
+        [_chat(t, "i.jsonl", {"question": "a", "response": "b"}),
+         "--tokenizer", _chat_tokenizer(t), "--format", "instruction", "--seq-len", "64", "--prompt-key", "q"],
+        [f"input {t}/i.jsonl line 1 has no key 'q' (its keys: question, response)", "pass --prompt-key KEY"]),
 }
 
 
