@@ -23,6 +23,18 @@ per token, its document's index in the sample (``segments``) and its
 position in that document (``positions``, restarting at each document), so
 attention never crosses a boundary.
 
+Chat data (shards with a loss mask, ``hpctrain-prepare --format chat``):
+its samples are not windows of the stream but whole conversations packed
+into ``seq_len + 1`` tokens (``PackedOrder``: next fit in stream order,
+the rest padded; a conversation longer than that is cut over samples of
+its own), visited in a permutation per epoch like windows; document
+masking is on for every sample of such a run (packed conversations never
+see each other). Targets the loss must not count (the mask's 0s: prompts,
+padding, each conversation's first token) are ``MASKED`` (-100, PyTorch's
+``ignore_index``), and each micro-batch says how many of its targets count
+(``MicroBatch.counted``), so the loss is a mean over the counted targets
+of the whole global batch (``hpctrain.train.step_runner``).
+
 A window a token file can no longer supply (it shrank under the job) is
 ``ShortRead`` at once, or, for the trainer's cursor (``defer_short_reads``),
 filled with token 0 and counted in ``short_reads`` for the ranks to agree on
@@ -37,13 +49,21 @@ import torch
 
 from hpctrain.data.blend import assign, normalised
 from hpctrain.data.sources import TokenSource
-from hpctrain.data.streams import segments_and_positions
+from hpctrain.data.streams import pack, segments_and_positions
 from hpctrain.data.tokenfile import ShortRead, TokenFileChanged
 from hpctrain.errors import ConfigError
 from hpctrain.log import log_rank0
 
+MASKED = -100
+"""A target the loss does not count (PyTorch's ``ignore_index``): the loss functions skip targets below 0."""
+
 
 class SampleOrder:
+    packed = False
+    """Samples are whole documents packed (``PackedOrder``), not windows of the stream."""
+    masked = False
+    """Samples carry a loss mask (``target_mask``)."""
+
     def __init__(self, source: TokenSource, seq_len: int, seed: int):
         self.source = source
         self.seq_len = seq_len
@@ -83,8 +103,63 @@ class SampleOrder:
         start = self.window_start(index)
         return self.source.tokens.document_starts(start, start + self.seq_len + 1)
 
+    def target_mask(self, index: int, short: Optional[List[ShortRead]] = None) -> Optional[np.ndarray]:
+        """Which of sample ``index``'s ``seq_len`` targets the loss counts (bool); None: all of them."""
+        return None
+
     def batch(self, indices: range, short: Optional[List[ShortRead]] = None) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.sample(i, short) for i in indices]))
+
+
+class PackedOrder(SampleOrder):
+    """Whole conversations packed into samples (``streams.pack``), with their loss mask: sample ``i`` is
+    the packed span ``perm[i]`` of the epoch, padded to ``seq_len + 1`` tokens with ``pad_id`` (padding is
+    a document of its own and no target of it counts)."""
+
+    packed = True
+    masked = True
+
+    def __init__(self, source: TokenSource, mask: Any, seq_len: int, seed: int, pad_id: int = 0):
+        self.source, self.mask, self.seq_len, self.seed, self.pad_id = source, mask, seq_len, seed, int(pad_id)
+        self.packing = pack(source.tokens.table.length, seq_len + 1)
+        self.num_windows = len(self.packing)
+        if self.num_windows < 1:
+            raise ValueError(f"{source.name}: no conversation to pack")
+        self._perms = {}
+
+    def span(self, index: int) -> Tuple[int, int]:
+        """Sample ``index``'s tokens in the stream: ``[start, stop)``."""
+        epoch, pos = divmod(index, self.num_windows)
+        k = int(self._perm(epoch)[pos])
+        return int(self.packing.start[k]), int(self.packing.stop[k])
+
+    def window_start(self, index: int) -> int:
+        return self.span(index)[0]
+
+    def _read(self, stream: Any, index: int, fill: int, short: Optional[List[ShortRead]]) -> np.ndarray:
+        start, stop = self.span(index)
+        out = np.full(self.seq_len + 1, fill, dtype=np.int64)
+        try:
+            out[:stop - start] = stream[start:stop]
+        except ShortRead as e:
+            if short is None:
+                raise
+            short.append(e)
+            out[:] = 0
+        return out
+
+    def sample(self, index: int, short: Optional[List[ShortRead]] = None) -> np.ndarray:
+        return self._read(self.source.tokens, index, self.pad_id, short)
+
+    def document_starts(self, index: int) -> np.ndarray:
+        start, stop = self.span(index)
+        starts = self.source.tokens.document_starts(start, stop)
+        if stop - start < self.seq_len + 1:  # the padding: a document of its own
+            starts = np.append(starts, stop - start)
+        return starts
+
+    def target_mask(self, index: int, short: Optional[List[ShortRead]] = None) -> np.ndarray:
+        return self._read(self.mask, index, 0, short)[1:] != 0
 
 
 class MicroBatch(NamedTuple):
@@ -102,9 +177,17 @@ class MicroBatch(NamedTuple):
     """Document masking (``data.document_mask``): per token, the index of its document in its
     sample (0, 1, ...; int64, shaped like ``inputs``, the same tokens context parallelism keeps),
     so attention never crosses a document boundary; None: each sample is one sequence."""
+    counted: Optional[int] = None
+    """Data with a loss mask: how many of ``targets`` the loss counts (those not ``MASKED``; this
+    rank's tokens); None: every target counts."""
+    loss_weight: Optional[float] = None
+    """Data with a loss mask, set by the trainer for the step (``step_runner.weigh_masked``): what
+    this micro-batch's mean loss is multiplied by in the objective, so that the step's gradient is
+    that of the mean over the counted targets of the whole global batch; None: 1."""
 
     def to(self, device: torch.device) -> "MicroBatch":
-        moved: List[Any] = [None if t is None else t.to(device) for t in self]  # the optional ones stay None
+        # the optional tensors stay None, the counts stay numbers
+        moved: List[Any] = [t.to(device) if isinstance(t, torch.Tensor) else t for t in self]
         return MicroBatch(*moved)
 
 
@@ -140,7 +223,10 @@ class DataCursor:
         self.counts: List[int] = [consumed_samples] + [0] * (len(self.orders) - 1)
         """Samples each source has given so far (the blend's state)."""
         self.positions = positions
-        self.document_mask = document_mask
+        self.loss_mask = any(o.masked for o in self.orders)
+        """Samples carry a loss mask (chat data): micro-batches say how many targets count."""
+        self.document_mask = document_mask or any(o.packed for o in self.orders)
+        """Micro-batches carry segments (``data.document_mask``, or packed conversations)."""
         self.defer_short_reads = defer_short_reads
         self.short_reads = 0
         """1 when a window of the last step could not be read whole (deferred), else 0."""
@@ -185,6 +271,9 @@ class DataCursor:
             picks = list(zip(sources[k:k + self.micro_batch_size], local[k:k + self.micro_batch_size]))
             window = torch.from_numpy(np.stack([self.orders[int(s)].sample(int(i), short) for s, i in picks]))
             inputs, targets = window[:, :-1], window[:, 1:]
+            if self.loss_mask:
+                count = np.stack([self._counts(int(s), int(i), short) for s, i in picks])
+                targets = targets.masked_fill(~torch.from_numpy(count), MASKED)
             positions, segments = self.positions, None
             if self.document_mask:
                 seg_pos = [segments_and_positions(window.shape[1] - 1, self._starts(int(s), int(i)))
@@ -195,9 +284,16 @@ class DataCursor:
                     segments, positions = segments[:, self.positions], positions[:, self.positions]
             if self.positions is not None:
                 inputs, targets = inputs[:, self.positions], targets[:, self.positions]
+            counted = int((targets >= 0).sum()) if self.loss_mask else None
             mbs.append(MicroBatch(inputs.contiguous(), targets.contiguous(), positions,
-                                  None if segments is None else segments.contiguous()))
+                                  None if segments is None else segments.contiguous(), counted))
         return mbs, after, int(bool(short)), np.stack([sources, local], axis=1)
+
+    def _counts(self, source: int, index: int, short: Optional[List[ShortRead]]) -> np.ndarray:
+        """Which targets of a sample count (bool, ``seq_len``): its order's mask, else all."""
+        order = self.orders[source]
+        mask = order.target_mask(index, short)
+        return np.ones(order.seq_len, dtype=bool) if mask is None else mask
 
     def _starts(self, source: int, index: int) -> np.ndarray:
         starts = self.orders[source].document_starts(index)

@@ -11,6 +11,11 @@ holds out that fraction of each source's documents for validation (chosen
 by the data seed, whole documents); ``data.validation`` names validation
 shards of their own instead.
 
+A shard whose description says it has a loss mask (chat data) must have
+its ``.mask`` beside it, of one byte per token; a source's shards all have
+one or none (``SourceIndex.masked``: such a source is packed by
+conversation, ``cursor.PackedOrder``).
+
 The tables are cached next to the data (``.hpctrain-index-<key>.npz`` in
 the first shard's directory; ``data.index_cache=false`` turns it off),
 keyed by the shards' paths, sizes and modification times and the split:
@@ -34,11 +39,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 from omegaconf import OmegaConf
 
-from hpctrain.data.indexed import bin_path, check_shard, idx_path, prefix_of, read_description, read_index
+from hpctrain.data.indexed import (
+    MASK_DTYPE,
+    bin_path,
+    check_shard,
+    described_mask,
+    idx_path,
+    mask_path,
+    prefix_of,
+    read_description,
+    read_index,
+)
 from hpctrain.data.streams import DocumentStream, DocumentTable, Shard
-from hpctrain.data.tokenfile import TokenFile
+from hpctrain.data.tokenfile import TokenFile, size_problem
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass
@@ -57,6 +72,15 @@ class SourceIndex:
     def valid_stream(self) -> Optional[DocumentStream]:
         return DocumentStream(f"{self.name} (validation)", self.shards, self.valid) \
             if self.valid is not None and len(self.valid) else None
+
+    @property
+    def masked(self) -> bool:
+        """Chat data: every shard has a loss mask (a source never mixes; ``_source`` refuses that)."""
+        return bool(self.shards) and all(s.mask_path for s in self.shards)
+
+    def mask_stream(self, table: DocumentTable) -> DocumentStream:
+        """The loss masks of ``table``'s documents (this source's ``train`` or ``valid``), read as its tokens are."""
+        return DocumentStream(f"{self.name} (loss mask)", [s.mask() for s in self.shards], table)
 
 
 @dataclass
@@ -126,7 +150,18 @@ def _shard(prefix: str, key: str) -> Tuple[Optional[Shard], Optional[DocumentTab
     except (OSError, ValueError) as e:
         return None, None, None, f"{key}: {prefix}'s description cannot be read ({e}); write the shard again"
     table = DocumentTable(np.zeros(len(docs.lengths), np.int32), docs.offsets, docs.lengths)
-    return Shard(bin_path(prefix), docs.dtype.name, int(docs.num_tokens)), table, described, None
+    mask = None
+    if described_mask(described):
+        mask = mask_path(prefix)
+        if not os.path.isfile(mask):
+            return None, None, None, (f"{key}: {mask} does not exist, but {prefix}.json says the shard has a loss "
+                                      f"mask; copy it with the shard (hpctrain-prepare --format chat writes .bin, "
+                                      f".idx, .mask and .json)")
+        problem = size_problem(f"{key}: {mask}", mask, os.path.getsize(mask), MASK_DTYPE, int(docs.num_tokens),
+                               f"its index {os.path.basename(idx_path(prefix))}")
+        if problem:
+            return None, None, None, problem
+    return Shard(bin_path(prefix), docs.dtype.name, int(docs.num_tokens), mask), table, described, None
 
 
 # -- the tables ------------------------------------------------------------------
@@ -172,6 +207,12 @@ def _source(name: str, weight: float, entries: List[str], key: str, split: float
         tables.append(table)
     if problems:
         return None, manifests, problems
+    masked = [bool(s.mask_path) for s in shards]
+    if any(masked) and not all(masked):
+        plain = shards[masked.index(False)].bin_path
+        chat = shards[masked.index(True)].bin_path
+        return None, manifests, [f"{key}: source {name!r} mixes shards with a loss mask ({chat}) and without "
+                                 f"({plain}); put chat and plain shards in separate data.blend sources"]
     table = DocumentTable.concat(tables)
     table = table.take(np.flatnonzero(table.length > 0))
     if not len(table):

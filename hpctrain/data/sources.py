@@ -167,6 +167,8 @@ def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
     index = index_on_rank0(data, model_vocab)
     problems = list(index.problems)
     for s in index.sources:
+        if s.masked:  # chat data: whole conversations packed, padded; one conversation makes a sample
+            continue
         if len(s.train.length) and int(s.train.length.sum()) < seq_len + 1:
             problems.append(f"source {s.name!r} has {int(s.train.length.sum())} training tokens, fewer than "
                             f"trainer.seq_len+1={seq_len + 1}")
@@ -176,7 +178,7 @@ def _indexed_problems(data: Any, seq_len: int, model_vocab: int) -> list:
                             f"sample (trainer.seq_len+1={seq_len + 1}); raise data.split or name validation shards "
                             "(data.validation.paths)")
     for s in index.validation:
-        if int(s.train.length.sum()) < seq_len + 1:
+        if not s.masked and int(s.train.length.sum()) < seq_len + 1:
             problems.append(f"data.validation.paths hold {int(s.train.length.sum())} tokens, fewer than one sample "
                             f"(trainer.seq_len+1={seq_len + 1})")
     return problems

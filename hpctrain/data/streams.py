@@ -16,20 +16,28 @@ the job is an agreed error, not SIGBUS).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hpctrain.data.indexed import MASK_DTYPE
 from hpctrain.data.tokenfile import TokenFile
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One ``.bin`` file: where its tokens are and how many."""
+    """One ``.bin`` file: where its tokens are and how many (and its loss mask, for chat data)."""
 
     bin_path: str
     dtype: str
     num_tokens: int
+    mask_path: Optional[str] = None
+    """The loss mask beside the .bin (``indexed.mask_path``: one uint8 per token), or None."""
+
+    def mask(self) -> "Shard":
+        """The loss mask as a shard of its own (uint8, read with the same document table)."""
+        assert self.mask_path is not None  # only a masked shard has one
+        return Shard(self.mask_path, MASK_DTYPE.name, self.num_tokens)
 
 
 @dataclass
@@ -120,6 +128,51 @@ def segments_and_positions(length: int, starts: np.ndarray) -> Tuple[np.ndarray,
     first = np.concatenate([[0], starts]).astype(np.int64)
     pos = np.arange(length, dtype=np.int64) - first[seg]
     return seg, pos
+
+
+class Packing(NamedTuple):
+    """Samples of whole documents (``pack``): sample ``i`` is the stream's tokens ``[start[i], stop[i])``."""
+
+    start: np.ndarray
+    stop: np.ndarray
+    split: int
+    """Documents longer than a sample, cut over several samples."""
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+def pack(lengths: np.ndarray, sample_tokens: int) -> Packing:
+    """Documents of ``lengths`` (back to back in a stream, in this order) packed into samples of at most
+    ``sample_tokens`` tokens (``seq_len + 1``: inputs and the shifted targets): each sample the next
+    documents that fit whole, in order (next fit), so it is one contiguous span of the stream and no
+    document that fits a sample is cut. A longer document gets samples of its own, ``[k s, k s + s + 1)``
+    for ``s = sample_tokens - 1`` (consecutive pieces share one token: a piece's last target is the next
+    piece's first input, as the windows of a plain stream do); its last piece may be shorter."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    begins = ends - lengths
+    starts, stops = [], []
+    split = 0
+    step = sample_tokens - 1
+    i, n = 0, len(lengths)
+    while i < n:
+        a = int(begins[i])
+        if lengths[i] > sample_tokens:
+            pieces = -(-(int(lengths[i]) - 1) // step)
+            first = a + step * np.arange(pieces, dtype=np.int64)
+            starts.append(first)
+            stops.append(np.minimum(first + sample_tokens, ends[i]))
+            split += 1
+            i += 1
+            continue
+        j = int(np.searchsorted(ends, a + sample_tokens, side="right")) - 1  # the last document ending in reach
+        starts.append(np.array([a], dtype=np.int64))
+        stops.append(np.array([ends[j]], dtype=np.int64))
+        i = j + 1
+    if not starts:
+        return Packing(np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
+    return Packing(np.concatenate(starts), np.concatenate(stops), split)
 
 
 def unknown_documents(name: str) -> str:

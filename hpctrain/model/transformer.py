@@ -245,10 +245,14 @@ class Block(nn.Module):
 
 
 class CrossEntropy(nn.Module):
-    """Mean token cross-entropy in fp32 (replaced by a vocab-parallel version under TP)."""
+    """Mean token cross-entropy in fp32 (replaced by a vocab-parallel version under TP) over the targets
+    that count: a negative target (a loss mask's 0, ``hpctrain.data.cursor.MASKED``) adds neither loss
+    nor count, and a micro-batch with none gives 0 (not 0/0)."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        targets = targets.flatten()
+        total = F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=-100, reduction="sum")
+        return total / (targets >= 0).sum().clamp(min=1)
 
 
 class Layers(nn.ModuleDict):

@@ -26,7 +26,10 @@ done by the part of the run that owns it:
 4. **Loss normalisation** is already in the gradients: each micro-batch's
    backward is of its mean token loss over the number of micro-batches, and
    every data rank holds the same number of tokens (the cursor), so the
-   average of step 1 is the gradient of the global mean loss.
+   average of step 1 is the gradient of the global mean loss. With a loss
+   mask (chat data) each micro-batch's loss is weighted by its share of the
+   global batch's counted targets before its backward
+   (``hpctrain.train.step_runner.weigh_masked``), to the same end.
 
 Optimizers then see finished gradients; the global norm and clipping are
 the trainer's (``hpctrain.train.grad_norm``).

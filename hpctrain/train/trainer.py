@@ -75,7 +75,7 @@ from hpctrain.train.metrics import Progress, log_step
 from hpctrain.train.profile import StepProfiler
 from hpctrain.train.recovery import Recovery, write_failure
 from hpctrain.train.state import TrainState
-from hpctrain.train.step_runner import StepResult, as_step_result
+from hpctrain.train.step_runner import StepResult, as_step_result, weigh_masked
 from hpctrain.train.stopping import (
     StopRequested,
     StopRequests,
@@ -254,6 +254,8 @@ class Trainer:
         t_data = time.perf_counter()
         step_data = self.prefetch.next_step() if self.prefetch is not None else self.cursor.next_step()
         data_wait = time.perf_counter() - t_data
+        if self.cursor.loss_mask:  # the global batch's counted targets (one all-reduce; every rank alike)
+            step_data = weigh_masked(step_data, self.mesh, self.device)
         microbatches = [mb.to(self.device) for mb in step_data]
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train()

@@ -3,10 +3,11 @@
 The core already gives each cp rank its tokens and targets (the zigzag
 chunks of ``hpctrain.data.sequence``: rank i holds chunks i and 2cp-1-i of
 2cp, so causal attention costs every rank the same), passes their true
-positions to RoPE, averages the loss over all tokens and reduces dense
-gradients over cp (a data axis). What this plugin adds is attention across
-the split: ``hpctrain_parallelize(axis="cp")`` replaces every block's core
-attention by
+positions to RoPE, averages the loss over all tokens (with a loss mask,
+over the targets that count: masked targets travel with the rank's tokens)
+and reduces dense gradients over cp (a data axis). What this plugin adds is
+attention across the split: ``hpctrain_parallelize(axis="cp")`` replaces
+every block's core attention by
 
 - ``ring`` (``parallel.cp_impl=ring``, the default): ``ring.RingAttention``,
   key/value chunks passed around the cp ring, overlapped with compute,

@@ -14,7 +14,8 @@ Gradients: backwards accumulate into ``.grad`` under the data handle's
 single one is "the last"); the core's ``finalize_grads`` then reduces the
 data axes and sums tied embedding gradients between the first and last
 stage. The last stage's loss of each micro-batch is scaled by 1/m as in
-gradient accumulation; auxiliary losses of any stage join that stage's
+gradient accumulation (times its weight with a loss mask:
+``hpctrain.train.step_runner``); auxiliary losses of any stage join that stage's
 backward.
 
 Zero-bubble ``B`` computes only the input gradient and ``W`` the weight
@@ -40,7 +41,7 @@ from hpctrain.mesh import Group
 from hpctrain.model.aux import collect_aux_losses, scaled, with_aux
 from hpctrain.parallel.handles import GradientControl
 from hpctrain.pipeline.schedules import Action, actions, forward_actions, splits_weight_pass
-from hpctrain.train.step_runner import StepResult
+from hpctrain.train.step_runner import StepResult, counted_targets, weighted_loss
 
 from hpctrain_pp.timeline import Recorder
 from hpctrain_pp.weight_pass import WeightPass, backward_input
@@ -112,11 +113,11 @@ class PipelineRunner:
                     inputs[key] = received(i).requires_grad_()
                 elif a.kind == "F":
                     out, aux = self._forward(chunks[a.chunk], stage, mb, inputs.get(key), autocast)
-                    if stage == self.last:
-                        count = mb.targets.numel()
+                    if stage == self.last:  # (a loss mask's weight: hpctrain.train.step_runner)
+                        count = counted_targets(mb)
                         loss_sum = loss_sum + out.detach().float() * count
                         tokens += count
-                        outputs[key], out_grads[key] = [with_aux(out, aux) / m], [None]
+                        outputs[key], out_grads[key] = [with_aux(weighted_loss(out, mb), aux) / m], [None]
                     else:
                         outputs[key], out_grads[key] = [out], [None]
                         extra = aux.total()
@@ -172,8 +173,8 @@ class PipelineRunner:
             elif a.kind == "F":
                 out, _ = self._forward(chunks[a.chunk], stage, mb, inputs.pop(key, None), autocast)
                 if stage == self.last:
-                    loss_sum = loss_sum + out.float() * mb.targets.numel()
-                    tokens += mb.targets.numel()
+                    loss_sum = loss_sum + out.float() * counted_targets(mb)
+                    tokens += counted_targets(mb)
                 else:
                     outputs[key] = out
             elif a.kind == "SEND_F":

@@ -54,8 +54,10 @@ class VocabParallelHead(nn.Module):
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Mean token cross-entropy in fp32 from vocab-split logits; every tp rank
-    gets the whole loss. The gradient reaches each rank's own columns only."""
+    """Mean token cross-entropy in fp32 from vocab-split logits over the
+    targets that count (a negative target, a loss mask's 0, adds neither loss
+    nor count; none: 0), as the core's ``CrossEntropy``; every tp rank gets
+    the whole loss. The gradient reaches each rank's own columns only."""
 
     def __init__(self, group: Group, start: int, vocab_size: int):
         super().__init__()
@@ -79,4 +81,6 @@ class VocabParallelCrossEntropy(nn.Module):
         mine = (local >= 0) & (local < cols)
         picked = shifted.gather(-1, local.clamp(0, cols - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = reduce_from_region(torch.where(mine, picked, torch.zeros_like(picked)), self.group)
-        return (sum_exp.log() - target_logit).mean()
+        counted = targets >= 0  # a negative target (a loss mask's 0) adds neither loss nor count
+        losses = sum_exp.log() - target_logit
+        return torch.where(counted, losses, torch.zeros_like(losses)).sum() / counted.sum().clamp(min=1)

@@ -129,11 +129,43 @@ def validation_shards_shorter_than_a_sample(tmp_path):
         ["data.validation.paths hold 3 tokens, fewer than one sample"]
 
 
+def _chat_shard(prefix, documents):
+    """A shard with a loss mask beside it, as hpctrain-prepare --format chat writes it."""
+    with IndexedWriter(str(prefix), np.uint16, loss_mask=True) as w:
+        for doc in documents:
+            w.add_document(doc, np.arange(len(doc)) % 2)
+    with open(f"{prefix}.json", "w") as f:
+        json.dump({"vocab_size": VOCAB, "eos_id": 0, "loss_mask": {"file": ".mask", "train_on": "assistant"}}, f)
+
+
+def loss_mask_missing(tmp_path):
+    _chat_shard(tmp_path / "chat", _documents(2))
+    os.remove(tmp_path / "chat.mask")
+    return [f"data.paths=[{tmp_path}/chat]"], \
+        [f"{tmp_path}/chat.mask does not exist", "says the shard has a loss mask", "copy it with the shard"]
+
+
+def loss_mask_truncated(tmp_path):
+    _chat_shard(tmp_path / "chat", _documents(2))
+    size = os.path.getsize(tmp_path / "chat.mask")
+    os.truncate(tmp_path / "chat.mask", size - 5)
+    return [f"data.paths=[{tmp_path}/chat]"], [f"{tmp_path}/chat.mask is truncated", f"expected {size} bytes"]
+
+
+def source_mixing_chat_and_plain_shards(tmp_path):
+    _good(tmp_path)
+    _chat_shard(tmp_path / "chat", _documents(2))
+    return [f"data.paths=[{tmp_path}/a,{tmp_path}/chat]"], \
+        ["source 'data' mixes shards with a loss mask", f"({tmp_path}/chat.bin)", f"({tmp_path}/a.bin)",
+         "separate data.blend sources"]
+
+
 BAD_SHARDS = [missing_shard, missing_bin, truncated_bin, bad_idx_magic, idx_cut_short, idx_for_another_bin,
               empty_blend_source, glob_matching_nothing, vocabulary_larger_than_the_model,
               foreign_shard_with_a_token_past_the_vocabulary, auto_vocabulary_not_recorded, validation_shard_missing,
               fewer_tokens_than_a_sample, split_holding_out_less_than_a_sample,
-              validation_shards_shorter_than_a_sample]
+              validation_shards_shorter_than_a_sample, loss_mask_missing, loss_mask_truncated,
+              source_mixing_chat_and_plain_shards]
 
 
 def _validate(make_config, pm, overrides):
@@ -158,4 +190,9 @@ def test_good_shards_pass(make_config, pm, tmp_path):
     assert _validate(make_config, pm, _good(tmp_path) + [f"data.validation.paths=[{tmp_path}/b]"]) == []
     _shard(tmp_path / "foreign", [[5, 6, 7] * 30, [1, 255, 2] * 30], vocab=None)
     assert _validate(make_config, pm, [f"data.paths=[{tmp_path}/foreign]", "model.vocab_size=256"]) == []
+    # chat shards: one short conversation is a sample (packed, padded), and a blend may mix chat and plain sources
+    _chat_shard(tmp_path / "chat", [[1, 2, 3]])
+    assert _validate(make_config, pm, [f"data.paths=[{tmp_path}/chat]"]) == []
+    blend = f"data.blend=[{{paths:[{tmp_path}/a],weight:0.5}},{{paths:[{tmp_path}/chat],weight:0.5}}]"
+    assert _validate(make_config, pm, [blend]) == []
 
