@@ -32,6 +32,23 @@ them) and its output stays as the output projection's input, so with flash
 attention, which keeps no s x s matrix, only the log-sum-exp is dropped.
 Full recompute keeps the block input plus, once per stage, one block's
 activations while it is recomputed.
+
+Other codes keep other tensors (``profile``, from ``frameworks.Framework.activations``):
+
+- ``megatron``: the GPT table above (16-bit); with flash attention
+  (Megatron-Core's Transformer Engine) the three a*s terms become the fp32
+  log-sum-exp, and without dropout the masks are not written. Llama-style
+  and Nemotron blocks in 16-bit with fused kernels: block input, norm
+  statistics and output, q, k, v after RoPE, attention output and
+  log-sum-exp, the FFN's residual input, norm output, and the MLP's saved
+  inputs (SwiGLU: gate and up, and the product as the down projection's
+  input; squared ReLU: its input and output).
+- ``torchtitan``: the same bf16 Llama block (FSDP2's bf16 compute: the
+  residual stream is bf16 too); its ``selective`` is the per-op policy of
+  torchtitan's ``parallelize_llama.py`` at 9dec370: the block input, the
+  outputs of every odd-numbered matmul (wq, wv, w1, w2), the attention's
+  output and log-sum-exp and, under tensor parallelism, the reduce-scatter
+  outputs; everything else is recomputed.
 """
 from __future__ import annotations
 
@@ -73,18 +90,30 @@ class Dtypes:
         return {"act": self.act, "resid": self.resid, "fp32": 4, "mask": 1}[dtype]
 
 
-def dtypes_for(arch: Arch, precision: str) -> Dtypes:
-    """GPT: the paper's 16-bit accounting. Ours: what torch saves (see module doc)."""
-    if arch.family == "gpt":
+PROFILES = ("hpctrain", "megatron", "torchtitan")
+
+
+def dtypes_for(arch: Arch, precision: str, profile: str = "hpctrain") -> Dtypes:
+    """GPT and the other codes' blocks: 16-bit throughout. Ours: what torch saves (see module doc)."""
+    if arch.family in ("gpt", "nemotron") or profile != "hpctrain":
         return Dtypes(2, 2, 1, 1)
     if precision in ("bf16", "fp16"):  # 16-bit autocast either way
         return Dtypes(2, 4, 3, 2)
     return Dtypes(4, 4, 1, 1)
 
 
-def saved_tensors(arch: Arch, precision: str, seq_len: int) -> List[SavedTensor]:
+def saved_tensors(arch: Arch, precision: str, seq_len: int, profile: str = "hpctrain", flash: bool = False,
+                  dropout: bool = True) -> List[SavedTensor]:
     """The per-token table of one block (see the module docstring)."""
     h, a, s = arch.d_model, arch.n_heads, seq_len
+    if arch.family == "gpt" and (flash or not dropout):
+        table = [e for e in saved_tensors(arch, precision, seq_len) if dropout or e.dtype != "mask"]
+        if flash:
+            table = [e for e in table if not e.selective_drop]
+            table.insert(3, SavedTensor("attn_logsumexp", a, "fp32", "split", True))
+        return table
+    if arch.family == "nemotron" or (profile != "hpctrain" and arch.family == "llama"):
+        return _fused_block(arch, profile)
     if arch.family == "gpt":
         return [
             SavedTensor("ln1_input", h, "act", "rep"),
@@ -129,7 +158,53 @@ def saved_tensors(arch: Arch, precision: str, seq_len: int) -> List[SavedTensor]
     return table
 
 
+def _fused_block(arch: Arch, profile: str) -> List[SavedTensor]:
+    """A Llama-style or Nemotron block in 16-bit with fused kernels (module docstring)."""
+    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, arch.ffn_hidden * arch.top_k
+    # torchtitan's tensor parallelism (DTensor) saves the all-gathered input of a column-parallel matmul
+    gathered = "full" if profile == "torchtitan" else "rep"
+    table = [
+        SavedTensor("block_input", h, "resid", "rep"),
+        SavedTensor("attn_norm_stats", 4 if arch.family == "nemotron" else 2, "fp32", "rep"),
+        SavedTensor("qkv_input", h, "act", gathered),
+        SavedTensor("q_rope", h, "act", "split"),
+        SavedTensor("k_rope", kv, "act", "kv"),
+        SavedTensor("v", kv, "act", "kv"),
+        SavedTensor("attn_logsumexp", a, "fp32", "split", True),
+        SavedTensor("attn_output", h, "act", "split"),
+        SavedTensor("ffn_residual_input", h, "resid", "rep"),
+        SavedTensor("ffn_norm_stats", 4 if arch.family == "nemotron" else 2, "fp32", "rep"),
+        SavedTensor("ffn_input", h, "act", gathered),
+    ]
+    if arch.family == "nemotron":  # squared ReLU: its input, and its output as fc2's input
+        table += [SavedTensor("relu2_input", f, "act", "split"), SavedTensor("fc2_input", f, "act", "split")]
+    else:
+        table += [SavedTensor("gate_output", f, "act", "split"), SavedTensor("up_output", f, "act", "split"),
+                  SavedTensor("down_input", f, "act", "split")]
+    return table
+
+
+def torchtitan_op_sac(arch: Arch, tp: int) -> List[SavedTensor]:
+    """What torchtitan's per-op selective checkpointing keeps of one block (module docstring)."""
+    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, arch.ffn_hidden * arch.top_k
+    table = [
+        SavedTensor("block_input", h, "resid", "rep"),
+        SavedTensor("wq_output", h, "act", "split"),
+        SavedTensor("wv_output", kv, "act", "kv"),
+        SavedTensor("attn_output", h, "act", "split"),
+        SavedTensor("attn_logsumexp", a, "fp32", "split"),
+        SavedTensor("w1_output", f, "act", "split"),
+        SavedTensor("w2_output", h, "act", "full"),  # a partial sum over tp before its reduce-scatter
+    ]
+    if tp > 1:  # reduce_scatter_tensor is in the save list: the attention's and the MLP's outputs
+        table += [SavedTensor("attn_reduce_scatter", h, "act", "rep"), SavedTensor("mlp_reduce_scatter", h, "act",
+                                                                                     "rep")]
+    return table
+
+
 def _shard(entry: SavedTensor, arch: Arch, tp: int, sp: bool) -> float:
+    if entry.split == "full":
+        return entry.elements
     if entry.split == "rep":
         return entry.elements / tp if sp else entry.elements
     if entry.split == "kv":
@@ -139,35 +214,54 @@ def _shard(entry: SavedTensor, arch: Arch, tp: int, sp: bool) -> float:
 
 @lru_cache(maxsize=1024)
 def layer_bytes_per_token(arch: Arch, precision: str, seq_len: int, tp: int = 1, sp: bool = False,
-                          recompute: str = "none") -> float:
-    """Bytes one block keeps per token of a micro-batch on one tensor-parallel rank."""
+                          recompute: str = "none", profile: str = "hpctrain", flash: bool = False,
+                          dropout: bool = True) -> float:
+    """Bytes one block keeps per token of a micro-batch on one tensor-parallel rank (``profile``,
+    ``flash`` and ``dropout``: the code's, module docstring; the defaults are hpctrain's and the papers')."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-    d = dtypes_for(arch, precision)
-    table = saved_tensors(arch, precision, seq_len)
+    if profile not in PROFILES:
+        raise ValueError(f"activation profile must be one of {PROFILES}, got {profile!r}")
+    d = dtypes_for(arch, precision, profile)
+    table = saved_tensors(arch, precision, seq_len, profile, flash, dropout)
     if recompute == "full":
         table = table[:1]  # the block input only
+    elif recompute == "selective" and profile == "torchtitan" and arch.family == "llama":
+        table = torchtitan_op_sac(arch, tp)
     elif recompute == "selective":
         table = [e for e in table if not e.selective_drop]
     return sum(_shard(e, arch, tp, sp) * d.size(e.dtype) for e in table)
 
 
 def layer_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: int = 1, cp: int = 1,
-                sp: bool = False, recompute: str = "none", token_split: int = 1) -> float:
+                sp: bool = False, recompute: str = "none", token_split: int = 1, profile: str = "hpctrain",
+                flash: bool = False, dropout: bool = True) -> float:
     """One block, one micro-batch, one GPU. Context parallelism (``cp``) and
     an expert-parallel token split (``token_split``) divide the tokens; the
     per-token attention terms keep the full sequence length."""
     tokens = micro_batch * seq_len / (cp * token_split)
-    return tokens * layer_bytes_per_token(arch, precision, seq_len, tp, sp, recompute)
+    return tokens * layer_bytes_per_token(arch, precision, seq_len, tp, sp, recompute, profile, flash, dropout)
+
+
+LOSS_BYTES = {"hpctrain": 4.0, "megatron": 2.0 + 4.0, "torchtitan": 2.0 + 4.0 + 4.0}
+"""Bytes per vocabulary entry per token on the last stage at the loss: ours keeps the fp32 log-softmax;
+Megatron's vocab-parallel cross-entropy the 16-bit logits and their fp32 copy (turned into the softmax in
+place); torchtitan's ``cross_entropy(pred.float())`` the bf16 logits, their fp32 copy and the fp32
+log-softmax at once."""
 
 
 def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool,
-                      first: bool, last: bool, token_split: int = 1) -> float:
-    """Per micro-batch bytes outside the blocks (OUR model; the GPT accounting
-    leaves these out as the paper's per-layer formulas do): token ids kept by
-    the embedding (int64), the RoPE tables, and on the last stage the final
-    norm, the fp32 log-softmax over the (vocab-parallel) vocabulary and the
-    int64 targets kept by the loss."""
+                      first: bool, last: bool, token_split: int = 1, profile: str = "hpctrain") -> float:
+    """Per micro-batch bytes outside the blocks: token ids kept by the embedding (int64), the RoPE
+    tables, and on the last stage the final norm, the loss's logits (``LOSS_BYTES``) and the int64
+    targets. For OUR model's GPT accounting (the published formulas' per-layer terms only) nothing."""
+    if profile != "hpctrain":
+        tokens = micro_batch * seq_len / (cp * token_split)
+        extra = tokens * INT64 if first else 0.0
+        if last:
+            h = arch.d_model
+            extra += tokens * (h * 2 / (tp if sp else 1) + arch.padded_vocab(tp) / tp * LOSS_BYTES[profile] + INT64)
+        return extra
     if arch.family == "gpt":
         return 0.0
     d = dtypes_for(arch, precision)

@@ -13,10 +13,15 @@ different block from ours:
   replicated over tp (the MoE block is not tensor-parallel).
 - ``gpt`` is the GPT of Megatron-LM (Narayanan et al. 2021, Table 1): 4h GeLU
   MLP, biases, LayerNorm, learned positions, output tied to the input
-  embedding. Its total follows the paper's formula exactly,
+  embedding (or not: the Megatron-Core table's models). Its total follows
+  the paper's formula exactly,
   P = 12lh^2 (1 + 13/(12h) + (V+s)/(12lh)) = 12lh^2 + 13lh + (V+s)h,
   which leaves out the final LayerNorm (2h); we do the same so the rows
-  compare like with like.
+  compare like with like. GPT-3 and BLOOM are this family (BLOOM's ALiBi
+  has no position table).
+- ``nemotron`` is Nemotron-4's block (NVIDIA 2024; transformers'
+  ``NemotronConfig``): LayerNorm (with bias), grouped-query attention with
+  RoPE, a two-matrix squared-ReLU MLP, no linear biases, untied embeddings.
 
 FLOPs count matrix multiplications only (2 per multiply-add) and credit the
 full s x s attention (no causal halving), the convention of Narayanan et al.
@@ -83,9 +88,18 @@ class Arch:
                    shape.ffn_hidden, shape.tie_embeddings, 0, num_experts, top_k, moe_every, shared_experts, name)
 
     @classmethod
-    def gpt(cls, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, name: str = "gpt") -> "Arch":
-        """A Megatron-LM GPT (MLP width 4h, tied output, learned positions)."""
-        return cls("gpt", vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, True, seq_len, 1, 1, 1, 0, name)
+    def gpt(cls, n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, name: str = "gpt",
+            tie_embeddings: bool = True) -> "Arch":
+        """A Megatron-LM GPT (MLP width 4h, learned positions; ``seq_len`` 0 for none, as ALiBi)."""
+        return cls("gpt", vocab_size, d_model, n_layers, n_heads, n_heads, 4 * d_model, tie_embeddings, seq_len, 1,
+                   1, 1, 0, name)
+
+    @classmethod
+    def nemotron(cls, n_layers: int, d_model: int, n_heads: int, n_kv_heads: int, ffn_hidden: int,
+                 vocab_size: int, name: str = "nemotron") -> "Arch":
+        """A Nemotron-4 block stack (LayerNorm, GQA + RoPE, squared-ReLU MLP, no biases, untied)."""
+        return cls("nemotron", vocab_size, d_model, n_layers, n_heads, n_kv_heads, ffn_hidden, False, 0, 1, 1, 1, 0,
+                   name)
 
     # -- shapes ----------------------------------------------------------
     @property
@@ -127,6 +141,8 @@ class Arch:
     def attention_params(self) -> int:
         if self.family == "gpt":
             return 4 * self.d_model ** 2 + 4 * self.d_model  # QKV + proj, with biases
+        if self.family == "nemotron":
+            return 2 * self.d_model * self.d_model + 2 * self.d_model * self.kv_dim  # q, o; k, v (no biases)
         return self._shape.attention_params
 
     @cached_property
@@ -134,6 +150,8 @@ class Arch:
         """One feed-forward block (one expert)."""
         if self.family == "gpt":
             return 8 * self.d_model ** 2 + 5 * self.d_model  # h->4h->h with biases
+        if self.family == "nemotron":
+            return 2 * self.d_model * self.ffn_hidden  # up, down (squared ReLU, no biases)
         return self._shape.ffn_params
 
     @property
@@ -143,7 +161,7 @@ class Arch:
     @property
     def norm_params(self) -> int:
         """Norm weights per block (replicated under tensor parallelism)."""
-        return 4 * self.d_model if self.family == "gpt" else 2 * self.d_model
+        return 4 * self.d_model if self.family in ("gpt", "nemotron") else 2 * self.d_model
 
     @cached_property
     def layer_params(self) -> int:
@@ -171,6 +189,8 @@ class Arch:
 
     @property
     def final_norm_params(self) -> int:
+        if self.family == "nemotron":
+            return 2 * self.d_model  # LayerNorm weight and bias
         return 0 if self.family == "gpt" else self.d_model  # the paper's formula omits GPT's final LayerNorm
 
     @cached_property
@@ -215,6 +235,8 @@ class Arch:
             return (12 * h * h + 7 * h) // tp + 6 * h
         kv = self.kv_dim_per_rank(tp)
         attention = 2 * h * (h // tp) + 2 * h * kv
+        if self.family == "nemotron":
+            return attention + 2 * h * (self.ffn_hidden // tp) + self.norm_params
         if not (moe and self.is_moe):
             return attention + 3 * h * (self.ffn_hidden // tp) + self.norm_params
         experts = (self.num_experts // ep) * 3 * h * self.ffn_hidden
@@ -235,6 +257,8 @@ class Arch:
         tensors, plus the router and three for the shared experts."""
         if self.family == "gpt":
             return 12  # 4 weights + 4 biases + 2 x (LayerNorm weight, bias)
+        if self.family == "nemotron":
+            return 4 + 2 + 4  # q, k, v, o; up, down; 2 x (LayerNorm weight, bias)
         if not (moe and self.is_moe):
             return 4 + 3 + 2
         return 4 + 3 + 1 + (3 if self.shared_experts else 0) + 2
@@ -247,7 +271,8 @@ class Arch:
             return 24.0 * h * h + 4.0 * seq_len * h
         kv = self.kv_dim
         projections = 2.0 * (2 * h * h + 2 * h * kv)
-        ffn = 2.0 * self.top_k * 3 * h * self.ffn_hidden + 2.0 * self.router_params
+        matrices = 2 if self.family == "nemotron" else 3
+        ffn = 2.0 * self.top_k * matrices * h * self.ffn_hidden + 2.0 * self.router_params
         attention = 4.0 * seq_len * self.n_heads * self.head_dim  # QK^T and AV
         return projections + ffn + attention
 

@@ -20,10 +20,18 @@ intra/inter model for every collective of that axis (the data-parallel
 gradient group spans cp, ep and dp: it takes the ``dp`` link). An axis
 given only one of its two keys takes the other from intra/inter.
 
-Without calibration, compute runs at ``DEFAULT_MATMUL_EFFICIENCY`` x peak
-(large bf16 GEMMs reach roughly 70-80% of the datasheet peak on A100/H100
-class parts; replace it by your measurement) and the latencies below are
-assumed. MFU is always reported against the datasheet peak.
+Without calibration, a GPU the planner knows (``hardware.KINDS``, by preset
+name) runs GEMMs at its measured maximum achievable matmul rate (MAMF) and
+times every other kernel on its HBM bandwidth (``kernels``); any other
+accelerator runs GEMM FLOPs at ``DEFAULT_MATMUL_EFFICIENCY`` x peak, an
+assumption, and nothing else costs time. The latencies below are assumed.
+MFU is always reported against the datasheet peak.
+
+Memory: ``cluster.gpu_mem_gb`` is the marketed capacity, which for HBM parts
+is GiB (an "80GB" H100 reports 81,559 MiB: ``hardware``), so the capacity is
+``gpu_mem_gb`` x 2^30 bytes; ``usable_memory_fraction`` of it is planned,
+the rest left to the CUDA context, communication buffers and the caching
+allocator's fragmentation.
 """
 from __future__ import annotations
 
@@ -36,7 +44,15 @@ from typing import Any, Dict, List, Mapping, Optional
 from hpctrain.config.store import CONF_DIR
 from hpctrain.errors import ConfigError
 from hpctrain.planner.comm_model import Link
+from hpctrain.planner.hardware import GpuKind, gpu_kind
 
+GIB = 2 ** 30
+NVLINK_NCCL_EFFICIENCY = 370 / 450
+"""NCCL's bus bandwidth on NVLink over the line rate: "450GB/s is the line rate. With the protocol overhead
+(~20%) NCCL can get an effective NVLink bandwidth of 370GB/s" (NCCL maintainer, NVIDIA/nccl-tests issue #212)."""
+IB_NCCL_EFFICIENCY = 91 / 100
+"""NCCL's bus bandwidth between nodes over the InfiniBand line rate: 91 GB/s busbw on four 200 Gb/s HDR ports
+(100 GB/s) between two HGX A100 nodes (NVIDIA/nccl-tests issue #100)."""
 DEFAULT_MATMUL_EFFICIENCY = 0.75
 DEFAULT_INTRA_LATENCY_US = 2.0
 DEFAULT_INTER_LATENCY_US = 5.0
@@ -70,6 +86,8 @@ class ClusterSpec:
     """Where each number came from (``datasheet``, ``calibration``, ``assumed``)."""
     axis_links: Dict[str, Link] = field(default_factory=dict)
     """Measured links of single axes (calibration ``<axis>_busbw_gbs`` / ``<axis>_latency_us``)."""
+    gpu: Optional[GpuKind] = None
+    """The accelerator's figures for the kernel-level compute model (None: GEMM FLOPs only)."""
 
     @property
     def nodes(self) -> int:
@@ -150,6 +168,7 @@ def cluster_spec(c: Any, calibration: Optional[Mapping[str, float]] = None) -> C
         raise ConfigError("\n".join(problems))
     cal = dict(calibration or {})
     sources: Dict[str, str] = {}
+    gpu = gpu_kind(str(c.name))
 
     def pick(key: str, default: float, what: str, datasheet: bool) -> float:
         if key in cal:
@@ -160,16 +179,30 @@ def cluster_spec(c: Any, calibration: Optional[Mapping[str, float]] = None) -> C
 
     per_node = min(c.gpus_per_node, c.gpus)
     peak = c.peak_tflops * 1e12
-    matmul = pick("matmul_tflops", c.peak_tflops * DEFAULT_MATMUL_EFFICIENCY, "matmul_tflops", False) * 1e12
-    intra_bw = pick("intra_busbw_gbs", c.intra_bw_gbs or c.inter_bw_gbs or 1.0, "intra_busbw", True) * 1e9
-    inter_bw = pick("inter_busbw_gbs", c.inter_bw_gbs or c.intra_bw_gbs or 1.0, "inter_busbw", True) * 1e9
+    if gpu is not None and "matmul_tflops" not in cal:
+        # the measured rate at the clock a training step sustains; a preset's peak override scales it
+        matmul = gpu.sustained_mamf * peak / gpu.peak_flops
+        sources["matmul_tflops"] = "measured (MAMF table, sustained clock)"
+    else:
+        matmul = pick("matmul_tflops", c.peak_tflops * DEFAULT_MATMUL_EFFICIENCY, "matmul_tflops", False) * 1e12
+    # a known GPU's preset gives line rates: NCCL reaches a measured share of them (the constants above);
+    # a calibration's busbw is what nccl-tests measured and is taken as it is
+    intra_eff = NVLINK_NCCL_EFFICIENCY if gpu is not None else 1.0
+    inter_eff = IB_NCCL_EFFICIENCY if gpu is not None else 1.0
+    intra_bw = pick("intra_busbw_gbs", (c.intra_bw_gbs or c.inter_bw_gbs or 1.0) * intra_eff, "intra_busbw",
+                    True) * 1e9
+    inter_bw = pick("inter_busbw_gbs", (c.inter_bw_gbs or c.intra_bw_gbs or 1.0) * inter_eff, "inter_busbw",
+                    True) * 1e9
+    for what in ("intra_busbw", "inter_busbw"):
+        if gpu is not None and sources[what] == "datasheet":
+            sources[what] = "datasheet x NCCL efficiency"
     intra_lat = pick("intra_latency_us", DEFAULT_INTRA_LATENCY_US, "intra_latency", False) * 1e-6
     inter_lat = pick("inter_latency_us", DEFAULT_INTER_LATENCY_US, "inter_latency", False) * 1e-6
     usable = pick("usable_memory_fraction", DEFAULT_USABLE_MEMORY_FRACTION, "usable_memory", False)
     if matmul > peak * 1.0001:
         raise ConfigError(f"calibration matmul_tflops={matmul / 1e12:g} exceeds cluster.peak_tflops={c.peak_tflops:g}; "
                           "the peak is the datasheet ceiling: fix one of them")
-    capacity = c.gpu_mem_gb * 1e9
+    capacity = c.gpu_mem_gb * GIB
     axis_links: Dict[str, Link] = {}
     for a in LINK_AXES:
         bw, lat = cal.get(f"{a}_busbw_gbs"), cal.get(f"{a}_latency_us")
@@ -180,4 +213,4 @@ def cluster_spec(c: Any, calibration: Optional[Mapping[str, float]] = None) -> C
                              lat * 1e-6 if lat is not None else max(intra_lat, inter_lat))
         sources[f"{a}_link"] = "calibration"
     return ClusterSpec(str(c.name), int(c.gpus), int(per_node), capacity * usable, capacity, peak, matmul,
-                       Link(intra_bw, intra_lat), Link(inter_bw, inter_lat), sources, axis_links)
+                       Link(intra_bw, intra_lat), Link(inter_bw, inter_lat), sources, axis_links, gpu)

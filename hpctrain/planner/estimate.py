@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from hpctrain.mesh import DEFAULT_ORDER, parse_order
 from hpctrain.pipeline.bubble import in_flight, stage_bubble_time
@@ -38,6 +38,15 @@ from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
+from hpctrain.planner.frameworks import HPCTRAIN_FW, Framework
+from hpctrain.planner.kernels import (
+    block_cost,
+    embedding_cost,
+    head_cost,
+    optimizer_bytes,
+    param_pass_bytes,
+    pass_time,
+)
 from hpctrain.planner.layouts import Layout, per_rank_layers, planned_layers
 from hpctrain.planner.memory import ModelStates, StateBytes, model_states
 
@@ -51,6 +60,8 @@ class Workload:
     precision: str
     state_bytes: StateBytes
     bucket_bytes: float = 25 * 2 ** 20
+    framework: Framework = HPCTRAIN_FW
+    """The code that runs it (``frameworks``): hpctrain's own unless validating a published run."""
 
 
 @dataclass
@@ -77,10 +88,12 @@ class StepTime:
     compute: float
     bubble: float
     exposed: Dict[str, float]
+    optimizer: float = 0.0
+    """The optimizer step (memory-bound: bytes over HBM bandwidth), after the last backward."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + sum(self.exposed.values())
+        return self.compute + self.bubble + sum(self.exposed.values()) + self.optimizer
 
 
 @dataclass
@@ -168,10 +181,12 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     if expert:
         states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
     layers = per_rank_layers(arch, lay)[stage]
-    kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep)
+    fw = work.framework
+    kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep, profile=fw.activations,
+                              flash=fw.attention == "flash", dropout=fw.dropout)
     per_layer = act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute=lay.recompute, **kw)
     extra = act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
-                                  first, last, lay.ep)
+                                  first, last, lay.ep, fw.activations)
     activations = in_flight(lay.schedule, lay.pp, lay.vpp, m, stage) * (layers * per_layer + extra)
     buffers = 0.0
     if lay.recompute == "full":  # one block rematerialised during its backward
@@ -186,9 +201,12 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
         # the gathered current + prefetched block (under a pipeline also the stage's last block, kept for
         # its backward while the next micro-batch's forward gathers); one block's full gradient
         gathered = (3 if lay.pp > 1 else 2) * layer_params
-        buffers += gathered * sb.weights + (0 if whole_grads else layer_params * sb.grads)
-        buffers += act.autocast_weight_copy_bytes(gathered, work.precision)
-    else:
+        if fw.ours:
+            buffers += gathered * sb.weights + (0 if whole_grads else layer_params * sb.grads)
+            buffers += act.autocast_weight_copy_bytes(gathered, work.precision)
+        else:  # FSDP2 mixed precision gathers bf16 parameters and reduces a bf16 gradient cast to fp32
+            buffers += gathered * 2 + (0 if whole_grads else layer_params * (2 + sb.grads))
+    elif fw.ours:
         buffers += act.autocast_weight_copy_bytes(dense + expert, work.precision)
     return Memory(states.weights, states.grads, states.optimizer, activations, buffers, stage)
 
@@ -218,29 +236,92 @@ def _time(cluster: ClusterSpec, axis: str, kind: str, nbytes: float, n_in: int, 
     return group_time(kind, nbytes, n_in, n_out, cluster.intra, cluster.inter)
 
 
+def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float, r: float,
+                    gemm: Dict[str, Tuple[float, float, float]],
+                    coll: Callable[[str, float], float]) -> Tuple[float, float, float, float, float]:
+    """Tensor-parallel collectives of one block for one micro-batch: (exposed forward, exposed backward,
+    exposed in a full recomputation, bus bytes, seconds if nothing overlapped).
+
+    Per sub-layer (attention, MLP): under sequence parallelism an all-gather of the input before the
+    column-parallel GEMMs and a reduce-scatter after the row-parallel one; backward the all-gather of the
+    output gradient, the re-gather of the input (both hpctrain's tp plugin and Megatron keep only the
+    shard) and the reduce-scatter of the input gradient. Without it an all-reduce after the row-parallel
+    GEMM forward and of the input gradient backward. Which GEMM hides which collective is the
+    framework's (``Framework.tp_overlap``): none; Megatron-LM 2022's backward (the re-gather behind the
+    input-gradient GEMM, the input-gradient reduction behind the weight-gradient GEMM); or all of them
+    behind their neighbouring GEMM (TE userbuffers, torch async TP). hpctrain gathers the sub-layer input
+    in the residual stream's dtype (fp32: ``r``) and reduces its input gradient in fp32 too."""
+    if lay.tp == 1:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    entry, exit_ = tokens * h * (r if fw.ours else e), tokens * h * e
+
+    def g(names: Tuple[str, ...], i: int) -> float:
+        return sum(gemm[n][i] for n in names if n in gemm)
+
+    cols = [("qkv", "q", "k", "v"), ("fc1", "gate_up", "gate", "up")]
+    rows = [("proj",), ("fc2",)]
+    fwd: List[Tuple[str, float, float]] = []  # (kind, bytes, the GEMM that may hide it)
+    bwd: List[Tuple[str, float, float, bool]] = []  # (..., overlapped under "backward")
+    for col, row in zip(cols, rows):
+        if lay.sp:
+            fwd += [("all_gather", entry, g(col, 0)), ("reduce_scatter", exit_, g(row, 0))]
+            bwd += [("all_gather", exit_, g(row, 1), False), ("all_gather", entry, g(col, 1), True),
+                    ("reduce_scatter", entry, g(col, 2), True)]
+        else:
+            fwd += [("all_reduce", exit_, g(row, 0))]
+            bwd += [("all_reduce", entry, g(col, 2), True)]
+    full = fw.tp_overlap == "full"
+    t_fwd = sum(max(0.0, coll(k, b) - (hide if full else 0.0)) for k, b, hide in fwd)
+    t_bwd = sum(max(0.0, coll(k, b) - (hide if full or (fw.tp_overlap == "backward" and ok) else 0.0))
+                for k, b, hide, ok in bwd)
+    wire = sum(b * bus_factor(k, lay.tp) for k, b, *_ in fwd + bwd)
+    seconds = sum(coll(k, b) for k, b, *_ in fwd + bwd)
+    if lay.recompute == "full":  # the recomputed forward gathers and reduces again
+        wire += sum(b * bus_factor(k, lay.tp) for k, b, _ in fwd)
+        seconds += sum(coll(k, b) for k, b, _ in fwd)
+    return t_fwd, t_bwd, t_fwd if lay.recompute == "full" else 0.0, wire, seconds
+
+
 def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
     """Predict memory and step time of ``lay`` (see the module docstring)."""
     m = lay.microbatches(work.global_batch)
     memory = memory_per_gpu(arch, lay, work)
 
     G, R, s = cluster.gpus_per_node, cluster.matmul_flops, work.seq_len
+    fw = work.framework
     sizes = tuple(lay.sizes().items())
-    e = act.dtypes_for(arch, work.precision).act
+    dt = act.dtypes_for(arch, work.precision, fw.activations)
+    e, r = dt.act, dt.resid
     tokens = lay.micro_batch * s / (lay.cp * lay.ep)  # per GPU per micro-batch
     per_rank = per_rank_layers(arch, lay)
     # tp/cp/ep bytes per block first, times the slowest stage's blocks below
     comm: Dict[str, float] = {a: 0.0 for a in ("tp", "cp", "ep", "pp", "dp")}
+    gpu = cluster.gpu
+    kernels = gpu is not None and work.precision in ("bf16", "fp16")
 
-    # -- per micro-batch, per stage: compute + blocking collectives -------------
-    layer_f = tokens * arch.layer_forward_flops_per_token(s) / lay.tp / R
-    layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
-    attn_f = tokens * arch.attention_core_flops_per_token(s) / lay.tp / R
-    head_f = tokens * arch.head_forward_flops_per_token() / lay.tp / R
-    # all-reduce equivalents (AG + RS under SP) per layer: fwd 2, bwd 2, +1 bwd re-gather under SP, recompute 2
-    n_tp = 4 + (1 if lay.sp else 0) + (2 if lay.recompute == "full" else 0)
-    tp_bytes = tokens * arch.d_model * e
-    t_tp = _time(cluster, "tp", "all_reduce", tp_bytes, lay.tp, 1)
-    comm["tp"] = m * n_tp * tp_bytes * bus_factor("all_reduce", lay.tp)
+    # -- per micro-batch, per block: compute (kernels.py; without GPU figures, GEMM FLOPs at R) --------
+    gemm: Dict[str, Tuple[float, float, float]] = {}
+    if kernels:
+        assert gpu is not None
+        bc = block_cost(arch, fw, gpu, R, tokens, s, lay.tp, lay.sp, lay.cp, e, r)
+        layer_f, layer_b, layer_w, attn_f, attn_b = bc.fwd, bc.bwd, bc.wgrad, bc.attn_fwd, bc.attn_bwd
+        layer_re = bc.recompute(lay.recompute, fw.selective)
+        head_f, head_b, head_w = head_cost(arch, fw, gpu, R, tokens, lay.tp, lay.sp, e, r)
+        emb_f, emb_b = embedding_cost(arch, gpu, tokens, lay.tp, lay.sp, e)
+        gemm = bc.gemm
+    else:
+        layer_f = tokens * arch.layer_forward_flops_per_token(s) / lay.tp / R
+        layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
+        attn_f = tokens * arch.attention_core_flops_per_token(s) / lay.tp / R
+        layer_b, layer_w, attn_b = 2 * layer_f, layer_f, 2 * attn_f
+        head_f = tokens * arch.head_forward_flops_per_token() / lay.tp / R
+        head_b, head_w, emb_f, emb_b = 2 * head_f, head_f, 0.0, 0.0
+
+    def tp_coll(kind: str, nbytes: float) -> float:
+        return _time(cluster, "tp", kind, nbytes, lay.tp, 1)
+
+    tp_f, tp_b, tp_re, tp_wire, tp_seconds = _tp_collectives(lay, fw, tokens, arch.d_model, e, r, gemm, tp_coll)
+    comm["tp"] = m * tp_wire
     ep_bytes = tokens * arch.top_k * arch.d_model * e / lay.tp
     n_in, n_out = group_span(sizes, ("ep",), G)
     t_a2a = _time(cluster, "ep", "all_to_all", ep_bytes, n_in, n_out) if arch.is_moe else 0.0
@@ -249,20 +330,35 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     n_in, n_out = group_span(sizes, ("cp",), G)
     t_kv = _time(cluster, "cp", "p2p", kv_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2) * (lay.cp - 1)
     comm["cp"] = m * 3 * kv_bytes * (lay.cp - 1)
-    cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - 2 * attn_f)
+    cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - attn_b)
 
-    def stage_times(layers: int, last: bool) -> Tuple[float, float, float]:
-        f = layers * (layer_f + 2 * t_tp + 2 * t_a2a + cp_f) + (head_f if last else 0.0)
-        w = layers * layer_f + (head_f if last else 0.0)  # weight-gradient half of the backward
-        b = 2 * w + layers * (layer_re + (n_tp - 2) * t_tp + 2 * t_a2a + cp_b)
+    # per micro-batch, per parameter on the GPU: casts and gradient accumulation outside the GEMMs
+    shards = lay.dp * lay.cp * lay.ep if lay.zero >= 1 else 1
+
+    def params_of(rank: int) -> float:
+        dense, expert, _ = _stage_params(arch, lay, rank)
+        return dense + expert
+
+    param_pass = param_pass_bytes(fw, work.precision, shards) if kernels else 0.0
+
+    def stage_times(rank: int, layers: int) -> Tuple[float, float, float]:
+        first, last = rank == 0, rank == lay.pp - 1
+        f = (layers * (layer_f + tp_f + 2 * t_a2a + cp_f) + (head_f if last else 0.0)
+             + (emb_f if first else 0.0))
+        w = layers * layer_w + (head_w if last else 0.0)  # weight-gradient part of the backward
+        b = (layers * (layer_b + layer_re + tp_b + tp_re + 2 * t_a2a + cp_b) + (head_b if last else 0.0)
+             + (emb_b if first else 0.0))
+        if param_pass and gpu is not None:
+            b += pass_time(param_pass * params_of(rank), gpu)
         return f, b, w
 
-    times = [stage_times(n, r == lay.pp - 1) for r, n in enumerate(per_rank)]
-    slowest = max(range(lay.pp), key=lambda r: times[r][0] + times[r][1])  # it paces the pipeline
+    times = [stage_times(rk, n) for rk, n in enumerate(per_rank)]
+    slowest = max(range(lay.pp), key=lambda rk: times[rk][0] + times[rk][1])  # it paces the pipeline
     t_f, t_b, t_w = times[slowest]
     layers = per_rank[slowest]
-    for axis in ("tp", "cp", "ep"):
+    for axis in ("cp", "ep"):
         comm[axis] *= layers
+    comm["tp"] *= layers
     bubble = stage_bubble_time(lay.schedule, lay.vpp, *(list(t) for t in zip(*times))) if lay.pp > 1 else 0.0
     compute = m * (t_f + t_b)
 
@@ -270,23 +366,31 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     pp_bytes = tokens * arch.d_model * e / (lay.tp if lay.sp else 1)
     n_in, n_out = group_span(sizes, ("pp",), G)
     transfers = 2 * (m * lay.vpp + lay.pp - 1) if lay.pp > 1 else 0
-    t_pp = transfers * _time(cluster, "pp", "p2p", pp_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2)
+    one_p2p = _time(cluster, "pp", "p2p", pp_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2)
+    # overlapped in the steady state (Megatron-Core's default): only the fill and drain wait
+    t_pp = (2 * (lay.pp - 1) if fw.pp_overlap and lay.pp > 1 else transfers) * one_p2p
     comm["pp"] = 2 * m * lay.vpp * pp_bytes if lay.pp > 1 else 0.0
 
     # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
     # dp collectives hide behind compute only, not behind the tp/cp/ep
     # collectives inside t_f and t_b (they compete for the same links)
     # (on the slowest stage; the last one's head is counted there if it is the slowest, always without pp)
-    pure_f = layers * layer_f + (head_f if slowest == lay.pp - 1 else 0.0)
-    pure_b = 2 * pure_f + layers * layer_re
+    last = slowest == lay.pp - 1
+    pure_f = layers * layer_f + (head_f if last else 0.0)
+    pure_b = layers * (layer_b + layer_re) + (head_b if last else 0.0)
     t_dp, comm["dp"], wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
 
-    exposed = {"tp": m * layers * n_tp * t_tp, "cp": m * layers * (cp_f + cp_b), "ep": m * layers * 4 * t_a2a,
-               "pp": t_pp, "dp": t_dp}
-    wire_time = dict(exposed, cp=m * layers * 3 * t_kv, dp=wire_dp)
+    exposed = {"tp": m * layers * (tp_f + tp_b + tp_re), "cp": m * layers * (cp_f + cp_b),
+               "ep": m * layers * 4 * t_a2a, "pp": t_pp, "dp": t_dp}
+    wire_time = dict(exposed, tp=m * layers * tp_seconds, cp=m * layers * 3 * t_kv, pp=transfers * one_p2p,
+                     dp=wire_dp)
     # tp/cp/ep are inside t_f/t_b; report them separately and keep compute pure
     compute -= exposed["tp"] + exposed["cp"] + exposed["ep"]
-    time = StepTime(compute, bubble, exposed)
+    optimizer = 0.0
+    if kernels and gpu is not None:
+        local = max(params_of(rk) for rk in memory_stages(arch, lay))
+        optimizer = pass_time(optimizer_bytes(fw, local, local / shards), gpu)
+    time = StepTime(compute, bubble, exposed, optimizer)
     tokens_step = work.global_batch * s
     step = time.total
     mfu = tokens_step * model_flops_per_token(arch, s) / (step * lay.gpus * cluster.peak_flops)
@@ -327,15 +431,20 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
             # the bucket no compute can hide (first or last)
             return _time(cluster, "dp", kind, min(nbytes, work.bucket_bytes), n_in, n_out)
 
-        grads, weights = params * sb.grads, params * sb.weights
-        rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - t_b)
+        fw = work.framework
+        # FSDP2 and Megatron's distributed optimizer gather 16-bit parameters; hpctrain its fp32 ones
+        grads, weights = params * sb.grads, params * (sb.weights if fw.ours else 2.0)
+        hide_b = t_b if fw.dp_overlap else 0.0  # a code that reduces after the last backward hides nothing
+        rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - hide_b)
         ag, rs = t("all_gather", weights), t("reduce_scatter", grads)
+        # Megatron's --overlap-param-gather: the gather runs behind the next step's first forward
+        ag_exposed = max(one("all_gather", weights), ag - t_f) if fw.param_gather_overlap else ag
         if lay.zero == 0:
-            exposed += max(one("all_reduce", grads), t("all_reduce", grads) - t_b)
+            exposed += max(one("all_reduce", grads), t("all_reduce", grads) - hide_b)
             wire += grads * bus_factor("all_reduce", n)
             seconds += t("all_reduce", grads)
         elif lay.zero == 1 or (lay.zero == 2 and lay.pp > 1):  # ZeRO-2 under a pipeline: one reduce-scatter per step
-            exposed += rs_hidden + ag
+            exposed += rs_hidden + ag_exposed
             wire += (grads + weights) * bus_factor("all_gather", n)
             seconds += rs + ag
         elif lay.zero == 2:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from hpctrain.config.validate import check_layout
 from hpctrain.pipeline.bubble import NO_PIPELINE, SCHEDULES, check_schedule
@@ -129,7 +129,9 @@ def mesh_problems(arch: Arch, tp: int, cp: int, ep: int, pp: int, seq_len: int, 
 
 
 def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, gpus_per_node: int,
-                      pins: Optional[Mapping[str, Any]] = None) -> Tuple[List[Layout], Dict[str, int]]:
+                      pins: Optional[Mapping[str, Any]] = None, schedules: Optional[Sequence[str]] = None,
+                      recomputes: Optional[Sequence[str]] = None, zeros: Optional[Sequence[int]] = None,
+                      even_chunks: bool = False) -> Tuple[List[Layout], Dict[str, int]]:
     """All runnable layouts on ``gpus`` GPUs, and the count of rejections per reason.
 
     GPipe is only considered when pinned: 1F1B has its bubble with less memory.
@@ -137,6 +139,10 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     ``pins`` fixes values: mesh axes (``tp`` ... ``dp``), ``micro_batch``,
     ``zero``, ``recompute``, ``schedule``, ``vpp``, ``layers`` (blocks per
     virtual stage; pipelines of another stage count are rejected).
+    ``schedules`` / ``recomputes`` / ``zeros``: the pipeline schedules, recompute modes and ZeRO
+    stages the training code has (``frameworks.Framework``; all of hpctrain's by default); a pin
+    outside them is refused with that reason. ``even_chunks``: interleaving only where the blocks
+    divide into pp x vpp equal chunks (Megatron's rule).
     """
     pins = dict(pins or {})
     rejected: Dict[str, int] = {}
@@ -147,30 +153,59 @@ def enumerate_layouts(arch: Arch, model_cfg: Any, global_batch: int, seq_len: in
     def choices(key: str, options: List[Any]) -> List[Any]:
         return [pins[key]] if key in pins else options
 
+    allowed: Dict[str, Tuple[Any, ...]] = {"schedule": tuple(schedules or SCHEDULES),
+                                           "recompute": tuple(recomputes or RECOMPUTE),
+                                           "zero": tuple(zeros if zeros is not None else ZERO_STAGES),
+                                           "even_chunks": (even_chunks,)}
+    for key in ("schedule", "recompute", "zero"):
+        values = allowed[key]
+        if key in pins and pins[key] not in values and not (key == "schedule" and pins[key] == "gpipe"):
+            reject(f"{key} {pins[key]} is not available in this training code (it has "
+                   f"{', '.join(map(str, values))})")
+            return [], rejected
+
     out: List[Layout] = []
     for tp in choices("tp", _powers_of_two(min(gpus_per_node, gpus))):
         for cp in choices("cp", _powers_of_two(gpus)):
             for ep in choices("ep", _divisors(arch.num_experts)):
                 for pp in choices("pp", list(range(1, min(arch.n_layers, gpus) + 1))):
                     rest = tp * cp * ep * pp
+                    mesh_pinned = all(a in pins for a in ("tp", "cp", "ep", "pp"))
                     if gpus % rest:
-                        continue  # not a factorisation of the world; not worth a message
+                        if mesh_pinned:  # only then is it the user's mesh, worth naming
+                            reject(f"tp({tp}) * cp({cp}) * ep({ep}) * pp({pp}) = {rest} does not divide the "
+                                   f"{gpus} GPUs")
+                        continue  # not a factorisation of the world
                     dp = gpus // rest
                     if "dp" in pins and pins["dp"] not in (-1, dp):
+                        if mesh_pinned:
+                            reject(f"tp({tp}) * cp({cp}) * ep({ep}) * dp({pins['dp']}) * pp({pp}) = "
+                                   f"{rest * pins['dp']} != {gpus} GPUs")
                         continue
                     problem = mesh_problems(arch, tp, cp, ep, pp, seq_len, gpus_per_node)
                     if problem:
                         reject(problem)
                         continue
                     for layout in _knobs(arch, model_cfg, global_batch, seq_len, gpus, tp, cp, ep, dp, pp,
-                                         choices, reject, pins):
+                                         choices, reject, pins, allowed):
                         out.append(layout)
     return out, rejected
 
 
+def vpp_choices(n_layers: int, pp: int) -> List[int]:
+    """Virtual stages per pipeline rank the search tries: the powers of two up to ``MAX_VPP`` and every
+    divisor of the blocks per stage (96 blocks on 8 stages: 2, 3, 4, 6, 8, 12), each leaving every
+    virtual stage a block."""
+    options = set(_powers_of_two(MAX_VPP)[1:])
+    if n_layers % pp == 0:
+        options |= {v for v in _divisors(n_layers // pp) if v > 1}
+    return sorted(v for v in options if pp * v <= n_layers)
+
+
 def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: int, tp: int, cp: int, ep: int,
            dp: int, pp: int, choices: Callable[[str, List[Any]], List[Any]],
-           reject: Callable[[str], None], pins: Mapping[str, Any]) -> Iterator[Layout]:
+           reject: Callable[[str], None], pins: Mapping[str, Any],
+           allowed: Mapping[str, Tuple[Any, ...]]) -> Iterator[Layout]:
     """Micro-batch, schedule, ZeRO and recompute choices for one mesh."""
     sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
     per_replica = max(1, global_batch // dp)
@@ -182,13 +217,20 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
                 reject(p)
             continue
         m = global_batch // (dp * mb)
-        wanted = choices("schedule", [s for s in SCHEDULES if s != "gpipe"])
+        wanted = choices("schedule", [s for s in allowed["schedule"] if s != "gpipe"])
+        even = allowed["even_chunks"][0]
+        vpps = [v for v in choices("vpp", vpp_choices(arch.n_layers, pp))
+                if not even or arch.n_layers % (pp * v) == 0 or "vpp" in pins]
         schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
-            [(s, 1) for s in wanted if s != "interleaved"]
-            + [("interleaved", v) for v in _powers_of_two(MAX_VPP)[1:]
-               if "interleaved" in wanted and pp * v <= arch.n_layers])
+            [(s, 1) for s in wanted if s != "interleaved"] + [("interleaved", v) for v in vpps if v > 1])
+        if pp > 1 and "interleaved" in wanted and "vpp" in pins:
+            v = pins["vpp"]
+            if v > 1 and pp * v > arch.n_layers:
+                reject(f"vpp={v} on pp={pp} needs {pp * v} virtual stages; the model has {arch.n_layers} blocks")
         for schedule, vpp in schedules:
-            if vpp not in choices("vpp", [vpp]):
+            if vpp not in choices("vpp", [vpp]) or pp * vpp > arch.n_layers:
+                if "vpp" in pins and schedule != "interleaved":
+                    reject(f"vpp={pins['vpp']} needs the interleaved schedule (got {schedule})")
                 continue
             # the pipeline plugin counts micro-batches over dp x ep (the sample axes)
             why = check_schedule(schedule, pp, vpp, m) or check_busy(pp, global_batch // (dp * ep * mb))
@@ -203,8 +245,8 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
                     reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
                     continue
             for layers in splits:
-                for zero in choices("zero", list(ZERO_STAGES)):
-                    for recompute in choices("recompute", list(RECOMPUTE)):
+                for zero in choices("zero", list(allowed["zero"])):
+                    for recompute in choices("recompute", list(allowed["recompute"])):
                         yield Layout(tp, cp, ep, dp, pp, mb, zero, recompute, schedule, vpp, layers)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import yaml  # type: ignore[import-untyped]  # (pyyaml is a dependency; its stubs are not installed)
 
 from hpctrain.errors import ConfigError
+from hpctrain.planner.frameworks import FRAMEWORKS
 
 DEFAULT_TABLE = Path(__file__).with_name("published_runs.yaml")
 
@@ -39,8 +40,8 @@ TFLOPS_KINDS = ("model", "hardware")
 METRICS = ("step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")
 
 _RUN_KEYS = {"id", "source", "where", "held_out", "model", "gpu", "gpus", "global_batch", "seq_len", "precision",
-             "layout", "published", "note", "cluster_overrides"}
-_OPTIONAL_RUN_KEYS = {"note", "cluster_overrides"}
+             "layout", "published", "note", "cluster_overrides", "framework"}
+_OPTIONAL_RUN_KEYS = {"note", "cluster_overrides", "framework"}
 _MODEL_KEYS = {"family", "preset", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "positions"}
 _LAYOUT_KEYS = {"tp", "pp", "dp", "cp", "ep", "schedule", "vpp", "zero", "recompute", "micro_batch"}
 _PUBLISHED_KEYS = set(METRICS) | {"tflops_kind"}
@@ -54,6 +55,8 @@ class Source:
     cite: str
     read_from: str
     note: str = ""
+    framework: str = ""
+    """The training code that ran the source's rows (``frameworks.FRAMEWORKS``); a row may name another."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class PublishedRun:
     held_out: bool
     note: str = ""
     cluster_overrides: Tuple[str, ...] = ()
+    framework: str = ""
+    """The code that ran it (the row's own, else its source's)."""
 
 
 def held_out_by_rule(index_in_source: int) -> bool:
@@ -179,7 +184,11 @@ def _source(path: Path, key: Any, value: Any) -> Source:
         if not isinstance(value.get(field), str) or not value[field].strip():
             raise ConfigError(f"published runs table {path}: source {key!r}: '{field}' must say where the figures "
                               "were read (a non-empty string)")
-    return Source(str(key), value["cite"], value["read_from"], str(value.get("note") or ""))
+    framework = value.get("framework") or ""
+    if framework and framework not in FRAMEWORKS:
+        raise ConfigError(f"published runs table {path}: source {key!r}: framework {framework!r} is not one of "
+                          f"{', '.join(sorted(FRAMEWORKS))}")
+    return Source(str(key), value["cite"], value["read_from"], str(value.get("note") or ""), str(framework))
 
 
 def _run(path: Path, index: int, row: Any, sources: Mapping[str, Source]) -> PublishedRun:
@@ -209,10 +218,15 @@ def _run(path: Path, index: int, row: Any, sources: Mapping[str, Source]) -> Pub
         note = row.get("note") or ""
         if not isinstance(note, str):
             raise _Bad("'note' must be a string")
+        framework = row.get("framework") or sources[row["source"]].framework
+        if not framework:
+            raise _Bad("no framework: give the row's, or its source's ('framework: KEY')")
+        if framework not in FRAMEWORKS:
+            raise _Bad(f"framework {framework!r} is not one of {', '.join(sorted(FRAMEWORKS))}")
     except _Bad as e:
         raise ConfigError(f"published runs table {path}: run {name!r}: {e}") from None
     return PublishedRun(row["id"], sources[row["source"]], row["where"], model, row["gpu"], gpus, batch, seq,
-                        row["precision"], layout, published, row["held_out"], note, tuple(overrides))
+                        row["precision"], layout, published, row["held_out"], note, tuple(overrides), framework)
 
 
 def _keys(d: Mapping[str, Any], allowed: set, required: set, what: str) -> None:

@@ -104,8 +104,12 @@ def table(estimates: Sequence[Estimate]) -> str:
 
 
 def _matmul_source(cluster: ClusterSpec) -> str:
-    if cluster.sources.get("matmul_tflops") == "calibration":
+    source = cluster.sources.get("matmul_tflops")
+    if source == "calibration":
         return "calibration"
+    if cluster.gpu is not None:
+        return (f"{cluster.gpu.name}: measured maximum achievable matmul; HBM "
+                f"{cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s, kernel-level compute model")
     return f"assumed {cluster.matmul_flops / cluster.peak_flops:.2f} x peak: pass a measured one with --calibration"
 
 
@@ -114,12 +118,14 @@ def summary(arch: Arch, work: Workload, cluster: ClusterSpec) -> str:
             f"h={arch.d_model}, heads {arch.n_heads}/{arch.n_kv_heads} kv"
             + (f", {arch.num_experts} experts top-{arch.top_k}" if arch.is_moe else "") + "\n"
             f"cluster {cluster.name}: {cluster.gpus} GPUs ({cluster.nodes} x {cluster.gpus_per_node}), "
-            f"{cluster.capacity_bytes / GB:g} GB ({cluster.mem_bytes / GB:.1f} usable), peak "
+            f"{cluster.capacity_bytes / 2 ** 30:g} GiB = {cluster.capacity_bytes / GB:.1f} GB "
+            f"({cluster.mem_bytes / GB:.1f} usable), peak "
             f"{cluster.peak_flops / 1e12:g} TFLOP/s, matmul {cluster.matmul_flops / 1e12:g} TFLOP/s "
             f"({_matmul_source(cluster)}), busbw {cluster.intra.busbw / GB:g} / "
             f"{cluster.inter.busbw / GB:g} GB/s intra/inter ({cluster.sources.get('intra_busbw')})\n"
             f"workload: global batch {work.global_batch} x {work.seq_len} tokens, {work.precision}, "
-            f"state bytes/param {work.state_bytes.per_param:g} ({work.state_bytes.name})")
+            f"state bytes/param {work.state_bytes.per_param:g} ({work.state_bytes.name}); code: "
+            f"{work.framework.label}")
 
 
 def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[str], train_problems: Sequence[str],

@@ -67,8 +67,10 @@ def _plain(model_cfg: Any) -> Any:
 
 def _estimates(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSpec,
                pins: Mapping[str, Any]) -> "tuple[List[Estimate], Dict[str, int]]":
+    fw = work.framework
     layouts, rejected = enumerate_layouts(arch, _plain(model_cfg), work.global_batch, work.seq_len, cluster.gpus,
-                                          cluster.gpus_per_node, pins)
+                                          cluster.gpus_per_node, pins, fw.schedules, fw.recompute, fw.zero,
+                                          fw.even_chunks)
     return [estimate(arch, lay, work, cluster) for lay in layouts], rejected
 
 
@@ -131,7 +133,7 @@ def _no_valid_layout(arch: Arch, model_cfg: Any, work: Workload, cluster: Cluste
              + (f" with {_pin_text(pins)}" if pins else "") + "; the checks said, most often first:"]
     lines += [f"  - {msg} ({n} candidate{'s' if n > 1 else ''})" for msg, n in reasons]
     if not reasons:
-        lines.append("  - no mesh tp*cp*ep*dp*pp factorises the GPU count")
+        lines.append(f"  - no tp*cp*ep*pp with the pins divides the {cluster.gpus} GPUs")
     relaxed = _unpinned_options(arch, model_cfg, work, cluster, pins, need_fit=False)
     if relaxed:
         lines.append("valid with: " + "; or ".join(relaxed))
@@ -145,9 +147,9 @@ def _nothing_fits(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSp
     factor = need / cluster.mem_bytes
     per_gb = cluster.capacity_bytes / cluster.mem_bytes  # capacity for a given usable amount
     lay = lean.layout
-    # rounded up, so that following the advice is enough
+    # rounded up, so that following the advice is enough (cluster.gpu_mem_gb is in GiB)
     options = [f"needs >= {math.ceil(factor * 100) / 100:.2f}x more GPU memory "
-               f"(cluster.gpu_mem_gb >= {math.ceil(need * per_gb / 1e9)})"]
+               f"(cluster.gpu_mem_gb >= {math.ceil(need * per_gb / 2 ** 30)})"]
     for k in (2 ** i for i in range(1, MAX_GPU_GROWTH.bit_length())):
         bigger = dataclasses.replace(cluster, gpus=cluster.gpus * k)
         if any(e.fits for e in _estimates(arch, model_cfg, work, bigger, pins)[0]):
@@ -155,7 +157,7 @@ def _nothing_fits(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSp
             break
     options += ["or " + o for o in _unpinned_options(arch, model_cfg, work, cluster, pins, need_fit=True)]
     return (f"no layout fits in {cluster.mem_bytes / 1e9:.1f} GB usable per GPU "
-            f"({cluster.capacity_bytes / 1e9:g} GB x usable fraction) out of {len(found)} candidates"
+            f"({cluster.capacity_bytes / 2 ** 30:g} GiB x usable fraction) out of {len(found)} candidates"
             + (f" with {_pin_text(pins)}" if pins else "") + ". "
             f"The leanest ({lay.label()}, ZeRO {lay.zero}, recompute {lay.recompute}, micro-batch {lay.micro_batch}) "
             f"needs {need / 1e9:.1f} GB. Smallest change: " + "; ".join(options))

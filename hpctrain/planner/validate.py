@@ -22,31 +22,34 @@ recompute, GPT family); (3) model TFLOP/s over the cluster preset's peak;
 (4) the printed MFU. ratio = predicted MFU / published MFU; "within 15%" is
 0.85 <= ratio <= 1.15.
 
+Each row is planned with the code that ran it (``framework`` in the table,
+``frameworks.FRAMEWORKS``): its kernels, its overlap of communication, its
+model states and activations; ``hpctrain-plan`` itself plans hpctrain's own
+code.
+
 Rows the planner cannot express are shown as "not expressible" with the
-reason (fp8 training, a model family other than llama/gpt, a vpp the search
-never enumerates, a published shape that differs from the named preset);
-they and the refusals count as misses in the "within" fraction of all rows.
+reason (fp8 training, a model family the planner does not know, a
+published shape that differs from the named preset); they and the
+refusals count as misses in the "within" fraction of all rows.
 This module does not change the planner's model: it only reports on it.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hpctrain.config.validate import PRECISIONS as PLANNER_PRECISIONS
 from hpctrain.errors import ConfigError
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.compute import model_flops_per_token, narayanan_flops_per_iteration
-from hpctrain.planner.layouts import MAX_VPP
+from hpctrain.planner.frameworks import framework
 from hpctrain.planner.plan import parse_pins, plan_inputs
 from hpctrain.planner.published import DEFAULT_TABLE, PublishedRun, load_runs
 from hpctrain.planner.search import search
 
 TOLERANCE = 0.15
-PLANNER_FAMILIES = ("llama", "gpt")
-ENUMERATED_VPP = tuple(2 ** k for k in range(1, MAX_VPP.bit_length()) if 2 ** k <= MAX_VPP)
-"""Virtual-stage counts ``layouts._knobs`` enumerates for the interleaved schedule."""
+PLANNER_FAMILIES = ("llama", "gpt", "nemotron")
 
 PREDICTED, REFUSED, NOT_EXPRESSIBLE = "predicted", "refused", "not expressible"
 
@@ -99,15 +102,14 @@ def not_expressible(run: PublishedRun) -> str:
     if run.precision == "fp8":
         return f"fp8 training: the planner plans {', '.join(PLANNER_PRECISIONS)} only"
     if m.family not in PLANNER_FAMILIES:
-        return (f"model family {m.family!r}: the planner knows llama (SwiGLU, GQA) and gpt (GeLU 4h MLP, "
-                "multi-head attention) blocks")
+        return (f"model family {m.family!r}: the planner knows llama (SwiGLU, GQA), gpt (GeLU 4h MLP, "
+                "multi-head attention, biases) and nemotron (squared-ReLU MLP, GQA, no biases) blocks")
     if m.vocab is None:
         return "vocabulary size not published in the sources read"
     if m.family == "gpt" and (m.kv_heads != m.heads or m.ffn != 4 * m.hidden):
         return "gpt family with grouped-query attention or an MLP other than 4h"
-    if lay.pp > 1 and lay.vpp and lay.vpp > 1 and lay.vpp not in ENUMERATED_VPP:
-        return (f"vpp {lay.vpp}: the planner enumerates the interleaved schedule with vpp in "
-                f"{{{', '.join(map(str, ENUMERATED_VPP))}}} only")
+    if lay.pp > 1 and lay.vpp and lay.vpp > 1 and lay.pp * lay.vpp > m.layers:
+        return f"vpp {lay.vpp} on {lay.pp} stages asks for more virtual stages than the {m.layers} blocks"
     return ""
 
 
@@ -154,6 +156,8 @@ def planner_arch(run: PublishedRun, preset_arch: Arch) -> Arch:
         positions = run.seq_len if m.positions == "learned" else 0
         return Arch("gpt", int(m.vocab or 0), m.hidden, m.layers, m.heads, m.heads, m.ffn, m.tied, positions,
                     name=run.id)
+    if m.family == "nemotron":
+        return Arch.nemotron(m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, int(m.vocab or 0), name=run.id)
     got = (preset_arch.n_layers, preset_arch.d_model, preset_arch.n_heads, preset_arch.n_kv_heads,
            preset_arch.ffn_hidden, preset_arch.vocab_size, preset_arch.tie_embeddings)
     want = (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, m.tied)
@@ -196,6 +200,8 @@ def validate_run(run: PublishedRun, pm: Any) -> Outcome:
     # composed as hpctrain-plan composes a run, for the cluster (peak, memory) and the workload
     preset_arch, work, cluster, cfg, _user, pins = plan_inputs(_overrides(run), None, pm,
                                                                {} if why else _knob_pins(run))
+    code = framework(run.framework)
+    work = replace(work, framework=code, state_bytes=code.states)
     arch: Optional[Arch] = None
     if run.model.family in PLANNER_FAMILIES and run.model.vocab is not None:
         try:

@@ -43,7 +43,10 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
     """tp 8 x pp 16 x dp 64 is among the layouts that fit (with full recompute:
     our trainer's fp32 weights and gradients leave no room for the
     activations otherwise), its 1F1B stages split [7, 8 x 14, 7] as Meta's;
-    the best layout's predicted MFU is at least 30% (uncalibrated)."""
+    the best layout's predicted MFU is at least 30%, Meta's layout's at least
+    20% (hpctrain's own eager code, its blocking tensor-parallel collectives
+    and full recompute, in the kernel-level model of issue 55; the FLOPs-only
+    model promised 30% for it too)."""
     plan, arch = plan_405b[0], plan_405b[1]
     assert arch.n_layers == 126 and arch.total_params == 405_853_388_800
     metas = [e for e in plan.ranked if (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp) == (8, 1, 16, 64)]
@@ -53,7 +56,7 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
     assert plain and {e.layout.layers for e in plain} == {tuple(META)}
     # interleaving with uneven chunks: 126 blocks on 64 virtual stages (the ranks again [7, 8 x 14, 7])
     assert any(e.layout.vpp == 4 and e.layout.layers == (1,) + (2,) * 62 + (1,) for e in metas)
-    assert max(e.mfu for e in metas) >= 0.30
+    assert max(e.mfu for e in metas) >= 0.20
     assert plan.best.mfu >= 0.30 and plan.best.fits
     assert plan.best.layout.pp > 1 and sum(plan.best.layout.layers) == 126
 
@@ -66,19 +69,23 @@ def test_the_preset_is_the_issues_model(plan_405b):
     assert Arch.from_model_config(compose_config(LLAMA3_405B_PRESET, create_manager()).model) == plan_405b[1]
 
 
-def test_70b_keeps_its_advice():
-    """The 70B on 256 GPUs: the same layout as before uneven stages, its step
-    no slower (13.153 s now, 13.158 s before: the bubble counts the three
-    stages without the head at their own pace). The even split [20 x 4] beats
-    auto's [19, 21, 21, 19] here: a block costs its tensor-parallel
-    collectives too, which the head's parameter share does not see."""
+def test_70b_estimates_both_splits():
+    """The 70B on 256 GPUs: for four stages the search estimates both auto's [19, 21, 21, 19] and the even
+    [20 x 4] (a block costs its tensor-parallel collectives too, which the head's parameter share does not
+    see) and ranks them by their own step times. (Before issue 55's kernel-level compute model this test
+    pinned the best layout of the FLOPs-only model, tp4 cp4 dp4 pp4 ZB-H1 at 13.158 s, ``BEFORE_70B``; the
+    kernel model prefers another layout, so the split comparison is what is checked now.)"""
     plan = make_plan(LLAMA3_70B)[0]
-    layout, step = BEFORE_70B
-    best = plan.best
-    assert {k: getattr(best.layout, k) for k in layout} == layout
-    assert best.time.total <= step
-    assert best.layout.layers == (20, 20, 20, 20)
-    assert any(e.layout.layers == (19, 21, 21, 19) for e in plan.ranked)
+    four = [e for e in plan.ranked if e.layout.pp == 4 and e.layout.schedule == "1f1b"]
+    assert any(e.layout.layers == (19, 21, 21, 19) for e in four)
+    assert any(e.layout.layers == (20, 20, 20, 20) for e in four)
+    same = {}
+    for e in four:  # the same layout with the two splits: each keeps its own step time
+        key = (e.layout.tp, e.layout.cp, e.layout.dp, e.layout.micro_batch, e.layout.zero, e.layout.recompute,
+               e.layout.schedule, e.layout.vpp)
+        same.setdefault(key, {})[e.layout.layers] = e.time.total
+    pairs = [v for v in same.values() if len(v) == 2]
+    assert pairs and any(a != b for v in pairs for a, b in [tuple(v.values())])
 
 
 def _train_config(command: str, pm):
@@ -96,7 +103,8 @@ def _train_config(command: str, pm):
     return overrides, to_config(buf.getvalue(), pm)
 
 
-@pytest.mark.parametrize("argv, gpus", [(LLAMA3_405B_PRESET, 8192), (LLAMA3_70B, 256)])
+# the 70B with four stages pinned: its unpinned best has no pipeline, and the command under test names a split
+@pytest.mark.parametrize("argv, gpus", [(LLAMA3_405B_PRESET, 8192), (LLAMA3_70B + ["parallel.pp=4"], 256)])
 def test_the_printed_command_passes_training_validation(argv, gpus):
     """Every key the printed command sets is in the schema, and the config
     hpctrain-train composes from it passes ``validate`` (the checks a launch
@@ -125,6 +133,8 @@ def test_uneven_stages_in_the_estimate():
     paces the pipeline, not the last (7 blocks + a head of 1.84 blocks' FLOPs);
     with [8, 8, 8, 8] the last (8 + 1.84) does. Memory is taken on the
     fullest stage, a middle one when it holds more blocks."""
+    from dataclasses import replace
+
     from hpctrain.planner.arch import Arch
     from hpctrain.planner.cluster import cluster_spec
     from hpctrain.planner.estimate import Workload, estimate, memory_stages, stage_memory
@@ -134,7 +144,9 @@ def test_uneven_stages_in_the_estimate():
     from hpctrain.plugins import create_manager
 
     cfg = compose_config(["model=llama3-8b", "cluster=h100-80gb", "cluster.gpus=8"], create_manager())
-    arch, cluster = Arch.from_model_config(cfg.model), cluster_spec(cfg.cluster, {})
+    # the FLOPs-only compute model (an accelerator without kernel figures: hardware.gpu_kind is None), whose
+    # stage arithmetic this test states exactly; the kernel model's stages are tested in test_planner_kernels
+    arch, cluster = Arch.from_model_config(cfg.model), replace(cluster_spec(cfg.cluster, {}), gpu=None)
     work = Workload(16, 8192, "bf16", HPCTRAIN)
     tokens = 8192  # one sequence per micro-batch, no tp/cp
     block = tokens * arch.layer_forward_flops_per_token(8192) / cluster.matmul_flops
