@@ -39,38 +39,6 @@ def _show(proc) -> str:
     return f"exit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
 
-def test_srun_pmix_trains_with_four_ranks(slurm, job_name, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = slurm.run(
-        ["srun", "--mpi=pmix", "-n", "4", "--time=5", f"--job-name={job_name}", "--kill-on-bad-exit=1",
-         "hpctrain-train", "trainer.steps=6", f"hydra.run.dir={run_dir}"],
-        job_name,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, _show(proc)
-    _check_training(run_dir, steps=6, world=4)
-
-
-def test_sbatch_template_completes(slurm, job_name, tmp_path):
-    # Small resources; everything else comes from the template's #SBATCH lines.
-    # --chdir keeps the job's runs/ and log out of the repository.
-    proc = slurm.run(
-        ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1",
-         "--time=5", f"--job-name={job_name}", f"--chdir={tmp_path}", str(SBATCH), "trainer.steps=4"],
-        job_name,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    job_id = proc.stdout.strip().split(";")[0]
-    assert proc.returncode == 0 and job_id.isdigit(), _show(proc)
-    info = slurm.wait_job(job_id, job_name)
-    out_file = tmp_path / f"{job_name}-{job_id}.out"
-    out = out_file.read_text() if out_file.is_file() else f"(no {out_file.name})"
-    assert "JobState=COMPLETED" in info, f"{info}\njob output:\n{out}"
-    assert f"run dir {tmp_path}/runs/slurm-{job_id}" in out, out
-    _check_training(tmp_path / "runs" / f"slurm-{job_id}", steps=4, world=4)
-
-
 def test_bad_layout_fails_fast_with_one_line(slurm, job_name, tmp_path):
     run_dir = tmp_path / "run"
     proc = slurm.run(
@@ -89,15 +57,20 @@ def test_bad_layout_fails_fast_with_one_line(slurm, job_name, tmp_path):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-
-def test_usr1_saves_requeues_and_the_job_resumes_bit_for_bit(slurm, job_name, tmp_path):
-    """``scancel --signal=USR1`` (what ``--signal=USR1@120`` sends) mid-run to
-    the template's 4-rank job: it commits a checkpoint, requeues itself,
-    resumes from it and ends with the per-step losses of an uninterrupted run."""
+def test_srun_and_the_sbatch_template_train_and_usr1_requeues_and_resumes_bit_for_bit(slurm, job_name, tmp_path):
+    """The uninterrupted run is ``srun --mpi=pmix -n 4 hpctrain-train`` (its 4
+    ranks find each other through PMIx: dp=4). ``scancel --signal=USR1``
+    (what ``--signal=USR1@120`` sends) mid-run to the sbatch template's 4-rank
+    job: it commits a checkpoint, requeues itself, resumes from it and
+    completes in the template's run directory with the per-step losses of the
+    uninterrupted run."""
     common = ["trainer.steps=12", "trainer.log_every=1", "trainer.progress=off"]
     ref = slurm.run(["srun", "--mpi=pmix", "-n", "4", "--time=5", f"--job-name={job_name}", "--kill-on-bad-exit=1",
                      "hpctrain-train", *common, f"hydra.run.dir={tmp_path}/ref"], job_name, cwd=tmp_path)
     assert ref.returncode == 0, _show(ref)
+    _check_training(tmp_path / "ref", steps=12, world=4)
+    # small resources; everything else comes from the template's #SBATCH lines (--chdir keeps the job's
+    # runs/ and log out of the repository)
     proc = slurm.run(
         ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--time=5",
          f"--job-name={job_name}", f"--chdir={tmp_path}", str(SBATCH), *common,
@@ -135,6 +108,8 @@ def test_usr1_saves_requeues_and_the_job_resumes_bit_for_bit(slurm, job_name, tm
     assert re.search(r"step \d+: SIGUSR1: saving and stopping", out), out
     assert "committed" in out and "asking Slurm to requeue job" in out and "restarted (requeue number 1)" in out, out
     assert "resumed from" in out, out
+    assert f"run dir {run_dir}" in out, out
+    _check_training(run_dir, steps=12, world=4)
     got, want = _metrics(run_dir), _metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(1, 13)), got
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
