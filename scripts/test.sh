@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: set-up (idempotent), then
-#   0. lint: ruff and mypy (pyproject.toml); a report fails the suite like a
-#      failed test (lint::ruff, lint::mypy in the summary),
+#   0. lint: ruff and mypy (pyproject.toml), beside the unit tests; a report
+#      fails the suite like a failed test (lint::ruff, lint::mypy in the summary),
 #   1. unit tests (two pytest workers, one per core), then the launcher
-#      tests one at a time (each starts mpirun itself),
+#      tests (each starts mpirun itself),
 #   2. multi-rank tests under mpiexec at 2, 4 and 8 ranks (oversubscribed),
 #   3. SLURM tests on a throwaway single-node SLURM started here.
 # Per-rank output of the multi-rank sessions goes to build/test-logs; a
@@ -40,18 +40,21 @@ end_section() {
 section() { end_section; printf '\n==== %s ====\n' "$*"; sec_name=$1; sec_t0=$SECONDS; }
 times+=("$(printf '  %-32s %s' "set-up" "$(fmt $((SECONDS - t_setup)))")")
 
-section "lint" "(ruff, mypy)"
-if python scripts/lint.py "$LOGDIR/lint.xml"; then
-  echo "lint: clean"
-else
-  status=1
-  echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
-fi
-
+# lint runs beside the unit tests: mypy keeps one core busy for a minute, the two unit-test workers
+# fill the cores around it (its report is printed once the unit tests end)
+section "lint and unit tests" "(ruff and mypy beside the unit tests, one process each, two at a time)"
+python scripts/lint.py "$LOGDIR/lint.xml" > "$LOGDIR/lint.log" 2>&1 &
+lint_pid=$!
 # (the limits only catch a hang: the unit tests take about 3 minutes on a quiet 2-core machine)
-section "unit tests" "(one process each, two at a time)"
 timeout 1200 python -m pytest -q -p no:cacheprovider -n 2 tests/unit --durations=15 --junitxml="$LOGDIR/unit.xml"
 rc=$?; [ $rc -eq 5 ] && rc=0; [ $rc -ne 0 ] && status=1
+echo "-- lint (ruff, mypy)"
+if wait "$lint_pid"; then
+  cat "$LOGDIR/lint.log"; echo "lint: clean"
+else
+  cat "$LOGDIR/lint.log"; status=1
+  echo "hpctrain: lint failed: ruff or mypy reported problems (above); fix them or the suite fails"
+fi
 
 # only what needs a job of its own (a signal, a hang, a relaunch, a terminal, a wheel, peak RSS, the
 # README's launch commands); messages, validation and tool output run in the MPI sessions below
