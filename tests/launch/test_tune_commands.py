@@ -1,12 +1,9 @@
-"""``mpiexec -n 4 hpctrain-tune ...`` as users launch it: it ends with the fastest measured layout's
-command, and that command, run as printed, trains (with srun when a Slurm controller answers; else the
-same hpctrain-train argument list under mpiexec with the printed task count). A layout failing on one
-rank only ends the job through the hang watchdog instead of hanging. (Bad arguments: one line, exit 2,
-before any collective: tests/mpi/test_cli_tools.py.)"""
-import glob
-import json
+"""``mpiexec hpctrain-tune ...`` as users launch it: a layout failing on one rank only ends the job
+through the hang watchdog instead of hanging. (The fastest layout's printed command, run as printed:
+tests/slurm/test_tune_under_slurm.py, where the command's srun runs; the tuner's measurements against
+one process: tests/mpi/test_tune.py; bad arguments: one line, exit 2, before any collective:
+tests/mpi/test_cli_tools.py.)"""
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -30,44 +27,6 @@ def _env():
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_mpi_yield_when_idle="1",
                PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     return env
-
-
-def _slurm_answers() -> bool:
-    sinfo = shutil.which("sinfo")
-    if sinfo is None:
-        return False
-    try:
-        return subprocess.run([sinfo, "-h"], capture_output=True, timeout=10).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def test_printed_command_runs_as_printed(tmp_path):
-    out = tmp_path / "tune.json"
-    r = subprocess.run([MPIEXEC, "-n", "4", str(BIN / "hpctrain-tune"), *TINY, "--top", "2", "--steps", "2",
-                        "--out", str(out)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
-                       cwd=tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = r.stdout.splitlines()
-    command = lines[lines.index("run it with:") + 1].strip()
-    assert command == json.loads(out.read_text())["best"]["command"]
-    argv = shlex.split(command)
-    assert argv[:5] == ["srun", "--nodes=1", "--ntasks-per-node=4", "--mpi=pmix", "hpctrain-train"], command
-    run_dir = tmp_path / "run"
-    if _slurm_answers():
-        launched = subprocess.run(f"{command} hydra.run.dir={run_dir}", shell=True, env=_env(), capture_output=True,
-                                  text=True, timeout=TIMEOUT, cwd=tmp_path)
-    else:  # the same argument list, under the launcher this machine has
-        launched = subprocess.run([MPIEXEC, "-n", "4", str(BIN / "hpctrain-train"), *argv[5:],
-                                   f"hydra.run.dir={run_dir}"], env=_env(), capture_output=True, text=True,
-                                  timeout=TIMEOUT, cwd=tmp_path)
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]
-    best = json.loads(out.read_text())["best"]["index"]
-    assert [row["loss"] for row in rows] == pytest.approx(json.loads(out.read_text())["layouts"][best]["losses"],
-                                                          rel=1e-6)
-    assert glob.glob(str(tmp_path / "tune.runs" / "*" / "metrics.jsonl"))
 
 
 @pytest.mark.alone  # reliability.hang_timeout_s=2

@@ -43,3 +43,4 @@ def test_the_tuners_command_runs_as_printed(slurm, job_name, tmp_path):
     sizes = measured["sizes"]
     layout = (run_dir / "layout.json").read_text()
     assert all(json.loads(layout)["sizes"][a] == n for a, n in sizes.items()), (sizes, layout)
+    assert list(tmp_path.glob("tune.runs/*/metrics.jsonl"))  # every tried layout's own run directory
