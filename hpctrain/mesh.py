@@ -149,6 +149,7 @@ class Mesh:
         self._groups: Dict[str, Group] = {}            # by name (aliases included)
         self._by_partition: Dict[Tuple[Tuple[int, ...], ...], Group] = {}
         self._created: List[Group] = []                # distinct groups, in creation order
+        self._offsets_of: Dict[Tuple[str, ...], Tuple[int, ...]] = {}  # group members less the first, by key
         self._backend_factory: Optional[Callable[[Group], "Communicator"]] = None
         self._sealed = False
         self.alone_axes: Tuple[str, ...] = tuple(alone_axes)
@@ -231,17 +232,48 @@ class Mesh:
         ``ep`` (expert gradients) and the world (loss and gradient norm)."""
         return tuple((a,) for a in AXES) + (DATA_AXES, SAMPLE_AXES, ("cp", "dp"), AXES)
 
+    def _offsets(self, key: Tuple[str, ...]) -> Tuple[int, ...]:
+        """The members of the group along ``key`` (canonical) less its first rank, ascending."""
+        found = self._offsets_of.get(key)
+        if found is None:
+            offsets = [0]
+            for a in key:
+                offsets = [o + i * self.strides[a] for i in range(self.sizes[a]) for o in offsets]
+            found = self._offsets_of[key] = tuple(sorted(offsets))
+        return found
+
     def group_ranks(self, axes: "str | Iterable[str]", rank: Optional[int] = None) -> Tuple[int, ...]:
         """World ranks of the group along ``axes`` that contains ``rank``."""
         key = self.canonical(axes)
-        coords = self.coords_of(self.world_rank if rank is None else rank)
-        members = [coords]
-        for a in key:
-            members = [dict(c, **{a: i}) for i in range(self.sizes[a]) for c in members]
-        return tuple(sorted(self.rank_of(c) for c in members))
+        r = self.world_rank if rank is None else rank
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"rank {r} outside world of size {self.world_size}")
+        base = r - sum((r // self.strides[a]) % self.sizes[a] * self.strides[a] for a in key)
+        return tuple(base + o for o in self._offsets(key))
 
     def partition(self, axes: "str | Iterable[str]") -> Tuple[Tuple[int, ...], ...]:
-        return self._partition(lambda r: self.group_ranks(axes, r))
+        """Every group along ``axes``, in the order of their first ranks (O(world size): a dry run
+        builds the mesh of a whole job)."""
+        key = self.canonical(axes)
+        offsets = self._offsets(key)
+        starts = [r for r in range(self.world_size)
+                  if all((r // self.strides[a]) % self.sizes[a] == 0 for a in key)]
+        return tuple(tuple(b + o for o in offsets) for b in starts)
+
+    def _by_node(self, key: Tuple[str, ...]) -> List[List[List[int]]]:
+        """Per group along ``key``: its ranks on each of its nodes (nodes in order of first rank)."""
+        out = []
+        for ranks in self.partition(key):
+            nodes: Dict[int, List[int]] = {}
+            for x in ranks:
+                nodes.setdefault(self.rank_nodes[x], []).append(x)
+            out.append(list(nodes.values()))
+        return out
+
+    @staticmethod
+    def _ordered(groups: Iterable[Sequence[int]]) -> Tuple[Tuple[int, ...], ...]:
+        """A partition as ``_partition`` orders it: each group ascending, groups by first rank."""
+        return tuple(sorted((tuple(sorted(g)) for g in groups), key=lambda g: g[0]))
 
     def _partition(self, members_of: Callable[[int], Tuple[int, ...]]) -> Tuple[Tuple[int, ...], ...]:
         seen: Set[int] = set()
@@ -255,12 +287,18 @@ class Mesh:
                 parts.append(g)
         return tuple(parts)
 
-    def _define(self, name: str, axes: Tuple[str, ...], members_of: Callable[[int], Tuple[int, ...]]) -> Group:
+    def _define(self, name: str, axes: Tuple[str, ...], members_of: Optional[Callable[[int], Tuple[int, ...]]],
+                parts: Optional[Callable[[], Tuple[Tuple[int, ...], ...]]] = None) -> Group:
         """The group called ``name`` (created if new; the same object as an
-        existing group with the same partition)."""
+        existing group with the same partition), from each rank's members or
+        from ``parts``, the whole partition at once."""
         if name in self._groups:
             return self._groups[name]
-        part = self._partition(members_of)
+        if parts is not None:
+            part = parts()
+        else:
+            assert members_of is not None  # (one of the two is given)
+            part = self._partition(members_of)
         found = self._by_partition.get(part)
         if found is None:
             if self._sealed:
@@ -279,7 +317,7 @@ class Mesh:
     def group(self, axes: "str | Iterable[str]") -> Group:
         """The group of ranks that differ only on ``axes``."""
         key = self.canonical(axes)
-        return self._define("+".join(key) if key else "self", key, lambda r: self.group_ranks(key, r))
+        return self._define("+".join(key) if key else "self", key, None, lambda: self.partition(key))
 
     def pp_ends(self) -> Group:
         """The first and last stage of this rank's pipeline (tied embeddings).
@@ -296,26 +334,22 @@ class Mesh:
     def node_local(self, axes: "str | Iterable[str]") -> Group:
         """The ranks of the group along ``axes`` that share this rank's node."""
         key = self.canonical(axes)
-        return self._define(f"{'+'.join(key) or 'self'}:node", key,
-                            lambda r: tuple(x for x in self.group_ranks(key, r)
-                                            if self.rank_nodes[x] == self.rank_nodes[r]))
+        return self._define(f"{'+'.join(key) or 'self'}:node", key, None,
+                            lambda: self._ordered(on for group in self._by_node(key) for on in group))
 
     def across_nodes(self, axes: "str | Iterable[str]") -> Group:
         """The ranks of the group along ``axes`` at this rank's position on
         every node (its index among the group's ranks on its node)."""
         key = self.canonical(axes)
 
-        def members(r: int) -> Tuple[int, ...]:
-            ranks = self.group_ranks(key, r)
-            position = [x for x in ranks if self.rank_nodes[x] == self.rank_nodes[r]].index(r)
+        def parts() -> Tuple[Tuple[int, ...], ...]:
             out = []
-            for node in dict.fromkeys(self.rank_nodes[x] for x in ranks):
-                on_node = [x for x in ranks if self.rank_nodes[x] == node]
-                if position < len(on_node):
-                    out.append(on_node[position])
-            return tuple(out)
+            for nodes in self._by_node(key):
+                for position in range(max(len(on) for on in nodes)):
+                    out.append([on[position] for on in nodes if position < len(on)])
+            return self._ordered(out)
 
-        return self._define(f"{'+'.join(key) or 'self'}:across", key, members)
+        return self._define(f"{'+'.join(key) or 'self'}:across", key, None, parts)
 
     def replicas(self, axis: str, pieces: int) -> Group:
         """Ranks of ``axis`` holding the same piece when the axis is cut into
