@@ -108,6 +108,7 @@ from hpctrain.grad_sync.config import SyncConfig
 from hpctrain.grad_sync.reduction import CompressedAverage, PlainAverage, ScatterAverage
 from hpctrain.log import get_logger
 from hpctrain.mesh import Mesh
+from hpctrain.model.build import materialized
 from hpctrain.shard import get_spec
 
 log = get_logger(__name__)
@@ -219,7 +220,7 @@ class GradSync:
         self.detach()
         params = list(params)
         for p in params:
-            if p.device.type == "meta":
+            if not materialized(p):
                 raise CommError("gradient sync was asked to reduce meta-device parameters; "
                                 "attach it after the model is materialised (the handle's after_materialize)")
         comms = [self.comm_of(p) for p in params]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -185,6 +186,10 @@ def materialize(
     Parameters keep their identity (``torch.utils.swap_tensors``): a plugin
     may hold references to them from ``hpctrain_parallelize`` (gradient hooks,
     buckets), and tied parameters stay tied.
+
+    On the meta ``device`` (``hpctrain-train --dry-run``) nothing is allocated
+    or drawn: the parameters stay as they are, recorded as materialised
+    (``materialized``), and the buffers go to the meta device.
     """
     coords = dict(coords or {})
     sizes = dict(sizes or {})
@@ -203,6 +208,9 @@ def materialize(
                 f"{spec.logical_name}: ShardSpec gives a local shape {tuple(shape)} but the parameter "
                 f"is {tuple(p.shape)}; the plugin that split it must update its ShardSpec"
             )
+        if device.type == "meta":
+            _META_WEIGHTS[id(p)] = p
+            continue
         local = torch.zeros(shape)
         for piece in spec.pieces(coords, sizes):
             given = source(spec, piece.box) if source is not None else None
@@ -219,6 +227,16 @@ def materialize(
                     setattr(filled, SPEC_ATTR, buf_spec)
                 module._buffers[name] = filled
     return model
+
+
+_META_WEIGHTS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""Parameters ``materialize`` left on the meta device (a dry run), by id."""
+
+
+def materialized(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds this rank's weights: not on the meta device, or left there by
+    ``materialize`` (a dry run); False for a placeholder of a model not materialised yet."""
+    return not p.is_meta or _META_WEIGHTS.get(id(p)) is p
 
 
 def logical_param_count(model: nn.Module) -> int:

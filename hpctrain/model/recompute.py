@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hpctrain.eager import eager
+from hpctrain.model import amp
 from hpctrain.model.aux import collecting, replaying
 
 RECOMPUTE = ("none", "selective", "full")
@@ -50,6 +51,7 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     collected = collecting()
     calls = [0]
+    meta_autocast = amp.meta_state()  # torch's checkpoint replays torch's autocast state, not the dry run's
 
     def run(*inputs: Any) -> Any:
         calls[0] += 1
@@ -57,7 +59,7 @@ def recomputed(fn: Callable[..., Any], *args: Any) -> Any:
             return fn(*inputs)
         token = _RECOMPUTING.set(True)
         try:
-            with replaying(collected):
+            with replaying(collected), amp.meta_restored(meta_autocast):
                 return fn(*inputs)
         finally:
             _RECOMPUTING.reset(token)

@@ -55,6 +55,7 @@ from hpctrain.data.sequence import cp_positions
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import AXES, Mesh
+from hpctrain.model import amp
 from hpctrain.model.aux import objective_scale
 from hpctrain.model.compile import report_once
 from hpctrain.model.transformer import Transformer
@@ -219,7 +220,7 @@ class Trainer:
     def autocast(self):
         dtype = AUTOCAST.get(self.cfg.trainer.precision)
         if dtype is not None:
-            return torch.autocast(device_type=self.device.type, dtype=dtype)
+            return amp.autocast(self.device.type, dtype)  # (torch's; the dry run's meta device: an emulation)
         return contextlib.nullcontext()
 
     # -- one step --------------------------------------------------------------------

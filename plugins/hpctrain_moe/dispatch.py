@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from hpctrain.comm.protocol import all_to_all_rows
 from hpctrain.eager import eager
 from hpctrain.mesh import Group
+from hpctrain.model import amp
 
 from hpctrain_moe import native
 
@@ -226,6 +227,8 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     exchange = group is not None and group.size > 1
     ep, me = (group.size, group.rank) if group is not None else (1, 0)
     local = num_experts // ep
+    if experts.device.type == "meta":
+        return _balanced_plan(experts, weights, keep, num_experts, group)
     if exchange:
         mine, received = _counts_buffers(num_experts, experts.device)
     else:
@@ -251,6 +254,38 @@ def plan_dispatch(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[t
     segments = [(e, from_src[s][e]) for s in sources for e in range(local)]
     return DispatchPlan(tok, flat_w, send_splits, recv_splits, segments, order, bag_rows, offsets, exchange=True,
                         rank=me)
+
+
+def _balanced_plan(experts: torch.Tensor, weights: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int,
+                   group: Optional[Group]) -> DispatchPlan:
+    """``plan_dispatch`` on the meta device (``hpctrain-train --dry-run``), where no routing exists: the
+    assignments spread evenly over the experts (the first ``A mod E`` experts one more), every
+    source routing alike; with a capacity (``capacity_factor`` >= 1 holds an even share) nothing
+    is dropped. The plan has the shapes and splits of that routing, and the counts' all-to-all is
+    issued as in a real step."""
+    n, k = experts.shape
+    exchange = group is not None and group.size > 1
+    ep, me = (group.size, group.rank) if group is not None else (1, 0)
+    local = num_experts // ep
+    share, extra = divmod(n * k, num_experts)
+    counts = [share + (1 if e < extra else 0) for e in range(num_experts)]
+    rows = n * k
+    index = torch.empty(rows, dtype=torch.long, device=experts.device)
+    flat_w = weights.reshape(-1) if keep is None else weights.reshape(-1).index_select(0, index)
+    offsets = torch.empty(n + 1, dtype=torch.long, device=experts.device)
+    if not exchange:
+        return DispatchPlan(index, flat_w, [rows], [rows], list(enumerate(counts)), index.clone(), index.clone(),
+                            offsets)
+    assert group is not None  # (exchange)
+    mine, received = _counts_buffers(num_experts, experts.device)
+    group.communicator().all_to_all(received, mine)
+    send_splits = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    from_src = [counts[me * local:(me + 1) * local] for _ in range(ep)]  # every source routes as this one
+    recv_splits = [sum(row) for row in from_src]
+    sources = [s for s in range(ep) if s != me] + [me]
+    segments = [(e, from_src[s][e]) for s in sources for e in range(local)]
+    return DispatchPlan(index, flat_w, send_splits, recv_splits, segments, index.clone(), index.clone(), offsets,
+                        exchange=True, rank=me)
 
 
 _counts: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -374,7 +409,7 @@ class _Combine(torch.autograd.Function):
             group.communicator().all_to_all(rows[own:], outgoing, send, recv)
         else:
             rows = like if len(parts) == 1 else torch.cat(parts)  # every row is this rank's own, in combine order
-        with torch.autocast(rows.device.type, enabled=False):  # the rows' dtype is the output's
+        with amp.autocast(rows.device.type, enabled=False):  # the rows' dtype is the output's
             out = F.embedding_bag(plan.bag_rows, rows, plan.offsets, mode="sum", per_sample_weights=kept_weight,
                                   include_last_offset=True)
         ctx.save_for_backward(rows, kept_weight)

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from hpctrain.model import amp
+
 ROUTERS = ("softmax", "sigmoid")
 
 
@@ -101,5 +103,5 @@ class Router(nn.Module):
 
     def logits(self, tokens: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(N, E) fp32 logits of (N, d) tokens; ``weight`` is ``self.weight`` as the layer uses it."""
-        with torch.autocast(device_type=tokens.device.type, enabled=False):  # fp32 even under bf16 autocast
+        with amp.autocast(tokens.device.type, enabled=False):  # fp32 even under bf16 autocast
             return tokens.float() @ weight.float().t()

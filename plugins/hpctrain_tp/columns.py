@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from hpctrain.comm.differentiable import all_gather_along, reduce_scatter_along
 from hpctrain.mesh import Group
+from hpctrain.model import amp
 
 SEQUENCE_DIM = 1
 
@@ -32,7 +33,7 @@ class _SequenceParallelColumns(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: Group, *weights: torch.Tensor):
         device = x.device.type
         ctx.group = group
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.autocast = (device, *amp.autocast_state(device))
         ctx.save_for_backward(x, *weights)
         full = all_gather_along(x, group, SEQUENCE_DIM)
         return tuple(F.linear(full, w) for w in weights)
@@ -44,7 +45,7 @@ class _SequenceParallelColumns(torch.autograd.Function):
         device, enabled, dtype = ctx.autocast
         grad_full = None
         weight_grads: List[Any] = []
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with amp.autocast(device, dtype, enabled):
             for g, w, need in zip(grads, weights, ctx.needs_input_grad[2:]):
                 if g is None:
                     weight_grads.append(None)
