@@ -58,30 +58,26 @@ def _launch(args, tmp_path, intrude):
     return code, "".join(lines), (time.monotonic() - injected if injected is not None else None)
 
 
-def test_a_stranger_cannot_stop_or_disturb_the_job(tmp_path):
-    steps = ["trainer.steps=20"]
-    code, out, _ = _launch(steps, tmp_path / "quiet", intrude=False)
+def test_a_stranger_can_neither_stop_nor_disturb_the_job_and_a_real_stall_is_still_named(tmp_path):
+    """The disturbed job trains its first 14 steps with the losses of an undisturbed one, then rank 2
+    stalls in step 15 and the watchdog names it as it would without the intrusions."""
+    flat = "optim.min_lr_ratio=1.0"  # the learning rate after warmup does not depend on trainer.steps
+    code, out, _ = _launch(["trainer.steps=14", flat], tmp_path / "quiet", intrude=False)
     assert code == 0, out
-    code, out, _ = _launch(steps, tmp_path / "disturbed", intrude=True)
-    assert code == 0, out
-    refused = [line for line in out.splitlines() if REFUSED in line]
-    assert len(refused) == 3, out
-    assert "a hello for rank 2 without the job's secret" in refused[0]
-    assert "a line that is not JSON" in refused[1]
-    assert "a line longer than" in refused[2]
-    assert "error" not in out.replace("reliability", "")  # no verdict, no traceback
-    quiet, disturbed = _metrics(tmp_path / "quiet"), _metrics(tmp_path / "disturbed")
-    assert len(disturbed) == 20
-    assert [m["loss"] for m in disturbed] == [m["loss"] for m in quiet]
-
-
-def test_a_real_stall_after_the_intrusions_is_still_named(tmp_path):
-    code, out, took = _launch(["trainer.steps=40", "debug.fault=stall", "debug.fault_rank=2", "debug.fault_step=15"],
-                              tmp_path, intrude=True)
+    code, out, took = _launch(["trainer.steps=40", flat, "debug.fault=stall", "debug.fault_rank=2",
+                               "debug.fault_step=15"], tmp_path / "disturbed", intrude=True)
     assert code == 5, out
-    refused = [i for i, line in enumerate(out.splitlines()) if REFUSED in line]
-    injected = next(i for i, line in enumerate(out.splitlines()) if "injecting it now" in line)
+    lines = out.splitlines()
+    refused = [i for i, line in enumerate(lines) if REFUSED in line]
+    injected = next(i for i, line in enumerate(lines) if "injecting it now" in line)
     assert len(refused) == 3 and max(refused) < injected, out  # the intrusions came first
+    assert "a hello for rank 2 without the job's secret" in lines[refused[0]]
+    assert "a line that is not JSON" in lines[refused[1]]
+    assert "a line longer than" in lines[refused[2]]
+    before = "\n".join(lines[:injected])
+    assert "error" not in before.replace("reliability", "")  # no verdict, no traceback before the stall
+    quiet, disturbed = _metrics(tmp_path / "quiet"), _metrics(tmp_path / "disturbed")
+    assert [m["loss"] for m in disturbed] == [m["loss"] for m in quiet]  # steps 1-14, as if undisturbed
     assert took is not None and took < 2 * HANG_TIMEOUT, (took, out)
     [line] = _one_error(out)
     assert "rank 2 (host" in line and "stopped making progress in step 15" in line, line
