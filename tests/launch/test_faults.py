@@ -9,7 +9,8 @@ MPI session's ranks: tests/mpi/test_cli_faults.py.)
 The hang tests time the job from the moment the faulty rank says it injects
 the fault to the job's end: the watchdog must stop it within twice
 ``reliability.hang_timeout_s`` (5 s here)."""
-import os
+import contextlib
+import io
 import subprocess
 import sys
 import time
@@ -52,9 +53,14 @@ def _one_error(out):
 
 
 def _verify(path):
-    """``hpctrain-ckpt verify``: every checksum and every value finite."""
-    exe = os.path.join(os.path.dirname(sys.executable), "hpctrain-ckpt")
-    return subprocess.run([exe, "verify", str(path)], env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    """``hpctrain-ckpt verify`` (its ``main``, in this process): every checksum and every value finite.
+    (returncode, stdout, stderr), as ``subprocess.run`` gives them."""
+    from hpctrain_h5ckpt.cli import main as ckpt_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = ckpt_main(["verify", str(path)])
+    return subprocess.CompletedProcess(["hpctrain-ckpt", "verify", str(path)], code, out.getvalue(), err.getvalue())
 
 
 def test_a_stalled_rank_is_named_with_its_op_and_the_job_aborted(tmp_path):
