@@ -18,13 +18,16 @@ failure on one rank never leaves the others waiting in a collective.
 
 ``hpctrain-train --plugins`` lists the loaded plugins and what they provide;
 ``--help`` the presets per group and the other commands (``hpctrain.help``).
+``hpctrain-train ... --dry-run --world N [--ranks R1,R2]`` plays ranks of an
+N-rank job in this one process (``hpctrain.dry_run``); its flags are checked,
+and a launch of several ranks refused, before MPI starts.
 """
 from __future__ import annotations
 
 import os
 import sys
 import traceback
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hpctrain.errors import HpctrainError, launcher_rank, write_error
 from hpctrain.log import log_rank0
@@ -72,8 +75,9 @@ def crash(rt) -> int:
     return 1
 
 
-def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
-    """Run one job on this rank from rank 0's resolved config (``evaluate``: hpctrain-eval's one validation)."""
+def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False, dry: Any = None) -> int:
+    """Run one job on this rank from rank 0's resolved config (``evaluate``: hpctrain-eval's one validation;
+    ``dry``: the ``--dry-run`` flags, ``hpctrain.dry_run``)."""
     from hpctrain.bootstrap import get_runtime  # heavy (torch): keeps --help and a bad flag fast
     from hpctrain.config.store import to_config  # heavy (torch): keeps --help and a bad flag fast
     from hpctrain.plugins import get_manager  # omegaconf and pluggy: not needed for --help or a bad flag
@@ -83,6 +87,11 @@ def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
     rt = get_runtime()
     try:
         cfg = to_config(cfg_yaml, get_manager())
+        if dry is not None:
+            from hpctrain.dry_run import execute  # heavy (the trainer): only for --dry-run
+
+            print(execute(cfg, dry, get_manager()), flush=True)
+            return 0
         run(cfg, run_dir, evaluate_only=evaluate)
         return 0
     except JobStopped as e:
@@ -98,7 +107,7 @@ def _execute(cfg_yaml: str, run_dir: str, evaluate: bool = False) -> int:
         return crash(rt)
 
 
-def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
+def _hydra_main(argv: List[str], world, evaluate: bool = False, dry: Any = None) -> int:
     """Rank 0 (or the only rank): run the Hydra app; broadcast each job."""
     import hydra  # heavy (hydra): keeps --help and a bad flag fast
     from hydra.core.hydra_config import HydraConfig  # heavy (hydra): keeps --help and a bad flag fast
@@ -163,7 +172,7 @@ def _hydra_main(argv: List[str], world, evaluate: bool = False) -> int:
             _write_resolved(run_dir, cfg_yaml)
         if world is not None:
             _announce(world, (_RUN, cfg_yaml, run_dir))
-        code = _execute(cfg_yaml, run_dir, evaluate)
+        code = _execute(cfg_yaml, run_dir, evaluate, dry)
         codes.append(code)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN and get_runtime().world_rank == 0:
@@ -311,18 +320,32 @@ def main(argv: Optional[List[str]] = None, evaluate: bool = False) -> int:
 
         print(help_text(CONF_DIR, "hpctrain-eval" if evaluate else "hpctrain-train"))
         return 0
+    dry = None
+    if any(a == "--dry-run" or a.split("=", 1)[0] in ("--world", "--ranks") for a in argv):
+        from hpctrain.dry_run import check_launch, split_flags  # heavy (torch): only for --dry-run
+
+        try:
+            argv, dry = split_flags(argv)
+            check_launch(dry, evaluate)  # before MPI starts: no collective
+        except HpctrainError as e:
+            return _fail(str(e), launcher_rank(), e.exit_code)
     from hpctrain.bootstrap import init_runtime, shutdown  # heavy (torch): keeps --help and a bad flag fast
 
     try:
         rt = init_runtime()
     except HpctrainError as e:
         return _fail(str(e), 0, 2)
+    if dry is not None and rt.world_size > 1:  # a launcher the environment check missed: no collective yet
+        try:
+            check_launch(dry, evaluate, rt.world_size)
+        except HpctrainError as e:
+            return _fail(str(e), rt.world_rank, e.exit_code)
     world = rt.mpi_comm if rt.world_size > 1 else None
     try:
         if rt.is_main:
             code = 1
             try:
-                code = _hydra_main(argv, world, evaluate)
+                code = _hydra_main(argv, world, evaluate, dry)
             finally:
                 if world is not None:
                     _announce(world, (_STOP, code, None))

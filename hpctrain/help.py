@@ -63,6 +63,9 @@ def help_text(config_dir: str, prog: str = "hpctrain-train") -> str:
     ]
     commands = [(c, what) for c, what in commands if c != prog]
     more = "\n".join(f"  {c:<28} {what}" for c, what in commands)
+    dry = ("" if prog == "hpctrain-eval" else
+           f"\n{prog} ... --dry-run --world N [--ranks R1,R2] plays ranks of an N-rank job in this one process: the\n"
+           "bytes each holds and sends in a step, beside the planner's (docs/planner.md, \"Dry run\").")
     summary = (EVAL if prog == "hpctrain-eval" else
                "Train a transformer in one process or under mpirun/srun (every rank runs the same command).")
     return f"""usage: {prog} [group=preset ...] [key=value ...] [--multirun] [--cfg job] [--plugins]
@@ -75,7 +78,7 @@ Pick one preset per group (group=preset), e.g. {prog} model=gpt2-124m parallel=3
 {rows}
 
 Override any key (key=value), e.g. trainer.steps=100 optim.lr=1e-3 parallel.tp=2;
-{prog} --cfg job prints the composed config with every key.
+{prog} --cfg job prints the composed config with every key.{dry}
 
 == More ==
 {more}

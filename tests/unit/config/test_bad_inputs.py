@@ -5,7 +5,8 @@ override, and what the message must contain. Values of the wrong type,
 unknown keys and presets, and overrides that do not parse are refused when
 the config is composed, with the same kind of line (``hpctrain-train``
 prints it and exits 2); a row may set an environment variable (a plugin
-blocked by ``HPCTRAIN_DISABLE_PLUGINS``). A good config passes, and one
+blocked by ``HPCTRAIN_DISABLE_PLUGINS``) or pass ``hpctrain-train``'s
+``--dry-run`` flags (checked at their ``--world``). A good config passes, and one
 test shows every bad value of a config reported at once."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from hpctrain.config import compose_resolved
 from hpctrain.config.validate import validate
+from hpctrain.dry_run import check_launch, request_problems, split_flags
 from hpctrain.errors import ConfigError
 from hpctrain.plugins import create_manager
 
@@ -201,6 +203,19 @@ BAD = [
     ("HPCTRAIN_DISABLE_PLUGINS=moe model=tiny-moe",
      "in preset model/tiny-moe: model.moe is not a config key (model has no 'moe')"),
     ("HPCTRAIN_DISABLE_PLUGINS=zero parallel.zero.stage=1", "blocked by HPCTRAIN_DISABLE_PLUGINS: zero; to unblock"),
+    # hpctrain-train --dry-run (hpctrain.dry_run): the job's world and ranks against the layout, and the launch
+    ("--world=1000 --dry-run parallel.tp=8 parallel.pp=16", "--dry-run --world 1000: 1000 ranks are not divisible by "
+     "tp(8) * cp(1) * ep(1) * pp(16) = 128; use --world a multiple of 128 (e.g. 896 or 1024)"),
+    ("--world=16 --dry-run parallel.dp=3", "tp(1) * cp(1) * ep(1) * dp(3) * pp(1) = 3 != 16 ranks; use --world 3 "
+     "or parallel.dp=-1"),
+    ("--ranks=0,16 --world=16 --dry-run", "--ranks 0,16: 16 is outside the world of 16 ranks; choose ranks in 0..15"),
+    ("--ranks=first --world=16 --dry-run", "--ranks first: 'first' is not a rank; give world ranks separated by "
+     "commas"),
+    ("--dry-run OMPI_COMM_WORLD_SIZE=4 --world=16", "--dry-run plays ranks of the 16-rank job in one process, but "
+     "this launch started 4 ranks; run it without mpirun or srun"),
+    ("--dry-run --ranks=0", "--dry-run needs the job's size: --world N"),
+    ("--world=16 parallel.tp=2", "--world and --ranks describe a dry run: add --dry-run"),
+    ("parallel.tp=3 --world=18 --dry-run", "parallel.tp=3 does not divide model.n_heads=4"),
 ]
 
 
@@ -212,15 +227,21 @@ def _problems(override, pm, monkeypatch):
     """What the user sees for ``override``: validation's problems, or the
     composition error's line (a wrong type, an unknown key or preset). An
     upper-case ``NAME=value`` is an environment variable for the row."""
-    overrides = []
+    overrides, flags = [], []
     for token in override.split():
         name, _, value = token.partition("=")
         if name.isupper():
             monkeypatch.setenv(name, value)
             pm = create_manager()  # what the variable changes is which plugins load
         else:
-            overrides.append(token)
+            (flags if token.startswith("--") else overrides).append(token)
     try:
+        if flags:  # hpctrain-train's --dry-run flags: checked as hpctrain.cli does, then against the config
+            _, dry = split_flags(flags)
+            check_launch(dry)
+            cfg = compose_resolved(overrides, pm)
+            assert dry is not None  # (a row's --world goes with --dry-run, or split_flags refused it)
+            return request_problems(cfg, dry) or validate(cfg, dry.world, pm)
         return validate(compose_resolved(overrides, pm), 1, pm)
     except ConfigError as e:
         return str(e).splitlines()
@@ -230,7 +251,7 @@ def _problems(override, pm, monkeypatch):
 def test_bad_input_is_rejected_with_its_key(pm, monkeypatch, override, message):
     problems = _problems(override, pm, monkeypatch)
     assert any(message in p for p in problems), problems
-    key = override.split("=", 1)[0].lstrip("+")
+    key = override.split()[0].split("=", 1)[0].lstrip("+")
     assert any(key in p or "world size" in p for p in problems)  # the message names what to change
 
 
