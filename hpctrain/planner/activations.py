@@ -276,10 +276,18 @@ def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int
     return extra
 
 
-def autocast_weight_copy_bytes(params_on_gpu: float, precision: str) -> float:
+def autocast_weight_copy_bytes(params_on_gpu: float, precision: str, saved_params: float = 0.0,
+                               in_flight: float = 1.0) -> float:
     """bf16 autocast casts each weight once per forward and keeps the bf16 copy
-    for the backward: 2 bytes per (unsharded-by-ZeRO) parameter of the stage."""
-    return 2.0 * params_on_gpu if precision in ("bf16", "fp16") else 0.0
+    for the backward: 2 bytes per (unsharded-by-ZeRO) parameter of the stage.
+    Its cache lives for one micro-batch's forward, so under a pipeline every
+    micro-batch in flight keeps its own copies of the weights whose casts the
+    backward saved (``saved_params``: the ``F.linear`` weights; the sequence-
+    parallel column projections save the fp32 weight and cast again), as
+    hpctrain-train's dry run counts them (docs/planner.md, "Dry run")."""
+    if precision not in ("bf16", "fp16"):
+        return 0.0
+    return 2.0 * params_on_gpu + 2.0 * saved_params * max(0.0, in_flight - 1.0)
 
 
 # -- the paper's closed forms (Korthikanti et al. 2022, Table 2) -------------

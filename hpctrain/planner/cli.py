@@ -49,13 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", nargs="?", const="", metavar="TABLE",
                    help="pin the planner to each published run's layout (hpctrain/planner/published_runs.yaml, or "
                         "TABLE) and print predicted against published MFU with the summary (docs/planner.md)")
+    p.add_argument("--write-band", action="store_true",
+                   help="with --validate of the shipped table: store its error band "
+                        "(hpctrain/planner/validation_band.yaml), which hpctrain-plan prints beside its MFU")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     # heavy (Hydra, the plugins): after parsing, so --help and a bad flag stay fast
-    from hpctrain.planner import report  # heavy: after parsing (above)
+    from hpctrain.planner import band, report  # heavy: after parsing (above)
     from hpctrain.planner.plan import check_with_training, make_plan, parse_pins  # heavy: after parsing (above)
     from hpctrain.plugins import create_manager  # heavy: after parsing (above)
 
@@ -63,12 +66,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         from hpctrain.planner import validate  # heavy: after parsing (above)
 
         try:
+            if args.write_band and args.validate:
+                raise HpctrainError("--write-band stores the band of the shipped table: give --validate no TABLE")
             outcomes, table = validate.run_validation(args.validate or None, args.overrides, create_manager)
         except HpctrainError as e:
             write_error(str(e))
             return 2
         print(json.dumps(validate.as_json(outcomes, table), indent=1) if args.json else validate.text(outcomes, table))
+        if args.write_band:
+            band.write_band(validate.band(outcomes))
+            print(f"band written to {band.BAND_FILE}", file=sys.stderr)
         return 0
+    if args.write_band:
+        write_error("--write-band goes with --validate")
+        return 2
     if args.compare:
         from hpctrain.planner.compare import compare  # heavy: after parsing (above)
 

@@ -62,6 +62,8 @@ class Workload:
     bucket_bytes: float = 25 * 2 ** 20
     framework: Framework = HPCTRAIN_FW
     """The code that runs it (``frameworks``): hpctrain's own unless validating a published run."""
+    fp8: bool = False
+    """The block's projections run as float8 GEMMs (torchtitan's float8 linears; ``kernels.block_cost``)."""
 
 
 @dataclass
@@ -207,8 +209,22 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
         else:  # FSDP2 mixed precision gathers bf16 parameters and reduces a bf16 gradient cast to fp32
             buffers += gathered * 2 + (0 if whole_grads else layer_params * (2 + sb.grads))
     elif fw.ours:
-        buffers += act.autocast_weight_copy_bytes(dense + expert, work.precision)
+        held = in_flight(lay.schedule, lay.pp, lay.vpp, m, stage)
+        saved = 0.0 if lay.recompute == "full" else layers * _autocast_saved_per_layer(arch, lay)
+        buffers += act.autocast_weight_copy_bytes(dense + expert, work.precision, saved, held)
     return Memory(states.weights, states.grads, states.optimizer, activations, buffers, stage)
+
+
+def _autocast_saved_per_layer(arch: Arch, lay: Layout) -> float:
+    """Weights of one block whose autocast copies a micro-batch's backward keeps (hpctrain's code): with
+    sequence parallelism the row-parallel projections (wo, w2; the column ones run in the tp plugin's own
+    autograd function, which saves the fp32 weight), otherwise every projection (``F.linear``)."""
+    h, hq, kv, f = arch.d_model, arch.d_model // lay.tp, arch.kv_dim_per_rank(lay.tp), arch.ffn_hidden // lay.tp
+    matrices = 3 if arch.family == "llama" else 2
+    rows = h * hq + h * f * (arch.top_k if arch.is_moe else 1)
+    if lay.sp:
+        return rows
+    return rows + h * (hq + 2 * kv) + (matrices - 1) * h * f
 
 
 def memory_stages(arch: Arch, lay: Layout) -> List[int]:
@@ -303,7 +319,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     gemm: Dict[str, Tuple[float, float, float]] = {}
     if kernels:
         assert gpu is not None
-        bc = block_cost(arch, fw, gpu, R, tokens, s, lay.tp, lay.sp, lay.cp, e, r)
+        bc = block_cost(arch, fw, gpu, R, tokens, s, lay.tp, lay.sp, lay.cp, e, r, work.fp8)
         layer_f, layer_b, layer_w, attn_f, attn_b = bc.fwd, bc.bwd, bc.wgrad, bc.attn_fwd, bc.attn_bwd
         layer_re = bc.recompute(lay.recompute, fw.selective)
         head_f, head_b, head_w = head_cost(arch, fw, gpu, R, tokens, lay.tp, lay.sp, e, r)
@@ -363,7 +379,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     compute = m * (t_f + t_b)
 
     # -- pipeline p2p ----------------------------------------------------------
-    pp_bytes = tokens * arch.d_model * e / (lay.tp if lay.sp else 1)
+    # the residual stream crosses stages: hpctrain keeps it fp32 under autocast (r), the others 16-bit
+    pp_bytes = tokens * arch.d_model * r / (lay.tp if lay.sp else 1)
     n_in, n_out = group_span(sizes, ("pp",), G)
     transfers = 2 * (m * lay.vpp + lay.pp - 1) if lay.pp > 1 else 0
     one_p2p = _time(cluster, "pp", "p2p", pp_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2)

@@ -140,7 +140,7 @@ FRAMEWORKS: Dict[str, Framework] = {f.key: f for f in (
 )}
 # the ZeRO stages and interleaving rule of each code (transcribed with the sources above)
 for _key, _zero, _even in (("megatron-lm-2021", (0,), True), ("megatron-lm-2022", (0,), True),
-                           ("megatron-deepspeed-2022", (1,), True), ("megatron-core-2024", (0, 1), True),
+                           ("megatron-deepspeed-2022", (1,), False), ("megatron-core-2024", (0, 1), True),
                            ("nemo-2024", (0, 1), True), ("llama3-2024", (1, 2, 3), False),
                            ("torchtitan-eager", (3,), False), ("torchtitan-compiled", (3,), False)):
     FRAMEWORKS[_key] = replace(FRAMEWORKS[_key], zero=_zero, even_chunks=_even)

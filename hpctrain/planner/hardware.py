@@ -32,16 +32,18 @@ against (``hpctrain-plan --validate``).
   cuDNN's fused attention that Transformer Engine calls) 0.35 x 1.5 = 0.525,
   the low end of FlashAttention-3's "1.5-2.0x" speed-up over FlashAttention-2
   (same abstract).
-- ``sustained_clock``: the SM clock a part holds under sustained full load, as
-  a fraction of the boost clock a short benchmark (the MAMF sweep, the
-  FlashAttention microbenchmarks) runs at. Hopper parts run into their power
-  limit: an H100 PCIe under a bandwidth test dropped to 1,395 of its 1,755 MHz
-  (chipsandcheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023), a
-  Hopper GPU overlapping GEMMs with communication from 1,980 to 1,575 MHz
-  (deepseek-ai/DeepGEMM issue #120): both 0.795. The A100 SXM4 "went to 1410
-  MHz under load and stays there" (the same chipsandcheese article): 1.0.
-  Compute-bound kernels (GEMMs, attention) scale with it; memory-bound ones
-  do not.
+- ``sustained_clock``: the SM clock a part holds under sustained dense-matrix
+  load at its power limit, as a fraction of the boost clock a short benchmark
+  (the MAMF sweep, the FlashAttention microbenchmarks) runs at. H100: a Hopper
+  GPU overlapping GEMMs with communication dropped from 1,980 to 1,575 MHz
+  (deepseek-ai/DeepGEMM issue #120), 0.795; an H100 PCIe at its 350 W limit
+  ran 1,395 of 1,755 MHz (chipsandcheese, "Nvidia's H100: Funny L2, and Tons
+  of Bandwidth", 2023), the same 0.795. A100: 1,305 of 1,410 MHz, "the clock
+  that can be sustained at a GPU's power limit while running HPL", which
+  NVIDIA rates the A100's HPL peak at (G. Lockwood, glennklockwood.com,
+  "peak FLOPS"), 0.926 (chipsandcheese saw the A100 hold 1,410 MHz in its
+  memory tests, a lighter load than tensor-core GEMMs). Compute-bound kernels
+  (GEMMs, attention) scale with it; memory-bound ones do not.
 - ``capacity_gib``: nvidia-smi's memory.total of the part (81,559 MiB for the
   H100 80GB HBM3, 81,920 MiB for the A100 80GB: modal-labs/modal-client pull
   request #2797, NVIDIA/nccl issue #1264's nvidia-smi output); the planner
@@ -105,7 +107,10 @@ FA2_A100 = 0.50
 FA2_H100 = 0.35
 FA3_H100 = FA2_H100 * 1.5
 
+A100_SUSTAINED_CLOCK = 1305 / 1410
+"""The A100's clock sustained at its power limit under HPL (NVIDIA's HPL peak; glennklockwood.com)."""
 A100_80GB = GpuKind("A100 SXM4 80GB", 108, 312e12, 271.2e12, 2039e9, {"fa2": FA2_A100},
+                    sustained_clock=A100_SUSTAINED_CLOCK,
                     source="NVIDIA A100 datasheet; MAMF table (ml-engineering)")
 HOPPER_SUSTAINED_CLOCK = 1575 / 1980
 """DeepGEMM #120 (1,980 -> 1,575 MHz); chipsandcheese's H100 PCIe 1,395 of 1,755 MHz is the same 0.795."""

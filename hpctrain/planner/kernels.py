@@ -208,15 +208,41 @@ def _score_passes(fw: Framework, d: Dims, e: float) -> Tuple[float, float]:
     return scores * (2 * e + drop), scores * (3 * e + drop)
 
 
+FP8_CAST = 2 * 2 + 1
+"""Bytes per element of a dynamic tensorwise float8 cast of a bf16 tensor: the amax reads it, the scaled
+cast reads it again and writes one byte (torchao ``hp_tensor_to_float8_dynamic``, which torchtitan's
+float8 linears call for the input, the weight and the output gradient)."""
+
+
+def _fp8_casts(m: float, n_out: float, n_in: float) -> Tuple[float, float]:
+    """(forward, backward) bytes of the float8 casts around one linear (torchao Float8Linear, dynamic
+    tensorwise): forward the input and the weight; backward the output gradient in both layouts its
+    two GEMMs read, the weight transposed and the saved float8 input transposed."""
+    fwd = m * n_in * FP8_CAST + n_in * n_out * FP8_CAST
+    bwd = 2 * m * n_out * FP8_CAST + n_in * n_out * FP8_CAST + m * n_in * 2
+    return fwd, bwd
+
+
 def block_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: float, seq: int, tp: int, sp: bool,
-               cp: int, e: float, r: float) -> BlockCost:
-    """One block, one micro-batch of ``tokens`` tokens per GPU (after cp and ep splits), on ``gpu``."""
+               cp: int, e: float, r: float, fp8: bool = False) -> BlockCost:
+    """One block, one micro-batch of ``tokens`` tokens per GPU (after cp and ep splits), on ``gpu``.
+    ``fp8``: the projections run as float8 GEMMs (at the float8 MAMF, scaled as ``rate`` is) with their
+    casts; attention and everything else stay 16-bit."""
     d = dims(arch, tokens, seq, tp, sp, cp)
     out = BlockCost()
+    gemm_rate, ge = rate, e
+    cast_f = cast_b = 0.0
+    if fp8:
+        if not gpu.fp8_mamf_flops:
+            raise ValueError(f"{gpu.name}: no float8 matmul figure")
+        gemm_rate, ge = rate * gpu.fp8_mamf_flops / gpu.mamf_flops, 1.0
     for name, n_out, n_in in _projections(arch, fw, d):
-        f_t = gemm_time(Gemm(d.tokens, n_out, n_in, e=e), gpu, rate)
-        dgrad = gemm_time(Gemm(d.tokens, n_in, n_out, e=e), gpu, rate)
-        wgrad = gemm_time(Gemm(n_out, n_in, d.tokens, e=e), gpu, rate)
+        f_t = gemm_time(Gemm(d.tokens, n_out, n_in, e=ge), gpu, gemm_rate)
+        dgrad = gemm_time(Gemm(d.tokens, n_in, n_out, e=ge), gpu, gemm_rate)
+        wgrad = gemm_time(Gemm(n_out, n_in, d.tokens, e=ge), gpu, gemm_rate)
+        if fp8:
+            c_f, c_b = _fp8_casts(d.tokens, n_out, n_in)
+            cast_f, cast_b = cast_f + c_f, cast_b + c_b
         out.gemm[name] = (f_t, dgrad, wgrad)
         out.fwd += f_t
         out.bwd += dgrad + wgrad
@@ -240,6 +266,7 @@ def block_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: flo
     out.fwd += out.attn_fwd
     out.bwd += out.attn_bwd
     pw_f, pw_b = _pointwise(arch, fw, d, e, r)
+    pw_f, pw_b = pw_f + cast_f, pw_b + cast_b
     out.pointwise_fwd = pass_time(pw_f, gpu)
     out.fwd += out.pointwise_fwd
     out.bwd += pass_time(pw_b, gpu)

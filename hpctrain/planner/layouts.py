@@ -221,6 +221,9 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
         even = allowed["even_chunks"][0]
         vpps = [v for v in choices("vpp", vpp_choices(arch.n_layers, pp))
                 if not even or arch.n_layers % (pp * v) == 0 or "vpp" in pins]
+        if pp > 1 and even and not vpps and "interleaved" in wanted:
+            reject(f"interleaving {arch.n_layers} blocks on pp={pp} needs pp x vpp equal chunks (this code's rule) "
+                   "and no vpp gives them")
         schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
             [(s, 1) for s in wanted if s != "interleaved"] + [("interleaved", v) for v in vpps if v > 1])
         if pp > 1 and "interleaved" in wanted and "vpp" in pins:
@@ -240,7 +243,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             splits: List[Tuple[int, ...]] = [()]
             pinned = pins.get("layers", ())
             if pp > 1 or pinned:
-                splits, why = _splits(arch, pp * vpp, tuple(pinned))
+                splits, why = _splits(arch, pp * vpp, tuple(pinned), even)
                 if why or pp == 1:
                     reject(why or f"parallel.pipeline.layers={list(pinned)} asks for a pipeline: parallel.pp > 1")
                     continue
@@ -251,11 +254,18 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
 
 
 @lru_cache(maxsize=1024)
-def _splits(arch: Arch, stages: int, pinned: Tuple[int, ...]) -> Tuple[List[Tuple[int, ...]], str]:
+def _splits(arch: Arch, stages: int, pinned: Tuple[int, ...], even_only: bool = False
+            ) -> Tuple[List[Tuple[int, ...]], str]:
     """(the splits to estimate, ''): the pinned one when it fits ``stages``, else ``auto``'s and,
     where it differs, the plain even split (the remainder on the middle stages): a block also costs
     its tensor-parallel collectives, which the end stages' parameter count does not see, so the
-    estimate decides; ([], why) when the pinned one does not fit (the pipeline plugin's message)."""
+    estimate decides; ([], why) when the pinned one does not fit (the pipeline plugin's message).
+    ``even_only``: a code that splits the blocks into equal stages only (Megatron's rule)."""
+    if even_only and not pinned:
+        if arch.n_layers % stages:
+            return [], (f"{arch.n_layers} blocks do not divide into {stages} equal pipeline stages "
+                        "(this code's rule)")
+        return [(arch.n_layers // stages,) * stages], ""
     if not pinned:
         auto = tuple(auto_counts(arch.n_layers, stages, arch_end_cost(arch)))
         even = tuple(auto_counts(arch.n_layers, stages))

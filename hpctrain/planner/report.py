@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Sequence
 from omegaconf import OmegaConf
 
 from hpctrain.planner.arch import Arch
+from hpctrain.planner.band import band_text, load_band
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.estimate import Estimate, Workload
 from hpctrain.planner.layouts import Layout
@@ -134,8 +135,9 @@ def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[
     exposed = ", ".join(f"{a} {v * 1e3:.1f} ms" for a, v in t.exposed.items() if v > 0) or "none"
     lines = [f"best: {best.layout.label()}, ZeRO {best.layout.zero}, recompute {best.layout.recompute}, "
              f"micro-batch {best.layout.micro_batch} x {best.microbatches}",
-             f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + exposed comm ({exposed}); "
-             f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%",
+             f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + exposed comm ({exposed}) "
+             f"+ optimizer {t.optimizer:.3f}; {best.tokens_per_s:,.0f} tokens/s",
+             f"  {band_text(best.mfu, load_band())}",
              f"  memory {best.memory.total / GB:.1f} GB of {cluster.mem_bytes / GB:.1f} usable "
              f"(stage {best.memory.stage})",
              "  on the wire per GPU per step: " + (", ".join(
@@ -167,7 +169,7 @@ def as_json(plan: Plan, arch: Arch, work: Workload, cluster: ClusterSpec, top: i
         "considered": plan.considered,
         "fitting": len(plan.ranked),
         "layouts": [e.to_dict() for e in plan.ranked[:top]],
-        "best": {"estimate": plan.best.to_dict(), "overrides": list(overrides),
+        "best": {"estimate": plan.best.to_dict(), "mfu_band": load_band(), "overrides": list(overrides),
                  "command": launch_line(cluster, overrides), "not_in_schema": list(not_in_schema),
                  "train_problems": list(train_problems)},
     }

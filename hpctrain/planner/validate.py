@@ -86,6 +86,7 @@ class Outcome:
     def as_dict(self) -> Dict[str, Any]:
         run = self.run
         return {"id": run.id, "source": run.source.key, "where": run.where, "cite": run.source.cite,
+                "framework": run.framework,
                 "held_out": run.held_out, "gpu": run.gpu, "gpus": run.gpus, "layout": run.layout.label(),
                 "global_batch": run.global_batch, "seq_len": run.seq_len, "precision": run.precision,
                 "status": self.status, "reason": self.reason, "published_mfu": self.published_mfu,
@@ -99,8 +100,9 @@ class Outcome:
 def not_expressible(run: PublishedRun) -> str:
     """Why the planner cannot take this run as published ('' if it can)."""
     m, lay = run.model, run.layout
-    if run.precision == "fp8":
-        return f"fp8 training: the planner plans {', '.join(PLANNER_PRECISIONS)} only"
+    if run.precision == "fp8" and not run.framework.startswith("torchtitan"):
+        return (f"fp8 training outside torchtitan's float8 linears: the planner plans {', '.join(PLANNER_PRECISIONS)} "
+                "and torchtitan's float8")
     if m.family not in PLANNER_FAMILIES:
         return (f"model family {m.family!r}: the planner knows llama (SwiGLU, GQA), gpt (GeLU 4h MLP, "
                 "multi-head attention, biases) and nemotron (squared-ReLU MLP, GQA, no biases) blocks")
@@ -201,7 +203,7 @@ def validate_run(run: PublishedRun, pm: Any) -> Outcome:
     preset_arch, work, cluster, cfg, _user, pins = plan_inputs(_overrides(run), None, pm,
                                                                {} if why else _knob_pins(run))
     code = framework(run.framework)
-    work = replace(work, framework=code, state_bytes=code.states)
+    work = replace(work, framework=code, state_bytes=code.states, fp8=run.precision == "fp8")
     arch: Optional[Arch] = None
     if run.model.family in PLANNER_FAMILIES and run.model.vocab is not None:
         try:
@@ -289,10 +291,26 @@ def text(outcomes: Sequence[Outcome], table: str) -> str:
     return "\n".join(lines)
 
 
+def band(outcomes: Sequence[Outcome]) -> Dict[str, Any]:
+    """How far the planner's MFU was from the published one: the range of (predicted / published - 1)
+    over the predicted runs, the share of all runs within the tolerance, for all and held-out runs
+    (``hpctrain.planner.band`` stores it for ``hpctrain-plan`` to print)."""
+    def part(rows: Sequence[Outcome]) -> Dict[str, Any]:
+        s = summarize(rows)
+        errors = [o.ratio - 1.0 for o in rows if o.ratio is not None]
+        return {"runs": s["runs"], "predicted": s["predicted"], "within": s["within"],
+                "within_fraction_of_runs": round(s["within_fraction_of_runs"], 4),
+                "median_ratio": None if s["median_ratio"] is None else round(s["median_ratio"], 4),
+                "min_error": round(min(errors), 4) if errors else None,
+                "max_error": round(max(errors), 4) if errors else None}
+    return {"command": "hpctrain-plan --validate --write-band", "tolerance": TOLERANCE,
+            "all": part(outcomes), "held_out": part([o for o in outcomes if o.run.held_out])}
+
+
 def as_json(outcomes: Sequence[Outcome], table: str) -> Dict[str, Any]:
     held = [o for o in outcomes if o.run.held_out]
     return {"table": table, "tolerance": TOLERANCE, "runs": [o.as_dict() for o in outcomes],
-            "summary": {"all": summarize(outcomes), "held_out": summarize(held)}}
+            "summary": {"all": summarize(outcomes), "held_out": summarize(held)}, "band": band(outcomes)}
 
 
 def run_validation(path: Optional[str], overrides: Sequence[str], make_manager: Callable[[], Any]

@@ -39,7 +39,8 @@ def test_llama3_8b_on_64_h100_ranks_fitting_layouts(llama_json):
     layouts = plan["layouts"]
     assert 0 < plan["fitting"] <= plan["considered"] and len(layouts) == 20
     steps = [e["time"]["total"] for e in layouts]
-    assert steps == sorted(steps)
+    # ranked by step time rounded to 3 significant digits (ties go to the simpler layout: search._rank_key)
+    assert [float(f"{x:.3g}") for x in steps] == sorted(float(f"{x:.3g}") for x in steps)
     for e in layouts:
         lay = e["layout"]
         assert lay["tp"] * lay["cp"] * lay["ep"] * lay["dp"] * lay["pp"] == 64

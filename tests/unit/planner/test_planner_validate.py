@@ -92,22 +92,27 @@ def test_transcribed_step_times_reproduce_the_printed_mfu(runs):
     assert checked == 4 + 9
 
 
-def _subset_table(tmp_path, ids, shrink=()):
+def _subset_table(tmp_path, ids, shrink=(), reframe=None):
     """The shipped table's rows ``ids``; those in ``shrink`` on 16 GiB GPUs (so that the planner refuses
-    them: every published layout fits where it ran)."""
+    them: every published layout fits where it ran); ``reframe``: {id: framework} run by another code."""
     data = yaml.safe_load(DEFAULT_TABLE.read_text())
     data["runs"] = [row for row in data["runs"] if row["id"] in ids]
     for row in data["runs"]:
         if row["id"] in shrink:
             row["cluster_overrides"] = ["cluster.gpu_mem_gb=16"]
+        if row["id"] in (reframe or {}):
+            row["framework"] = reframe[row["id"]]
     path = tmp_path / "subset.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
 def test_validate_prints_one_line_per_run_and_the_summary(tmp_path, runs):
-    # the torchtitan row on 16 GiB GPUs, to see a refusal (on its own 96 GiB it fits, as it ran)
-    code, out, err = _main("--validate", str(_subset_table(tmp_path, SUBSET, ("torchtitan2412-8b-fsdp-8gpu",))))
+    # the torchtitan row on 16 GiB GPUs, to see a refusal (on its own 96 GiB it fits, as it ran); the float8
+    # row as if Megatron-Core had run it, to see an inexpressible run (the planner models torchtitan's float8)
+    table = _subset_table(tmp_path, SUBSET, ("torchtitan2412-8b-fsdp-8gpu",),
+                          {"torchtitan2412-70b-2d-fp8": "megatron-core-2024"})
+    code, out, err = _main("--validate", str(table))
     assert code == 0 and err == ""
     lines = out.splitlines()
     rows = [line for line in lines if line[:4].strip().isdigit()]
@@ -142,6 +147,23 @@ def test_validate_full_table_json(full_json, runs):
         assert s["within"] == round(s["within_fraction_of_runs"] * s["runs"])
     ratios = sorted(r["ratio"] for r in got if r["ratio"] is not None)
     assert s_all["median_ratio"] == pytest.approx((ratios[(len(ratios) - 1) // 2] + ratios[len(ratios) // 2]) / 2)
+
+
+def test_every_published_layout_fits_where_it_ran(full_json):
+    """Issue 55's done-when: no published layout is refused on the machine it ran on."""
+    refused = [(r["id"], r["reason"]) for r in full_json["runs"] if r["status"] == "refused"]
+    assert refused == []
+
+
+def test_the_stored_band_is_the_current_validation(full_json):
+    """``hpctrain-plan`` prints its MFU with the band stored in validation_band.yaml; it must be what the
+    planner measures now (regenerate with ``hpctrain-plan --validate --write-band`` after a model change)."""
+    from hpctrain.planner.band import band_text, load_band
+
+    stored = load_band()
+    assert stored == full_json["band"], "stale: run hpctrain-plan --validate --write-band"
+    a = stored["all"]
+    assert f"{100 * a['min_error']:+.0f}%..{100 * a['max_error']:+.0f}%" in band_text(0.4, stored)
 
 
 @pytest.mark.parametrize("edit,expect", [
