@@ -225,7 +225,8 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             reject(f"interleaving {arch.n_layers} blocks on pp={pp} needs pp x vpp equal chunks (this code's rule) "
                    "and no vpp gives them")
         schedules = [(NO_PIPELINE, 1)] if pp == 1 else (
-            [(s, 1) for s in wanted if s != "interleaved"] + [("interleaved", v) for v in vpps if v > 1])
+            [(s, 1) for s in wanted if s != "interleaved"]
+            + [("interleaved", v) for v in vpps if v > 1 and "interleaved" in wanted])
         if pp > 1 and "interleaved" in wanted and "vpp" in pins:
             v = pins["vpp"]
             if v > 1 and pp * v > arch.n_layers:

@@ -129,3 +129,12 @@ def test_hpctrains_autocast_copies_live_per_micro_batch_in_flight():
     assert replay > 0 and full.buffers < held.buffers
     fp32 = stage_memory(LLAMA_8B, Layout(**base), Workload(64, 4096, "fp32", FRAMEWORKS["hpctrain"].states), 0)
     assert fp32.buffers == 0
+
+
+def test_a_schedule_pin_or_a_code_without_interleaving_is_kept():
+    cfg = model_config_for(GPT3, 2048)
+    pins = {"tp": 8, "pp": 8, "cp": 1, "ep": 1, "micro_batch": 1}
+    one, _ = enumerate_layouts(GPT3, cfg, 64, 2048, 64, 8, {**pins, "schedule": "1f1b"})
+    assert one and {lay.schedule for lay in one} == {"1f1b"}
+    code, _ = enumerate_layouts(GPT3, cfg, 64, 2048, 64, 8, pins, schedules=("1f1b",))
+    assert code and {lay.schedule for lay in code} == {"1f1b"}
