@@ -73,6 +73,8 @@ from hpctrain.train.trainer import Trainer
 META = torch.device("meta")
 SHADOW_LIMIT = 1024
 """Elements up to which a meta tensor's values are computed on the CPU beside it (``_Values``)."""
+FALLBACK_LIMIT = 1 << 24
+"""Elements up to which an operator without a meta kernel (``bincount``...) runs on the CPU twins instead."""
 LAUNCHER_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
 """Where mpirun and srun put the number of ranks they launched, readable before MPI starts."""
 
@@ -253,14 +255,16 @@ class _Values(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError):
-            if not (small and metas):  # a shape only the values give (nonzero, ...): from the twins
+            # no meta kernel, or a shape only the values give (bincount, nonzero, ...): from the twins
+            if not metas or sum(t.numel() for t in metas) > FALLBACK_LIMIT:
                 raise
-            twin = self._twin(func, args, kwargs, metas)
+            twin = self._twin(func, args, kwargs, metas, keep=small)
             if twin is None:
                 raise
             out = tree_map(lambda s: torch.empty_strided(s.shape, s.stride(), dtype=s.dtype, device="meta")
                            if isinstance(s, torch.Tensor) else s, twin[0])
-            self._attach(out, twin[0])
+            if small:
+                self._attach(out, twin[0])
             return out
         if not small:
             return out
@@ -275,16 +279,18 @@ class _Values(TorchDispatchMode):
         return out
 
     @staticmethod
-    def _twin(func, args, kwargs, metas) -> Optional[Tuple[Any]]:
+    def _twin(func, args, kwargs, metas, keep: bool = True) -> Optional[Tuple[Any]]:
         """(the operation's result on the CPU twins,), or None when it cannot run there. A meta
-        argument without a twin gets one (ones), so a view of it and a change in place share it."""
+        argument without a twin gets one (ones), kept with it (``keep``) so that a view of it and
+        a change in place share it."""
 
         def to_cpu(x: Any) -> Any:
             if isinstance(x, torch.Tensor) and x.is_meta:
                 twin = getattr(x, _SHADOW, None)
                 if twin is None or twin.shape != x.shape:
                     twin = _ones_like(x)
-                    setattr(x, _SHADOW, twin)
+                    if keep:
+                        setattr(x, _SHADOW, twin)
                 return twin
             return _cpu_device(x)
 
