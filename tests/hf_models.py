@@ -66,3 +66,8 @@ def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
 def batch(vocab: int = VOCAB, n: int = 2, seq: int = SEQ, seed: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def hf_model(path) -> tuple:
+    """The overrides that train the Hugging Face model in ``path``: its shape and its weights."""
+    return ("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}")

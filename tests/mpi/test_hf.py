@@ -25,8 +25,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hf_models import batch, hf_logits, llama_config, mixtral_config, save
-from parity import assert_parity, record, reference_of, world_trainer
+from hf_models import batch, hf_logits, hf_model, llama_config, mixtral_config, save
+from parity import assert_parity, record, reference_of, shared_reference, world_trainer
 
 STEPS = 2
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -52,19 +52,6 @@ def hf_dirs(tmp_path_factory):
     return {name: _on_rank0(make, os.path.join(root, name)) for name, make in makers.items()} | {"root": root}
 
 
-def _model(path):
-    return ("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}")
-
-
-_REFERENCES: dict = {}
-
-
-def _one_process(pm, overrides):
-    if overrides not in _REFERENCES:
-        _REFERENCES[overrides] = reference_of(BASE + overrides, STEPS, pm)
-    return _REFERENCES[overrides]
-
-
 CASES = [("llama", "parallel.tp=2"), ("llama", "parallel.pp=2"), ("llama", "parallel.cp=2"),
          ("tied", "parallel.tp=2"), ("tied", "parallel.pp=2"), ("mixtral", "parallel.ep=2"),
          ("mixtral", "parallel.tp=2"), ("llama", "parallel.zero.stage=3")]
@@ -73,12 +60,12 @@ CASES = [("llama", "parallel.tp=2"), ("llama", "parallel.pp=2"), ("llama", "para
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("which,layout", CASES, ids=[f"{w}-{lay.split('.', 1)[1].split('=')[0]}" for w, lay in CASES])
 def test_an_imported_model_trains_like_one_process_at_any_layout(world, pm, hf_dirs, which, layout):
-    model = _model(hf_dirs[which])
+    model = hf_model(hf_dirs[which])
     trainer = world_trainer(pm, *BASE, *model, layout)
     assert trainer.step == 0 and trainer.cursor.consumed_samples == 0  # weights only
     first_batch = trainer.orders.train[0].batch(range(4))  # step 1's global batch (samples 0-3)
     got = record(trainer, STEPS)
-    assert_parity(got, _one_process(pm, model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    assert_parity(got, shared_reference(BASE + model, STEPS), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     # and the first step's loss (the language-model loss, the router's balance loss apart) is transformers' own
     logits = hf_logits(hf_dirs[which], first_batch[:, :-1])
     want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), first_batch[:, 1:].flatten()))
@@ -94,7 +81,7 @@ def test_export_after_training_at_tp2_pp2_loads_in_transformers_and_back_at_anot
 
     root = os.path.join(hf_dirs["root"], "trained")
     ckpt, out = os.path.join(root, "ck"), os.path.join(root, "export")
-    trainer = world_trainer(pm, *BASE, *_model(hf_dirs["llama"]), "parallel.tp=2", "parallel.pp=2",
+    trainer = world_trainer(pm, *BASE, *hf_model(hf_dirs["llama"]), "parallel.tp=2", "parallel.pp=2",
                             "trainer.steps=3", "checkpoint.every=3", f"checkpoint.dir={ckpt}")
     trainer.fit()
     saved = os.path.join(ckpt, "step_00000003.h5")
@@ -110,7 +97,7 @@ def test_export_after_training_at_tp2_pp2_loads_in_transformers_and_back_at_anot
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         assert (got - hf_logits(hf_dirs["llama"], ids)).abs().max() > 1e-3  # three steps changed the model
     world.Barrier()
-    back = world_trainer(pm, *BASE, *_model(out), "parallel.cp=2")
+    back = world_trainer(pm, *BASE, *hf_model(out), "parallel.cp=2")
     from_checkpoint = reference_of(
         BASE + ("model=hf", f"model.hf_dir={hf_dirs['llama']}", f"checkpoint.init_from={saved}"), STEPS, pm)
     assert_parity(record(back, STEPS), from_checkpoint, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
@@ -160,7 +147,7 @@ def test_three_shards_import_at_tp2_pp2_each_rank_reading_only_its_slices(world,
     counts: list = []
     real_open = weights.safe_open
     monkeypatch.setattr(weights, "safe_open", lambda p, framework="pt": _Counting(real_open(p, framework), counts))
-    trainer = world_trainer(pm, *BASE, *_model(path), "parallel.tp=2", "parallel.pp=2")
+    trainer = world_trainer(pm, *BASE, *hf_model(path), "parallel.tp=2", "parallel.pp=2")
     mesh = trainer.mesh
     mine, seen = 0, set()
     for p in trainer.model.parameters():
@@ -174,7 +161,8 @@ def test_three_shards_import_at_tp2_pp2_each_rank_reading_only_its_slices(world,
     everyone = world.allgather(sum(counts))
     assert all(n > 0 for n in everyone)
     # and the weights are the file's: the same losses as one process loading it
-    assert_parity(record(trainer, 1), _one_process(pm, _model(path))[:1], LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    assert_parity(record(trainer, 1), shared_reference(BASE + hf_model(path), STEPS)[:1], LOSS_RTOL, GRAD_RTOL,
+                  GRAD_ATOL)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -184,7 +172,7 @@ def test_a_vocabulary_tp_does_not_divide_imports_padded_and_exports_unpadded(wor
     root = os.path.join(hf_dirs["root"], "vocab")
     src = _on_rank0(lambda d: save(llama_config(vocab=32001), d), os.path.join(root, "src"))
     ckpt, out = os.path.join(root, "ck"), os.path.join(root, "export")
-    trainer = world_trainer(pm, *BASE, *_model(src), "parallel.tp=4", "checkpoint.every=1", f"checkpoint.dir={ckpt}")
+    trainer = world_trainer(pm, *BASE, *hf_model(src), "parallel.tp=4", "checkpoint.every=1", f"checkpoint.dir={ckpt}")
     emb = trainer.model.tok_embeddings.weight
     assert emb.shape[0] * 4 == 32256  # padded to a multiple of tp x 64 inside
     trainer.save_checkpoint()

@@ -20,7 +20,8 @@ import pytest
 from mpi4py import MPI
 from qwen_models import hf_loss, qwen2_config, qwen3_config, save
 
-from parity import assert_parity, record, reference_of, world_trainer
+from hf_models import hf_model
+from parity import assert_parity, record, shared_reference, world_trainer
 
 STEPS = 2
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
@@ -41,19 +42,6 @@ def qwen_dirs(tmp_path_factory):
     return dirs
 
 
-def _model(path):
-    return ("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}")
-
-
-_REFERENCES: dict = {}
-
-
-def _one_process(pm, overrides):
-    if overrides not in _REFERENCES:
-        _REFERENCES[overrides] = reference_of(BASE + overrides, STEPS, pm)
-    return _REFERENCES[overrides]
-
-
 CASES = [("qwen3-head16", ("parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true")),
          ("qwen2", ("parallel.tp=2", "parallel.dp=2")),
          ("qwen2", ("parallel.tp=4",))]
@@ -62,7 +50,7 @@ CASES = [("qwen3-head16", ("parallel.tp=2", "parallel.cp=2", "parallel.sequence_
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("which,layout", CASES, ids=["qwen3-tp2sp-cp2", "qwen2-tp2-dp2", "qwen2-tp4-kv-replicated"])
 def test_qwen_trains_like_one_process(world, pm, qwen_dirs, which, layout):
-    model = _model(qwen_dirs[which])
+    model = hf_model(qwen_dirs[which])
     trainer = world_trainer(pm, *BASE, *model, *layout)
     attn = trainer.model.layers[0].attn
     assert type(attn.linears).__name__ == "TensorParallelLinears"
@@ -73,6 +61,6 @@ def test_qwen_trains_like_one_process(world, pm, qwen_dirs, which, layout):
         assert attn.q_norm.weight.shape == (16,) and attn.wo.weight.shape == (64, 128 // 2)
     first_batch = trainer.orders.train[0].batch(range(4))  # step 1's global batch (samples 0-3)
     got = record(trainer, STEPS)
-    assert_parity(got, _one_process(pm, model), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    assert_parity(got, shared_reference(BASE + model, STEPS), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
     want = hf_loss(qwen_dirs[which], first_batch)  # transformers' own loss (labels=)
     assert abs(got[0].loss - want) <= 1e-5 * want, (got[0].loss, want)
