@@ -81,6 +81,9 @@ class GpuKind:
     attention: Mapping[str, float] = field(default_factory=dict)
     """Fraction of ``peak_flops`` per attention kernel family (``fa2``, ``fa3``)."""
     fp8_mamf_flops: float = 0.0
+    fp32_flops: float = 0.0
+    """Non-tensor FP32 peak (datasheets: A100 19.5, H100 SXM 67 TFLOP/s): fp32 matmuls without TF32, as
+    hpctrain's context-parallel attention blocks run on a GPU (torch does not allow TF32 matmuls by default)."""
     sustained_clock: float = 1.0
     """Sustained / boost SM clock under full load (module docstring)."""
     source: str = ""
@@ -110,12 +113,12 @@ FA3_H100 = FA2_H100 * 1.5
 A100_SUSTAINED_CLOCK = 1305 / 1410
 """The A100's clock sustained at its power limit under HPL (NVIDIA's HPL peak; glennklockwood.com)."""
 A100_80GB = GpuKind("A100 SXM4 80GB", 108, 312e12, 271.2e12, 2039e9, {"fa2": FA2_A100},
-                    sustained_clock=A100_SUSTAINED_CLOCK,
+                    fp32_flops=19.5e12, sustained_clock=A100_SUSTAINED_CLOCK,
                     source="NVIDIA A100 datasheet; MAMF table (ml-engineering)")
 HOPPER_SUSTAINED_CLOCK = 1575 / 1980
 """DeepGEMM #120 (1,980 -> 1,575 MHz); chipsandcheese's H100 PCIe 1,395 of 1,755 MHz is the same 0.795."""
 H100_80GB = GpuKind("H100 SXM5 80GB", 132, 989.4e12, 794.5e12, 3350e9, {"fa2": FA2_H100, "fa3": FA3_H100},
-                    fp8_mamf_flops=1402.6e12, sustained_clock=HOPPER_SUSTAINED_CLOCK,
+                    fp8_mamf_flops=1402.6e12, fp32_flops=66.9e12, sustained_clock=HOPPER_SUSTAINED_CLOCK,
                     source="NVIDIA H100 datasheet; MAMF table (ml-engineering)")
 H200_141GB = replace(H100_80GB, name="H200 SXM 141GB", hbm_bytes_per_s=4800e9,
                      source="NVIDIA H200 datasheet; MAMF table ('H200 is the same' as the H100)")

@@ -248,7 +248,9 @@ def block_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: flo
         out.bwd += dgrad + wgrad
         out.wgrad += wgrad
     sequences = d.tokens / (d.seq / d.cp)  # sequences (or sequence chunks) in the micro-batch
-    if fw.attention == "flash":
+    if fw.ours and cp > 1 and gpu.fp32_flops:
+        out.attn_fwd, out.attn_bwd = _hpctrain_cp_attention(d, sequences, gpu)
+    elif fw.attention == "flash":
         # each rank's queries (s/cp of them, zigzag-balanced) against the whole causal sequence
         flops = 4.0 * (d.seq / d.cp) * d.seq * d.head_dim * d.heads * sequences / 2.0
         rate_attn = gpu.attention_flops(fw.attention_kernel)
@@ -272,6 +274,26 @@ def block_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: flo
     out.bwd += pass_time(pw_b, gpu)
     out.op_recompute = out.pointwise_fwd + sum(out.gemm[n][0] for n in MM_RECOMPUTED_BY_OP_SAC if n in out.gemm)
     return out
+
+
+CP_BLOCK_PASSES = (5 * 4, 6 * 4)
+"""Bytes per score element of hpctrain's context-parallel attention blocks beyond their matmuls
+(plugins/hpctrain_cp/blocks.py ``block_forward`` on a GPU: the fp32 scores masked, their max, exp(s - m),
+its sum; backward the scores again, exp(s - lse), dP, dS = P (dP - D) and its reads)."""
+
+
+def _hpctrain_cp_attention(d: Dims, sequences: float, gpu: GpuKind) -> Tuple[float, float]:
+    """(forward, backward) of hpctrain's ring / all-gather attention on a GPU: block by block in fp32
+    (q, k, v cast with ``.float()``, keys and values expanded to every query head, scores materialised),
+    its matmuls at the non-tensor FP32 rate (no TF32) and its score passes on HBM. Each rank's s/c queries
+    meet the causal half of the sequence's keys."""
+    scores = sequences * d.heads * (d.seq / d.cp) * d.seq / 2.0
+    rate = gpu.fp32_flops * gpu.sustained_clock
+    fwd = 4.0 * scores * d.head_dim / rate + pass_time(scores * CP_BLOCK_PASSES[0], gpu)
+    bwd = 10.0 * scores * d.head_dim / rate + pass_time(scores * CP_BLOCK_PASSES[1], gpu)
+    # every key/value block expanded to the query heads in fp32 (expand_kv), once forward, twice backward
+    expand = sequences * 2.0 * d.seq * d.heads * d.head_dim * 4.0
+    return fwd + pass_time(expand, gpu), bwd + pass_time(2 * expand, gpu)
 
 
 def head_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: float, tp: int, sp: bool,

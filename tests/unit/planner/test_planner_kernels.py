@@ -163,3 +163,15 @@ def test_cpu_runs_keep_the_flops_model():
     block = 64 * arch.layer_forward_flops_per_token(32) / cluster.matmul_flops
     head = 64 * arch.head_forward_flops_per_token() / cluster.matmul_flops
     assert e.time.optimizer == 0 and e.time.compute == pytest.approx(2 * (2 * 3 * block + 3 * head))
+
+
+def test_hpctrains_context_parallel_attention_runs_in_fp32_blocks():
+    """hpctrain's ring attention computes each block pair in fp32 with its scores materialised on a GPU
+    (plugins/hpctrain_cp/blocks.py): far slower than a flash kernel, which codes with a fused ring have."""
+    args = (H100, RATE, 8192 // 8, 8192, 1, False, 8, 2, 4)
+    ours = k.block_cost(LLAMA_8B, HPCTRAIN_FW, *args)
+    fused = k.block_cost(LLAMA_8B, FRAMEWORKS["torchtitan-compiled"], *args)
+    scores = 32 * 1024 * 8192 / 2
+    assert ours.attn_fwd > 4 * scores * 128 / (H100.fp32_flops * H100.sustained_clock)
+    assert ours.attn_fwd > 5 * fused.attn_fwd
+    assert k.block_cost(LLAMA_8B, HPCTRAIN_FW, H100, RATE, 8192, 8192, 1, False, 1, 2, 4).attn_fwd < ours.attn_fwd * 8

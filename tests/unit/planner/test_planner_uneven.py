@@ -43,11 +43,11 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
     """tp 8 x pp 16 x dp 64 is among the layouts that fit (with full recompute:
     our trainer's fp32 weights and gradients leave no room for the
     activations otherwise), its 1F1B stages split [7, 8 x 14, 7] as Meta's;
-    the best layout's predicted MFU is at least 25%, Meta's layout's at least
-    20% (hpctrain's own eager code, its blocking tensor-parallel collectives,
-    full recompute and autocast's weight copies per micro-batch in flight, in
-    the kernel-level model of issue 55; the FLOPs-only model promised 30% for
-    both)."""
+    the best layout's and Meta's layout's predicted MFU at least 20%
+    (hpctrain's own eager code, its blocking tensor-parallel collectives,
+    full recompute, autocast's weight copies per micro-batch in flight and
+    its fp32 context-parallel attention blocks on a GPU, in the kernel-level
+    model of issue 55; the FLOPs-only model promised 30% for both)."""
     plan, arch = plan_405b[0], plan_405b[1]
     assert arch.n_layers == 126 and arch.total_params == 405_853_388_800
     metas = [e for e in plan.ranked if (e.layout.tp, e.layout.cp, e.layout.pp, e.layout.dp) == (8, 1, 16, 64)]
@@ -58,7 +58,7 @@ def test_405b_plans_metas_layout_and_better(plan_405b):
     # interleaving with uneven chunks: 126 blocks on 64 virtual stages (the ranks again [7, 8 x 14, 7])
     assert any(e.layout.vpp == 4 and e.layout.layers == (1,) + (2,) * 62 + (1,) for e in metas)
     assert max(e.mfu for e in metas) >= 0.20
-    assert plan.best.mfu >= 0.25 and plan.best.fits
+    assert plan.best.mfu >= 0.20 and plan.best.fits
     assert plan.best.layout.pp > 1 and sum(plan.best.layout.layers) == 126
 
 
