@@ -56,6 +56,7 @@ and nothing else, as before this table existed.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple
@@ -140,6 +141,7 @@ def gpu_kind(cluster_name: str) -> Optional[GpuKind]:
     return KINDS.get(cluster_name)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a plan asks for the same few shapes once per layout considered
 def wave_efficiency(m: float, n: float, sms: int, count: float = 1.0) -> float:
     """Useful share of the tiles' work for ``count`` m x n outputs (tile and wave quantization,
     NVIDIA DU-09799-001 sections 3.1-3.2), with the least wasteful of ``GEMM_TILES``."""
