@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.model import amp
+
 Uses = Callable[[torch.Tensor], torch.Tensor]
 """How the layer sees a weight (identity, or a collective under sequence parallelism)."""
 
@@ -43,6 +45,12 @@ class GroupedExperts(nn.Module):
         combine, into a buffer with room for the rows coming back)."""
         see = uses or (lambda w: w)
         w1, w3, w2 = see(self.w1), see(self.w3), see(self.w2)
+        enabled, dtype = amp.autocast_state(rows.device.type)
+        if enabled and w1.dtype != dtype:
+            # autocast would cast each run's slice (w1[e] is a view, which its weight cache does not
+            # keep) and save every cast for backward: one copy of an expert per run that reaches it,
+            # the sources times the experts' weights. Cast the local stacks once per forward instead.
+            w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
         outs, at = [], 0
         for e, n in segments:
             outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
