@@ -39,7 +39,8 @@ def mixtral_config(vocab: int = VOCAB, layers: int = 2):
 
 def save(config, path, seed: int = 0, max_shard_size: Optional[str] = None) -> str:
     """A randomly initialised model of ``config`` saved to ``path`` (sharded with ``max_shard_size``).
-    Norm weights are drawn too (transformers inits them to 1, which would hide a norm mix-up)."""
+    Norm weights and biases are drawn too (transformers inits them to 1 and 0, which would hide a
+    norm or bias mix-up)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -48,6 +49,9 @@ def save(config, path, seed: int = 0, max_shard_size: Optional[str] = None) -> s
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.1, 0.1)  # as large as the projections' outputs: larger ones make q.k mostly bias,
+                # and the attention weights' gradients small sums of large terms (fp32's noise past 1e-6 of them)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return str(path)

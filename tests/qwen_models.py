@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from hf_models import VOCAB
+from hf_models import save as save  # one way to make a model directory, biases drawn too
 
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 
@@ -35,23 +36,6 @@ def qwen3_config(vocab: int = VOCAB, layers: int = 2, tie: bool = False, head_di
     from transformers import Qwen3Config
 
     return Qwen3Config(**{**_common(vocab, layers, tie), "head_dim": head_dim, **fields})
-
-
-def save(config, path, seed: int = 0) -> str:
-    """A randomly initialised model of ``config`` saved to ``path``, its norm weights and biases drawn."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.uniform_(-0.1, 0.1)  # as large as the projections' outputs: larger ones make q.k mostly bias,
-                # and the attention weights' gradients small sums of large terms (fp32's noise past 1e-6 of them)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 def hf_loss(path, ids: torch.Tensor, model: Optional[torch.nn.Module] = None) -> float:
