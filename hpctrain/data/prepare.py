@@ -76,6 +76,10 @@ assistant turn are counted over every rank and refused together (with
 ``prepare(input, output, dtype)`` is today's flat writer (bytes, no document
 boundaries, a ``.json`` sidecar), kept for the files today's
 ``data=tokens`` loader reads and the tests that damage such files.
+
+About 710 lines: the command's flags, its per-rank work split and the
+shard writing; the formats' own logic lives in ``inputs``, ``tokenize`` and
+``chat``. The flat writer above is the piece to move out when it grows.
 """
 from __future__ import annotations
 
