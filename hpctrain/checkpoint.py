@@ -94,6 +94,13 @@ class Checkpointer(Protocol):
         until that copy is done. Optional: the coordinator skips a checkpointer
         without it, which must then finish copying inside ``save``."""
 
+    def save_seconds(self) -> Optional[float]:
+        """The longest of the recent saves, from its start to its commit (the
+        background part included), or None before the first: how long a stop's
+        save will take (``hpctrain.train.deadline``). Optional: without it the
+        coordinator measures the ``save`` call, which is the whole save only
+        when it commits before returning."""
+
 
 EXPERIMENT_KEYS = ("model", "data", "optim", "trainer.global_batch_size", "trainer.seq_len", "trainer.seed",
                    "trainer.precision")
@@ -105,7 +112,8 @@ run starts from (``checkpoint.init_from``) count too, when set: two fine-tunings
 of one model from different weights are different experiments (left out when
 unset, so the directories of runs without it keep their names)."""
 
-LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model.qk_norm": False}
+LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model.qk_norm": False,
+                         "model.moe.ffn_hidden": None, "model.moe.norm_topk_prob": True}
 """Keys added to the ``EXPERIMENT_KEYS`` sections after directories were first
 named, with their defaults: left out of the hash while at their default, so an
 experiment that does not use them keeps the directory name it had before they
@@ -125,8 +133,10 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
               if OmegaConf.is_config(OmegaConf.select(cfg, key)) else OmegaConf.select(cfg, key)
               for key in EXPERIMENT_KEYS}
     for key, default in LATER_KEYS_AT_DEFAULT.items():
-        section, name = key.split(".", 1)
+        section, *inner, name = key.split(".")
         values = chosen.get(section)
+        for part in inner:  # a plugin's section inside one (model.moe)
+            values = values.get(part) if isinstance(values, dict) else None
         if isinstance(values, dict) and values.get(name, default) == default:
             values.pop(name, None)
     if OmegaConf.select(cfg, "checkpoint.init_from", default=None):

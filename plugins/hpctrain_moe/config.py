@@ -9,7 +9,7 @@ from typing import Optional
 class MoEConfig:
     """Mixture-of-experts feed-forward blocks (used when ``model.ffn=moe``).
 
-    Each expert is a SwiGLU of width ``model.ffn_hidden``. Routing is computed
+    Each expert is a SwiGLU of width ``ffn_hidden`` (``model.ffn_hidden`` unless set). Routing is computed
     in fp32 and, per token, picks ``top_k`` experts whose outputs are added
     with the router's weights.
     """
@@ -18,6 +18,14 @@ class MoEConfig:
     """Routed experts per MoE block (``parallel.ep`` must divide it)."""
     top_k: int = 2
     """Experts each token is sent to."""
+    ffn_hidden: Optional[int] = None
+    """Width of each routed (and shared) expert's SwiGLU; null: ``model.ffn_hidden``, which the dense blocks
+    keep (Qwen3-MoE's moe_intermediate_size beside its intermediate_size; DeepSeek's likewise)."""
+    norm_topk_prob: bool = True
+    """top_k >= 2: true renormalises the k chosen weights to sum 1 (Mixtral; Qwen3-MoE and DeepSeek-V3 with
+    norm_topk_prob=true); false keeps them as the router gives them, the softmax probabilities or the sigmoid
+    scores (Qwen3-MoE's default). top_k=1 softmax always keeps the probability (Switch: renormalised it would
+    be 1 and the router would get no gradient from the loss)."""
     capacity_factor: Optional[float] = None
     """null: dropless (every routed token is computed). A number c: each expert takes at most ceil(c * tokens
     * top_k / num_experts) tokens of a micro-batch; the rest of its assignments are dropped (the token

@@ -76,6 +76,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.regions = regions or MoERegions()
+        hidden = cfg.ffn_hidden or hidden  # the experts' own width (Qwen3-MoE, DeepSeek), else the dense one
         self.router = Router(d_model, cfg.num_experts, cfg.top_k, cfg.router)
         self.experts = GroupedExperts(d_model, hidden, cfg.num_experts)
         self.shared = SharedExperts(d_model, hidden, cfg.shared_experts) if cfg.shared_experts else None
@@ -147,7 +148,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         n = tokens.shape[0]
         routing = route(self.router.logits(tokens, self._uses(self.router.weight)), self.cfg.top_k,
-                        self.cfg.router, self.router.expert_bias)
+                        self.cfg.router, self.router.expert_bias, self.cfg.norm_topk_prob)
         keep = self._keep(routing.experts, batch) if self.cfg.capacity_factor is not None else None
         self.last_keep = keep
         if collecting():

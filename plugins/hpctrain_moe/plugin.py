@@ -107,6 +107,8 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         value = getattr(m, key)
         if not value >= 0:  # also rejects nan
             out.append(f"model.moe.{key}={value}: must be >= 0 (0 turns it off)")
+    if m.ffn_hidden is not None and m.ffn_hidden < 1:
+        out.append(f"model.moe.ffn_hidden={m.ffn_hidden}: must be null (model.ffn_hidden) or an integer >= 1")
     if m.shared_experts < 0:
         out.append(f"model.moe.shared_experts={m.shared_experts}: must be >= 0")
     if m.every < 1:

@@ -34,13 +34,14 @@ class Routing:
     """(N,) fp32: logsumexp of the logits, for the z-loss (differentiable)."""
 
 
-def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tensor] = None) -> Routing:
-    """Route N tokens from their (N, E) fp32 logits (see ``MoEConfig.router``)."""
+def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tensor] = None,
+          norm_topk_prob: bool = True) -> Routing:
+    """Route N tokens from their (N, E) fp32 logits (see ``MoEConfig.router`` and ``norm_topk_prob``)."""
     if kind == "softmax":
         probs = logits.softmax(dim=-1)
-        if top_k == 1:  # Switch: the probability itself, so the router learns from the loss
-            weights, experts = probs.topk(1, dim=-1)
-        else:  # Mixtral: softmax over the chosen logits
+        if top_k == 1 or not norm_topk_prob:  # Switch, Qwen3-MoE's default: the probabilities themselves
+            weights, experts = probs.topk(top_k, dim=-1)
+        else:  # Mixtral: softmax over the chosen logits (the chosen probabilities renormalised)
             chosen, experts = logits.topk(top_k, dim=-1)
             weights = chosen.softmax(dim=-1)
         balance = probs
@@ -49,7 +50,7 @@ def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tens
         pick = scores if bias is None else scores + bias
         experts = pick.topk(top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)
-        weights = chosen / chosen.sum(dim=-1, keepdim=True)
+        weights = chosen / chosen.sum(dim=-1, keepdim=True) if norm_topk_prob else chosen
         balance = scores / scores.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"model.moe.router={kind!r}: choose one of {', '.join(ROUTERS)}")

@@ -188,6 +188,9 @@ BAD = [
     ("model.n_kv_heads=abc", "model.n_kv_heads='abc': must be null or an integer (int)"),
     ("model.qkv_bias=maybe", "model.qkv_bias='maybe': must be true or false (bool)"),
     ("model.qk_norm=maybe", "model.qk_norm='maybe': must be true or false (bool)"),
+    ("model.moe.ffn_hidden=0 model=tiny-moe", "model.moe.ffn_hidden=0: must be null (model.ffn_hidden) or an "
+     "integer >= 1"),
+    ("model.moe.norm_topk_prob=maybe model=tiny-moe", "model.moe.norm_topk_prob='maybe': must be true or false"),
     ("trainer.stepz=3", "trainer.stepz is not a config key (trainer has no 'stepz'); did you mean trainer.steps?"),
     ("+trainer.newkey=3", "trainer.newkey is not a config key (trainer has no 'newkey'); the keys of trainer: steps,"),
     ("parallel.zero.stag=1", "did you mean parallel.zero.stage?"),
