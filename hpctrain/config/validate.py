@@ -32,6 +32,7 @@ from hpctrain.model.recompute import RECOMPUTE
 from hpctrain.model.shapes import ModelShape
 from hpctrain.optimizers.checks import optimizer_problems
 from hpctrain.plugins import broke_contract, call_each
+from hpctrain.train.deadline import parse_end_time
 from hpctrain.train.loggers import backend_problems
 from hpctrain.train.stopping import parse_duration
 
@@ -192,6 +193,11 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     except ValueError:
         problems.append(f"trainer.max_time={t.max_time!r} is not a duration: give seconds (3600) or "
                         "[D-]HH:MM:SS (01:00:00)")
+    try:
+        parse_end_time(t.end_time)
+    except ValueError:
+        problems.append(f"trainer.end_time={t.end_time!r} is not a time: give YYYY-MM-DDTHH:MM[:SS] (local time, "
+                        "as squeue prints it) or Unix seconds")
     d = cfg.debug
     if d.fault != "none" and d.fault_rank >= world_size:
         problems.append(f"debug.fault_rank={d.fault_rank} is not a rank of this {world_size}-rank job; "

@@ -48,8 +48,10 @@ step.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 from hpctrain.bootstrap import get_runtime
 from hpctrain.checkpoint import Checkpointer, Restored
@@ -134,6 +136,12 @@ class Checkpointing:
         self.local: Optional[LocalTier] = self._make_local()
         """The node-local tier, or None."""
         self.resumed = Resumed()
+        self.save_times: Deque[float] = deque(maxlen=8)
+        """The last persistent saves' durations as this rank measured them, start to commit (the
+        checkpointer's ``save_seconds()`` where it saves in the background; else the call's own time)."""
+        self.blocked_s = 0.0
+        """Seconds persistent saves blocked the loop since ``take_blocked`` last asked (the deadline counts them
+        as the save, not as the step)."""
 
     # -- set-up ----------------------------------------------------------------------
     def _make_persistent(self, for_stop: bool = False) -> Optional[Checkpointer]:
@@ -247,11 +255,28 @@ class Checkpointing:
         board = state.mesh.board
         board.phase = "checkpoint save"
         # one numbered op over the world: a rank that never enters is named by the hang watchdog
+        t0 = time.monotonic()
         with board.collective("checkpoint save", "checkpoint", tuple(range(state.mesh.world_size))):
             saved = self.persistent.save(state, path)
         board.phase = "training"
+        blocked = time.monotonic() - t0
+        self.blocked_s += blocked
+        self.save_times.append(blocked)
         self.pm.hook.hpctrain_on_checkpoint(state=state, step=state.step, path=saved)
         return saved
+
+    def save_seconds(self) -> float:
+        """The longest of the recent persistent saves, start to commit, as measured (0 before the first): a
+        checkpointer that commits in the background answers ``save_seconds()`` with its own measure
+        (``hpctrain.checkpoint``), which replaces the time the call blocked."""
+        own = getattr(self.persistent, "save_seconds", None)
+        measured = own() if own is not None else None
+        return max([*self.save_times, *([measured] if measured is not None else [])], default=0.0)
+
+    def take_blocked(self) -> float:
+        """The seconds persistent saves blocked the loop since the last call."""
+        out, self.blocked_s = self.blocked_s, 0.0
+        return out
 
     def before_update(self) -> float:
         """Right before the optimizer step: wait until the saves in flight have copied what the update

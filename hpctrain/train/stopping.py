@@ -13,9 +13,10 @@ What asks a run to stop:
 - SIGINT: Ctrl-C at a terminal, and what ``srun`` forwards on a second
   Ctrl-C. Caught only while a stop can save (below); otherwise Python's
   usual KeyboardInterrupt, since waiting for the step would save nothing;
-- the clock: ``trainer.max_time`` seconds after the start, or the SLURM
-  job's end time, less ``trainer.max_time_margin_s`` and one step; under
-  SLURM the job is then requeued.
+- the clock: ``trainer.max_time`` seconds after the start, the SLURM
+  job's end time or ``trainer.end_time``, less the next step, the measured
+  save and ``trainer.max_time_margin_s`` (``hpctrain.train.deadline``);
+  under SLURM the job is then requeued.
 
 A handler only records the signal, so a second signal during the save
 cannot tear the checkpoint. After every step all ranks agree (one small
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -49,6 +51,7 @@ from hpctrain.errors import HpctrainError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.plugins import DISABLE_ENV, blocked_names, capabilities
+from hpctrain.train.deadline import Clock, Decision, parse_end_time
 
 log = get_logger(__name__)
 
@@ -108,16 +111,21 @@ SQUEUE_TRIES = 3
 def slurm_end_time(retry_wait_s: float = 1.0) -> Optional[float]:
     """The running SLURM job's end (``time.time()`` seconds), or None outside SLURM or without a limit.
 
-    Slurm >= 23.02 exports ``SLURM_JOB_END_TIME``; before it squeue is asked,
-    ``SQUEUE_TRIES`` times (a controller under load can time out). When no
-    try answers, a warning says so: the run then stops only on
-    ``trainer.max_time`` or a signal."""
+    Slurm >= 23.02 exports ``SLURM_JOB_END_TIME``; before it squeue is asked
+    when installed, ``SQUEUE_TRIES`` times (a controller under load can time
+    out). When no try answers, a warning says so: the run then stops only on
+    ``trainer.max_time``, ``trainer.end_time`` or a signal."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         return None
     end = os.environ.get("SLURM_JOB_END_TIME")  # Slurm >= 23.02 exports it
     if end and end.isdigit():
         return float(end)
+    if shutil.which("squeue") is None:
+        log.warning("SLURM job %s: no SLURM_JOB_END_TIME and no squeue on PATH to read its end time; the run "
+                    "stops on trainer.max_time, trainer.end_time or a signal only: set trainer.max_time or "
+                    "trainer.end_time, or #SBATCH --signal=USR1@120", job)
+        return None
     why = ""
     for attempt in range(SQUEUE_TRIES):
         if attempt:
@@ -137,8 +145,9 @@ def slurm_end_time(retry_wait_s: float = 1.0) -> Optional[float]:
                 why = f"unexpected end time {stamp!r}"
                 break
         why = (out.stderr.strip() or f"exit status {out.returncode}, no output").splitlines()[-1]
-    log.warning("could not read SLURM job %s's end time from squeue (%s); the run stops on trainer.max_time "
-                "or a signal only: set trainer.max_time or #SBATCH --signal=USR1@120", job, why)
+    log.warning("could not read SLURM job %s's end time from squeue (%s); the run stops on trainer.max_time, "
+                "trainer.end_time or a signal only: set trainer.max_time or trainer.end_time, or "
+                "#SBATCH --signal=USR1@120", job, why)
     return None
 
 
@@ -160,8 +169,16 @@ class StopRequests:
             end = slurm_end_time()
             if end is not None:
                 limits.append((time.monotonic() + end - time.time(), "the SLURM job's time limit"))
+            given = parse_end_time(cfg.trainer.end_time)
+            if given is not None:
+                limits.append((time.monotonic() + given - time.time(), f"trainer.end_time={cfg.trainer.end_time}"))
             if limits:
                 self.deadline, self.deadline_from = min(limits)
+        self.clock = Clock()
+        """Rank 0's loop timing (``hpctrain.train.deadline``), from now."""
+        self.clock.boundary(time.monotonic())
+        self.decision: Optional[Decision] = None
+        """The last boundary's figures against the deadline (rank 0, with a deadline)."""
         self._catch = [signal.SIGUSR1, signal.SIGTERM] + ([signal.SIGINT] if catch_sigint else [])
         self._previous: Dict[int, Any] = {}
 
@@ -181,11 +198,18 @@ class StopRequests:
     def _record(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
 
-    def agree(self, mesh: Mesh, device: torch.device, step_s: float) -> int:
-        """The reason code every rank stops for after this step (0: go on). Collective."""
+    def agree(self, mesh: Mesh, device: torch.device, step_s: float, save_s: float = 0.0,
+              saving_s: float = 0.0) -> int:
+        """The reason code every rank stops for after this step (0: go on). Collective. ``step_s``: the step
+        just taken; ``save_s``: the longest persistent save measured so far (start to commit); ``saving_s``:
+        the seconds saves blocked the loop since the last boundary (rank 0's are what counts)."""
         mine = max((_SIGNALS[s] for s in self.received), default=0)
-        if self.deadline is not None and time.monotonic() + step_s + self.margin >= self.deadline:
-            mine = max(mine, _CLOCK)
+        if self.deadline is not None:
+            now = time.monotonic()
+            self.clock.boundary(now, saving_s)
+            self.decision = self.clock.decide(self.deadline, now, step_s, save_s, self.margin)
+            if self.decision.stop:
+                mine = max(mine, _CLOCK)
         world = mesh.group(AXES)
         if world.size == 1:
             return mine
@@ -194,7 +218,10 @@ class StopRequests:
         return int(flag.item())
 
     def describe(self, reason: int) -> str:
-        return self.deadline_from + " (less trainer.max_time_margin_s)" if reason == _CLOCK else _NAMES[reason]
+        if reason != _CLOCK:
+            return _NAMES[reason]
+        figures = self.decision.describe() if self.decision is not None else "less trainer.max_time_margin_s"
+        return f"{self.deadline_from} ({figures})"
 
 
 def requeue_if_slurm(reason: int) -> Optional[str]:

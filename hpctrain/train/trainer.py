@@ -428,7 +428,9 @@ class Trainer:
                 self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(state=self.state, step=self.step, metrics=m)
                 saved = self.checkpointing.maybe_save(self.step)  # collective: the same steps on every rank
-                reason = stops.agree(self.mesh, self.device, m["step_time_s"])  # collective: the same on every rank
+                # collective: the same on every rank; rank 0 weighs the time left (hpctrain.train.deadline)
+                reason = stops.agree(self.mesh, self.device, m["step_time_s"], self.checkpointing.save_seconds(),
+                                     self.checkpointing.take_blocked())
                 leave = self._stragglers_to_leave()  # decided from gathered times: the same on every rank
                 if (reason or leave) and self.step < total:
                     why = stops.describe(reason) if reason else straggler_stop_reason(

@@ -69,6 +69,11 @@ class SaveStats:
     write_s: float = 0.0
     """Time from the start of the write to the commit (background when async)."""
     committed: bool = False
+    started: float = 0.0
+    """``time.perf_counter()`` when the save started, once the previous background save was done."""
+    total_s: float = 0.0
+    """From ``started`` to the commit: what the same save would take if it had to finish before the job ends
+    (``save_seconds``)."""
 
 
 class H5Checkpointer:
@@ -149,6 +154,7 @@ class H5Checkpointer:
     def save(self, train_state: "TrainState", path: Optional[str] = None) -> str:
         t0 = time.perf_counter()
         waited = self._bg.wait() if self._bg is not None else 0.0
+        started = time.perf_counter()
         step = int(train_state.step)
         if path is None:
             if self.directory is None:
@@ -176,7 +182,8 @@ class H5Checkpointer:
             self._hook_optimizer(train_state.optimizer)
         del view
         stats = SaveStats(step=step, path=final, async_save=self._bg is not None, blocking_s=0.0, waited_s=waited,
-                          host_bytes=stager.nbytes, total_bytes=sum(plan.bytes_by_rank().values()))
+                          host_bytes=stager.nbytes, total_bytes=sum(plan.bytes_by_rank().values()),
+                          started=started)
         self.stats.append(stats)
 
         def stage() -> Tuple[Optional[writer.Owned], Optional[str]]:
@@ -291,9 +298,16 @@ class H5Checkpointer:
         error = self.comm.bcast(error, root=0)
         if error:
             raise CheckpointError(error)
-        stats.write_s, stats.committed = time.perf_counter() - t0, True
+        done = time.perf_counter()
+        stats.write_s, stats.total_s, stats.committed = done - t0, done - stats.started, True
         log_rank0("checkpoint step %d committed: %s, %.1f MB in %.2f s (%.0f MB/s)", stats.step, final,
                   stats.total_bytes / 1e6, stats.write_s, stats.total_bytes / 1e6 / max(stats.write_s, 1e-9))
+
+    def save_seconds(self) -> Optional[float]:
+        """The longest of the last few committed saves, start to commit (background writing included), or
+        None before the first: the time a stop's save needs (``hpctrain.train.deadline``)."""
+        recent = [s.total_s for s in list(self.stats)[-8:] if s.committed]
+        return max(recent) if recent else None
 
     def wait(self) -> None:
         if self._bg is not None:
