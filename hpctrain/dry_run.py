@@ -503,7 +503,7 @@ class PlannerFigures:
     activations: Optional[float] = None
     buffers: Optional[float] = None
     comm: Dict[str, float] = field(default_factory=dict)
-    """Bus bytes per step per axis (tp cp ep pp dp), the slowest stage's."""
+    """Bus bytes per step per axis (tp cp ep pp dp) of this rank's pipeline stage (``planner.traffic``)."""
     problem: Optional[str] = None
 
 
@@ -696,10 +696,10 @@ def planner_figures(cfg: Any, mesh: Mesh) -> PlannerFigures:
 def _planner_figures(cfg: Any, mesh: Mesh) -> PlannerFigures:
     # the planner's own pieces, as its search uses them (hpctrain.planner.search / plan)
     from hpctrain.planner.arch import Arch  # the planner: only when a dry run compares with it
-    from hpctrain.planner.cluster import cluster_spec  # the planner: only when a dry run compares with it
-    from hpctrain.planner.estimate import Workload, estimate, stage_memory  # the planner: only for a dry run
+    from hpctrain.planner.estimate import Workload, stage_memory  # the planner: only for a dry run
     from hpctrain.planner.layouts import Layout  # the planner: only when a dry run compares with it
     from hpctrain.planner.memory import optimizer_profile  # the planner: only when a dry run compares with it
+    from hpctrain.planner.traffic import stage_bytes  # the planner: only when a dry run compares with it
 
     arch = Arch.from_model_config(cfg.model)
     work = Workload(int(cfg.trainer.global_batch_size), int(cfg.trainer.seq_len), str(cfg.trainer.precision),
@@ -717,16 +717,8 @@ def _planner_figures(cfg: Any, mesh: Mesh) -> PlannerFigures:
                  int(OmegaConf.select(cfg, "parallel.zero.stage", default=0) or 0), str(cfg.model.recompute),
                  **knobs)
     mem = stage_memory(arch, lay, work, mesh.coords["pp"])
-    comm: Dict[str, float] = {}
-    problem = None
-    try:
-        cluster_cfg = copy.deepcopy(cfg.cluster)
-        cluster_cfg.gpus = mesh.world_size
-        est = estimate(arch, lay, work, cluster_spec(cluster_cfg))
-        comm = dict(est.comm_bytes)
-    except Exception as e:  # noqa: BLE001 - memory without bytes still compares
-        problem = f"bytes per axis: {type(e).__name__}: {e}".splitlines()[0]
-    return PlannerFigures(mem.weights, mem.grads, mem.optimizer, mem.activations, mem.buffers, comm, problem)
+    comm = stage_bytes(arch, lay, work, mesh.coords["pp"])
+    return PlannerFigures(mem.weights, mem.grads, mem.optimizer, mem.activations, mem.buffers, comm)
 
 
 # -- printing --------------------------------------------------------------------------------------------------------

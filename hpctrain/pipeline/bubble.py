@@ -8,12 +8,20 @@ per-micro-batch stage times t_f (forward) and t_b (backward):
 |---------------|----------------------------------|-------------------------------------------|
 | gpipe         | (p-1)(t_f + t_b)                 | m                                         |
 | 1f1b          | (p-1)(t_f + t_b)                 | min(p - i, m)                             |
-| interleaved   | (p-1)(t_f + t_b) / v             | min(p - i, m) * (1 + (p-1)/(p v))         |
+| interleaved   | (p-1)(t_f + t_b) / v             | (min(2(p-i-1) + (v-1)p, m v) + 1) / v     |
 | zb-h1         | (p-1)(t_f + t_b - 2 t_w)         | min(p - i, m)                             |
 
 Sources: GPipe/1F1B bubble (p-1)/m of the ideal time and the interleaved
-/v (Narayanan et al. 2021); the interleaved memory factor (Korthikanti et
-al. 2022, first stage); ZB-H1 (Qi et al. 2023): their (p-1)(T_F + T_B - T_W)
+/v (Narayanan et al. 2021). Micro-batches held are counted from the
+schedule's own compute order (``schedules.compute_order``, the programs the
+pipeline plugin runs): the most forwards without their backward at any
+moment, a chunk counting 1/v. For the interleaved schedule that is
+Megatron-LM's warm-up, 2(p-i-1) + (v-1)p forwards, plus the first steady
+forward: on the first stage (p(v+1) - 1)/v = p (1 + (p-1)/(p v)), Korthikanti
+et al. 2022's factor, but on the last stage ((v-1)p + 1)/v, not ~1: its
+first chunk runs (v-1)p forwards before the first backward reaches it.
+``peak_held`` weighs each chunk (unequal chunks, the embedding on the first
+and the loss on the last). ZB-H1 (Qi et al. 2023): their (p-1)(T_F + T_B - T_W)
 splits the backward into input gradients T_B and weight gradients T_W; here
 t_b is the whole backward (T_B + T_W) and t_w its weight-gradient part, so
 with t_f = t_b/2 = t_w the bubble is a third of 1F1B's, at the same
@@ -25,12 +33,13 @@ completeness; it is never better than 1F1B (same bubble, more memory).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from functools import lru_cache
+from typing import Sequence, Tuple
 
-from hpctrain.pipeline.schedules import SCHEDULES, check
+from hpctrain.pipeline.schedules import SCHEDULES, check, compute_order
 
 __all__ = ["SCHEDULES", "NO_PIPELINE", "check_schedule", "bubble_time", "stage_bubble_time", "bubble_fraction",
-           "formula_bubble", "in_flight"]
+           "formula_bubble", "in_flight", "peak_held"]
 
 NO_PIPELINE = "none"
 """The planner's schedule name for a layout without pipeline parallelism."""
@@ -87,15 +96,34 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, microbatches: int, t_f: fl
 
 def in_flight(schedule: str, pp: int, vpp: int, microbatches: int, stage: int) -> float:
     """How many micro-batches' activations stage ``stage`` holds at its peak
-    (in units of one micro-batch through all of that stage's layers)."""
+    (in units of one micro-batch through all of that stage's layers): ``peak_held``
+    with v equal chunks."""
     if pp == 1 or schedule == NO_PIPELINE:
         return 1.0  # gradient accumulation: one micro-batch at a time
-    if schedule == "gpipe":
-        return float(microbatches)
-    held = float(min(pp - stage, microbatches))
-    if schedule == "interleaved":
-        held *= 1.0 + (pp - 1) / (pp * vpp)
-    return held
+    return peak_held(schedule, pp, vpp, microbatches, stage, (1.0 / vpp,) * vpp)
+
+
+def peak_held(schedule: str, pp: int, vpp: int, microbatches: int, stage: int,
+              chunk_weights: Sequence[float]) -> float:
+    """The most that pipeline rank ``stage`` holds at once, each forward whose backward has not
+    run yet holding ``chunk_weights[chunk]`` (e.g. one micro-batch's saved bytes of that chunk),
+    along the schedule's compute order (``schedules.compute_order``). A W action (zero bubble)
+    frees nothing here: its backward's B already released the activations it does not need."""
+    if pp == 1 or schedule == NO_PIPELINE:
+        return max(chunk_weights)
+    return _peak(schedule, pp, vpp, microbatches, stage, tuple(float(w) for w in chunk_weights))
+
+
+@lru_cache(maxsize=4096)
+def _peak(schedule: str, pp: int, vpp: int, m: int, stage: int, weights: Tuple[float, ...]) -> float:
+    live = peak = 0.0
+    for kind, _, chunk in compute_order(schedule, pp, vpp, m, stage):
+        if kind == "F":
+            live += weights[chunk]
+            peak = max(peak, live)
+        elif kind == "B":
+            live -= weights[chunk]
+    return peak
 
 
 def formula_bubble(schedule: str, p: int, v: int, m: int) -> float:

@@ -32,11 +32,11 @@ from functools import lru_cache
 from typing import Any, Callable, Dict, List, Tuple
 
 from hpctrain.mesh import DEFAULT_ORDER, parse_order
-from hpctrain.pipeline.bubble import in_flight, stage_bubble_time
+from hpctrain.pipeline.bubble import in_flight, peak_held, stage_bubble_time
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
-from hpctrain.planner.comm_model import bus_factor, flat_time, group_time
+from hpctrain.planner.comm_model import flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
 from hpctrain.planner.frameworks import HPCTRAIN_FW, Framework
 from hpctrain.planner.kernels import (
@@ -47,8 +47,9 @@ from hpctrain.planner.kernels import (
     param_pass_bytes,
     pass_time,
 )
-from hpctrain.planner.layouts import Layout, per_rank_layers, planned_layers
+from hpctrain.planner.layouts import Layout, per_rank_layers
 from hpctrain.planner.memory import ModelStates, StateBytes, model_states
+from hpctrain.planner.traffic import rank_blocks, stage_bytes
 
 
 @dataclass(frozen=True)
@@ -136,14 +137,6 @@ def group_span(sizes: Tuple[Tuple[str, int], ...], axes: Tuple[str, ...], gpus_p
     return len(members) // len(nodes), len(nodes)
 
 
-def rank_blocks(arch: Arch, lay: Layout, rank: int) -> List[range]:
-    """The block indices pipeline rank ``rank`` holds, one range per virtual stage."""
-    starts = [0]
-    for c in planned_layers(arch, lay):
-        starts.append(starts[-1] + c)
-    return [range(starts[s], starts[s + 1]) for s in range(rank, len(starts) - 1, lay.pp)]
-
-
 def _stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float, int]:
     """(dense, expert, tensors) parameters on one GPU of pipeline rank ``rank``."""
     blocks = tuple((b.start, b.stop) for b in rank_blocks(arch, lay, rank))
@@ -182,14 +175,22 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     states: ModelStates = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
     if expert:
         states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
-    layers = per_rank_layers(arch, lay)[stage]
     fw = work.framework
-    kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, token_split=lay.ep, profile=fw.activations,
+    kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, profile=fw.activations,
                               flash=fw.attention == "flash", dropout=fw.dropout)
     per_layer = act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute=lay.recompute, **kw)
-    extra = act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
-                                  first, last, lay.ep, fw.activations)
-    activations = in_flight(lay.schedule, lay.pp, lay.vpp, m, stage) * (layers * per_layer + extra)
+    # per chunk (virtual stage) and micro-batch: its blocks and RoPE tables; the embedding's token ids on the
+    # model's first chunk, the final norm and loss on its last; held as the schedule holds them (peak_held)
+    chunks = rank_blocks(arch, lay, stage)
+    layers = sum(len(b) for b in chunks)
+
+    def extra(first_chunk: bool, last_chunk: bool) -> float:
+        return act.stage_extra_bytes(arch, work.precision, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp,
+                                     first_chunk, last_chunk, profile=fw.activations)
+
+    weights = [len(b) * per_layer + extra(first and c == 0, last and c == len(chunks) - 1)
+               for c, b in enumerate(chunks)]
+    activations = peak_held(lay.schedule, lay.pp, lay.vpp, m, stage, weights)
     buffers = 0.0
     if lay.recompute == "full":  # one block rematerialised during its backward
         buffers += act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute="none", **kw)
@@ -254,9 +255,9 @@ def _time(cluster: ClusterSpec, axis: str, kind: str, nbytes: float, n_in: int, 
 
 def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float, r: float,
                     gemm: Dict[str, Tuple[float, float, float]],
-                    coll: Callable[[str, float], float]) -> Tuple[float, float, float, float, float]:
+                    coll: Callable[[str, float], float]) -> Tuple[float, float, float, float]:
     """Tensor-parallel collectives of one block for one micro-batch: (exposed forward, exposed backward,
-    exposed in a full recomputation, bus bytes, seconds if nothing overlapped).
+    exposed in a full recomputation, seconds if nothing overlapped); their bytes: ``traffic.tp_bytes``.
 
     Per sub-layer (attention, MLP): under sequence parallelism an all-gather of the input before the
     column-parallel GEMMs and a reduce-scatter after the row-parallel one; backward the all-gather of the
@@ -268,7 +269,7 @@ def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float,
     behind their neighbouring GEMM (TE userbuffers, torch async TP). hpctrain gathers the sub-layer input
     in the residual stream's dtype (fp32: ``r``) and reduces its input gradient in fp32 too."""
     if lay.tp == 1:
-        return 0.0, 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     entry, exit_ = tokens * h * (r if fw.ours else e), tokens * h * e
 
     def g(names: Tuple[str, ...], i: int) -> float:
@@ -290,12 +291,10 @@ def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float,
     t_fwd = sum(max(0.0, coll(k, b) - (hide if full else 0.0)) for k, b, hide in fwd)
     t_bwd = sum(max(0.0, coll(k, b) - (hide if full or (fw.tp_overlap == "backward" and ok) else 0.0))
                 for k, b, hide, ok in bwd)
-    wire = sum(b * bus_factor(k, lay.tp) for k, b, *_ in fwd + bwd)
     seconds = sum(coll(k, b) for k, b, *_ in fwd + bwd)
     if lay.recompute == "full":  # the recomputed forward gathers and reduces again
-        wire += sum(b * bus_factor(k, lay.tp) for k, b, _ in fwd)
         seconds += sum(coll(k, b) for k, b, _ in fwd)
-    return t_fwd, t_bwd, t_fwd if lay.recompute == "full" else 0.0, wire, seconds
+    return t_fwd, t_bwd, t_fwd if lay.recompute == "full" else 0.0, seconds
 
 
 def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> Estimate:
@@ -308,10 +307,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     sizes = tuple(lay.sizes().items())
     dt = act.dtypes_for(arch, work.precision, fw.activations)
     e, r = dt.act, dt.resid
-    tokens = lay.micro_batch * s / (lay.cp * lay.ep)  # per GPU per micro-batch
+    tokens = lay.micro_batch * s / lay.cp  # per GPU per micro-batch (samples split over dp x ep)
     per_rank = per_rank_layers(arch, lay)
-    # tp/cp/ep bytes per block first, times the slowest stage's blocks below
-    comm: Dict[str, float] = {a: 0.0 for a in ("tp", "cp", "ep", "pp", "dp")}
     gpu = cluster.gpu
     kernels = gpu is not None and work.precision in ("bf16", "fp16")
 
@@ -336,16 +333,16 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     def tp_coll(kind: str, nbytes: float) -> float:
         return _time(cluster, "tp", kind, nbytes, lay.tp, 1)
 
-    tp_f, tp_b, tp_re, tp_wire, tp_seconds = _tp_collectives(lay, fw, tokens, arch.d_model, e, r, gemm, tp_coll)
-    comm["tp"] = m * tp_wire
-    ep_bytes = tokens * arch.top_k * arch.d_model * e / lay.tp
+    tp_f, tp_b, tp_re, tp_seconds = _tp_collectives(lay, fw, tokens, arch.d_model, e, r, gemm, tp_coll)
+    # the dispatch moves the residual stream's dtype (hpctrain: fp32), the combine the experts' output
+    rows = tokens * arch.top_k * arch.d_model / (lay.tp if lay.sp else 1)
     n_in, n_out = group_span(sizes, ("ep",), G)
-    t_a2a = _time(cluster, "ep", "all_to_all", ep_bytes, n_in, n_out) if arch.is_moe else 0.0
-    comm["ep"] = m * 4 * ep_bytes * bus_factor("all_to_all", lay.ep) if arch.is_moe else 0.0
+    # one dispatch and one combine: t_a2a is their mean, each pass (forward, backward) runs two
+    t_a2a = (_time(cluster, "ep", "all_to_all", rows * r, n_in, n_out)
+             + _time(cluster, "ep", "all_to_all", rows * e, n_in, n_out)) / 2 if arch.is_moe else 0.0
     kv_bytes = 2 * tokens * arch.kv_dim_per_rank(lay.tp) * e
     n_in, n_out = group_span(sizes, ("cp",), G)
     t_kv = _time(cluster, "cp", "p2p", kv_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2) * (lay.cp - 1)
-    comm["cp"] = m * 3 * kv_bytes * (lay.cp - 1)
     cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - attn_b)
 
     # per micro-batch, per parameter on the GPU: casts and gradient accumulation outside the GEMMs
@@ -372,9 +369,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     slowest = max(range(lay.pp), key=lambda rk: times[rk][0] + times[rk][1])  # it paces the pipeline
     t_f, t_b, t_w = times[slowest]
     layers = per_rank[slowest]
-    for axis in ("cp", "ep"):
-        comm[axis] *= layers
-    comm["tp"] *= layers
+    comm = stage_bytes(arch, lay, work, slowest)
     bubble = stage_bubble_time(lay.schedule, lay.vpp, *(list(t) for t in zip(*times))) if lay.pp > 1 else 0.0
     compute = m * (t_f + t_b)
 
@@ -386,7 +381,6 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     one_p2p = _time(cluster, "pp", "p2p", pp_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2)
     # overlapped in the steady state (Megatron-Core's default): only the fill and drain wait
     t_pp = (2 * (lay.pp - 1) if fw.pp_overlap and lay.pp > 1 else transfers) * one_p2p
-    comm["pp"] = 2 * m * lay.vpp * pp_bytes if lay.pp > 1 else 0.0
 
     # -- data parallel (dense over cp x ep x dp, experts over cp x dp) ----------
     # dp collectives hide behind compute only, not behind the tp/cp/ep
@@ -395,7 +389,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     last = slowest == lay.pp - 1
     pure_f = layers * layer_f + (head_f if last else 0.0)
     pure_b = layers * (layer_b + layer_re) + (head_b if last else 0.0)
-    t_dp, comm["dp"], wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
+    t_dp, wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
 
     exposed = {"tp": m * layers * (tp_f + tp_b + tp_re), "cp": m * layers * (cp_f + cp_b),
                "ep": m * layers * 4 * t_a2a, "pp": t_pp, "dp": t_dp}
@@ -417,9 +411,9 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
 
 
 def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec,
-                   sizes: Tuple[Tuple[str, int], ...], m: int, t_f: float, t_b: float) -> Tuple[float, float, float]:
-    """(exposed seconds, wire bytes, wire seconds) of gradient reduction and ZeRO
-    gathers per step.
+                   sizes: Tuple[Tuple[str, int], ...], m: int, t_f: float, t_b: float) -> Tuple[float, float]:
+    """(exposed seconds, wire seconds) of gradient reduction and ZeRO gathers per step (their bytes:
+    ``traffic.dp_bytes``).
 
     Overlap is per micro-batch: a micro-batch's gathers and reduce-scatters hide
     only behind that micro-batch's forward (``t_f``) and backward (``t_b``),
@@ -433,7 +427,7 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
     groups: List[Tuple[float, Tuple[str, ...], int]] = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:
         groups.append((expert, ("cp", "dp"), lay.cp * lay.dp))
-    exposed = wire = seconds = 0.0
+    exposed = seconds = 0.0
     for params, axes, n in groups:
         if n == 1 or params == 0:
             continue
@@ -458,26 +452,21 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
         ag_exposed = max(one("all_gather", weights), ag - t_f) if fw.param_gather_overlap else ag
         if lay.zero == 0:
             exposed += max(one("all_reduce", grads), t("all_reduce", grads) - hide_b)
-            wire += grads * bus_factor("all_reduce", n)
             seconds += t("all_reduce", grads)
         elif lay.zero == 1 or (lay.zero == 2 and lay.pp > 1):  # ZeRO-2 under a pipeline: one reduce-scatter per step
             exposed += rs_hidden + ag_exposed
-            wire += (grads + weights) * bus_factor("all_gather", n)
             seconds += rs + ag
         elif lay.zero == 2:
             exposed += m * rs_hidden + ag
-            wire += (m * grads + weights) * bus_factor("all_gather", n)
             seconds += m * rs + ag
         elif lay.pp > 1:  # forward and backward gathers every micro-batch, the reduce-scatter in the last backward
             # (the plugin skips the backward gather of the stage's last block, kept gathered: a slight over-count)
             exposed += m * max(one("all_gather", weights), ag - t_f)
             exposed += (m - 1) * max(one("all_gather", weights), ag - t_b)
             exposed += max(one("reduce_scatter", grads), ag + rs - t_b)
-            wire += (m * 2 * weights + grads) * bus_factor("all_gather", n)
             seconds += m * 2 * ag + rs
         else:  # forward gather, backward gather + reduce-scatter, every micro-batch
             exposed += m * (max(one("all_gather", weights), ag - t_f)
                             + max(one("reduce_scatter", grads), ag + rs - t_b))
-            wire += m * (2 * weights + grads) * bus_factor("all_gather", n)
             seconds += m * (2 * ag + rs)
-    return exposed, wire, seconds
+    return exposed, seconds

@@ -77,7 +77,9 @@ class Layout:
         return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp}
 
     def microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        """Micro-batches per step: samples are split over dp x ep (``hpctrain.mesh.SAMPLE_AXES``), each rank
+        taking ``micro_batch`` samples at a time."""
+        return global_batch // (self.dp * self.ep * self.micro_batch)
 
     def label(self) -> str:
         """Short form for tables: only what differs from the default."""

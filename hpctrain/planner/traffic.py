@@ -1,0 +1,207 @@
+"""Bytes on the wire per step, per axis, for one pipeline rank: the one definition.
+
+"Bytes" are nccl-tests bus bytes, as every Communicator counts them
+(``hpctrain.comm.counting``; the dry run's recording backend,
+``plugins/hpctrain_comm_record``, the same): an all-reduce of S bytes over n
+ranks moves 2 (n-1)/n S, an all-gather (n-1)/n of its output, a
+reduce-scatter (n-1)/n of its input, an all-to-all what the rank sends to
+the others, a send its tensor and a receive nothing. The planner's
+``Estimate.comm_bytes`` is ``stage_bytes`` of the slowest stage, and
+``hpctrain-train --dry-run`` prints ``stage_bytes`` of each rank's stage
+beside what the rank recorded (tests/unit/test_dry_run_vs_planner.py).
+
+Per micro-batch (m per step) on one GPU, with T its tokens (micro-batch x
+sequence / cp), h the width, e the activation and r the residual stream's
+bytes (``activations.dtypes_for``: hpctrain keeps the residual stream fp32
+under bf16 autocast, so sequence-parallel gathers of a norm's output, the
+pipeline's sends and the MoE dispatch move 4-byte elements):
+
+- tp, per sub-layer (attention; dense MLP): with sequence parallelism an
+  all-gather of the input (T h r) and a reduce-scatter of the row-parallel
+  output (T h e) forward; backward the output gradient's all-gather (T h e),
+  the input's re-gather and the input gradient's reduce-scatter (T h r each:
+  the gradient is summed in the input's dtype); without it an all-reduce
+  forward (T h e) and one of the input gradient backward (T h r). Each norm
+  weight's gradient is all-reduced (fp32) under sequence parallelism. An MoE
+  block's experts and router are replicated over tp: under sequence
+  parallelism every micro-batch all-reduces their fp32 gradients and the
+  routing statistics. The first stage's vocab-parallel embedding leaves the
+  region (T h r forward; its gradient gathered back), the last stage's head
+  enters it like a column projection and the loss all-reduces three fp32
+  values per token. A full recomputation repeats the forward's collectives.
+- cp (ring attention, ``plugins/hpctrain_cp/ring.py``): per block the
+  key/value block (2 T kv e) is sent on cp-1 times forward and again
+  backward, and the fp32 key/value gradient accumulator cp times.
+- ep: per MoE block the dispatch (T k h rows of r bytes, forward and its
+  gradient backward) and the combine (e bytes, both ways), each an
+  all-to-all sending (ep-1)/ep of the rows (the even spread a balanced router
+  gives), and an all-to-all of the per-expert counts (int64).
+- pp: the sends of this rank: a forward send per micro-batch from every
+  chunk but the model's last, a backward send from every chunk but the
+  first (T h r / tp under sequence parallelism each); with tied embeddings
+  the two ends all-reduce the table's gradient.
+- dp: the data axes' gradient reduction and ZeRO's gathers of this stage's
+  parameters (``dp_bytes``).
+
+Other codes (``Framework``, for validation) move 16-bit residuals and
+key/value gradients, on the same counts.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from hpctrain.planner import activations as act
+from hpctrain.planner.arch import Arch
+from hpctrain.planner.comm_model import bus_factor
+from hpctrain.planner.layouts import Layout, planned_layers
+
+AXES = ("tp", "cp", "ep", "pp", "dp")
+FP32 = 4
+INT64 = 8
+
+
+def rank_blocks(arch: Arch, lay: Layout, rank: int) -> List[range]:
+    """The block indices pipeline rank ``rank`` holds, one range per virtual stage (chunk)."""
+    starts = [0]
+    for c in planned_layers(arch, lay):
+        starts.append(starts[-1] + c)
+    return [range(starts[s], starts[s + 1]) for s in range(rank, len(starts) - 1, lay.pp)]
+
+
+def stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float]:
+    """(dense, expert) parameters on one GPU of pipeline rank ``rank`` (``estimate``'s count)."""
+    from hpctrain.planner.estimate import _stage_params  # the one count of a stage's parameters
+
+    dense, expert, _ = _stage_params(arch, lay, rank)
+    return dense, expert
+
+
+def _sub_layer_tp(lay: Layout, tokens: float, h: int, e: float, r: float) -> Tuple[float, float]:
+    """(forward, backward) bus bytes of one tensor-parallel sub-layer for one micro-batch."""
+    n = lay.tp
+    entry, exit_ = tokens * h * r, tokens * h * e
+    if lay.sp:
+        ag, rs = bus_factor("all_gather", n), bus_factor("reduce_scatter", n)
+        return entry * ag + exit_ * rs, exit_ * ag + entry * ag + entry * rs
+    return exit_ * bus_factor("all_reduce", n), entry * bus_factor("all_reduce", n)
+
+
+def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers: int, moe: int, first: bool,
+             last: bool) -> float:
+    """Tensor-parallel bus bytes of one micro-batch on a stage of ``layers`` blocks (``moe`` of them MoE)."""
+    if lay.tp == 1:
+        return 0.0
+    n, h = lay.tp, arch.d_model
+    ar = bus_factor("all_reduce", n)
+    f1, b1 = _sub_layer_tp(lay, tokens, h, e, r)
+    dense = layers - moe
+    fwd = (2 * dense + moe) * f1
+    bwd = (2 * dense + moe) * b1
+    if lay.sp:
+        bwd += layers * arch.norm_params * FP32 * ar  # the norms' weight gradients, partial over the shards
+        # MoE under sequence parallelism: experts and router replicated over tp, gradients summed every micro-batch
+        replicated = arch.expert_params_per_rank(lay.ep) + arch.shared_experts * 3 * h * arch.ffn_hidden \
+            + arch.router_params
+        stats = (2 * arch.num_experts + 1) * FP32  # assignment counts, probability sums, z-loss term
+        bwd += moe * (replicated * FP32 * ar)
+        fwd += moe * stats * ar
+    if lay.recompute == "full":
+        fwd *= 2
+    total = fwd + bwd
+    if first:  # the vocab-parallel embedding leaves the region (its output: the residual stream's dtype)
+        total += (tokens * h * r * bus_factor("reduce_scatter", n) + tokens * h * r * bus_factor("all_gather", n)
+                  if lay.sp else tokens * h * r * ar)
+    if last:  # final norm's weight, the head's column projection and the loss's three reductions
+        if lay.sp:
+            ag, rs = bus_factor("all_gather", n), bus_factor("reduce_scatter", n)
+            total += arch.final_norm_params * FP32 * ar + tokens * h * r * (2 * ag + rs)
+        else:
+            total += tokens * h * r * ar
+        total += 3 * tokens * FP32 * ar
+    return total
+
+
+def cp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, ours: bool, layers: int) -> float:
+    """Ring attention's bus bytes of one micro-batch on a stage of ``layers`` blocks."""
+    n = lay.cp
+    if n == 1:
+        return 0.0
+    kv = 2 * tokens * arch.kv_dim_per_rank(lay.tp)
+    fwd = (n - 1) * kv * e
+    bwd = (n - 1) * kv * e + (n * kv * FP32 if ours else (n - 1) * kv * e)
+    if lay.recompute == "full":
+        fwd *= 2
+    return layers * (fwd + bwd)
+
+
+def ep_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, moe: int) -> float:
+    """Expert-parallel bus bytes of one micro-batch on a stage with ``moe`` MoE blocks."""
+    n = lay.ep
+    if n == 1 or not moe:
+        return 0.0
+    rows = tokens / (lay.tp if lay.sp else 1) * arch.top_k * arch.d_model
+    a2a = bus_factor("all_to_all", n)
+    fwd = rows * (r + e) * a2a + arch.num_experts * INT64 * a2a
+    if lay.recompute == "full":
+        fwd *= 2
+    return moe * (fwd + rows * (r + e) * a2a)
+
+
+def pp_bytes(arch: Arch, lay: Layout, tokens: float, r: float, m: int, rank: int) -> float:
+    """This pipeline rank's sends per step (and the tied embedding's reduction at the ends)."""
+    p, v = lay.pp, lay.vpp
+    if p == 1:
+        return 0.0
+    one = tokens * arch.d_model * r / (lay.tp if lay.sp else 1)
+    stages = [c * p + rank for c in range(v)]
+    sends = sum(1 for s in stages if s < p * v - 1) + sum(1 for s in stages if s > 0)
+    total = m * sends * one
+    if arch.tie_embeddings and rank in (0, p - 1):
+        total += arch.padded_vocab(lay.tp) // lay.tp * arch.d_model * FP32 * bus_factor("all_reduce", 2)
+    return total
+
+
+def dp_bytes(arch: Arch, lay: Layout, work, m: int, rank: int) -> float:
+    """The data axes' bus bytes per step for this stage's parameters: dense ones over cp x ep x dp, routed
+    experts over cp x dp. ZeRO 0 all-reduces the gradients; 1 (and 2 under a pipeline) reduce-scatters
+    them once and all-gathers the parameters; 2 reduce-scatters every micro-batch; 3 gathers every
+    forward and backward (under a pipeline the reduce-scatter once). hpctrain gathers its fp32
+    parameters, FSDP2 and Megatron's distributed optimizer 16-bit ones."""
+    dense, expert = stage_params(arch, lay, rank)
+    sb, fw = work.state_bytes, work.framework
+    total = 0.0
+    for params, n in ((dense, lay.cp * lay.ep * lay.dp), (expert, lay.cp * lay.dp)):
+        if n == 1 or params == 0:
+            continue
+        grads, weights = params * sb.grads, params * (sb.weights if fw.ours else 2.0)
+        half = bus_factor("all_gather", n)
+        if lay.zero == 0:
+            total += grads * bus_factor("all_reduce", n)
+        elif lay.zero == 1 or (lay.zero == 2 and lay.pp > 1):
+            total += (grads + weights) * half
+        elif lay.zero == 2:
+            total += (m * grads + weights) * half
+        elif lay.pp > 1:
+            total += (m * 2 * weights + grads) * half
+        else:
+            total += m * (2 * weights + grads) * half
+    return total
+
+
+def stage_bytes(arch: Arch, lay: Layout, work, rank: int) -> Dict[str, float]:
+    """Bus bytes one GPU of pipeline rank ``rank`` puts on the wire per step, per axis (module docstring)."""
+    d = act.dtypes_for(arch, work.precision, work.framework.activations)
+    e, r = float(d.act), float(d.resid)
+    m = lay.microbatches(work.global_batch)
+    tokens = lay.micro_batch * work.seq_len / lay.cp
+    blocks = rank_blocks(arch, lay, rank)
+    layers = sum(len(b) for b in blocks)
+    moe = sum(arch.moe_layers_in(b.start, b.stop) for b in blocks)
+    first, last = rank == 0, rank == lay.pp - 1
+    return {
+        "tp": m * tp_bytes(arch, lay, tokens, e, r, layers, moe, first, last),
+        "cp": m * cp_bytes(arch, lay, tokens, e, work.framework.ours, layers),
+        "ep": m * ep_bytes(arch, lay, tokens, e, r, moe),
+        "pp": pp_bytes(arch, lay, tokens, r, m, rank),
+        "dp": dp_bytes(arch, lay, work, m, rank),
+    }
