@@ -113,7 +113,10 @@ of one model from different weights are different experiments (left out when
 unset, so the directories of runs without it keep their names)."""
 
 LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model.qk_norm": False,
-                         "model.moe.ffn_hidden": None, "model.moe.norm_topk_prob": True}
+                         "model.moe.ffn_hidden": None, "model.moe.norm_topk_prob": True,
+                         "model.mtp_depth": 0, "model.mtp_loss_weight": 0.3, "model.moe.expert_groups": 1,
+                         "model.moe.topk_groups": 1, "model.moe.routed_scaling_factor": 1.0,
+                         "model.moe.first_dense_blocks": 0}
 """Keys added to the ``EXPERIMENT_KEYS`` sections after directories were first
 named, with their defaults: left out of the hash while at their default, so an
 experiment that does not use them keeps the directory name it had before they

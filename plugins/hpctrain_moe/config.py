@@ -40,14 +40,30 @@ class MoEConfig:
     router: str = "softmax"
     """softmax: top-k of the softmax probabilities, weights renormalised over the k chosen (Mixtral; with
     top_k=1 the probability itself, Switch). sigmoid: DeepSeek-V3: sigmoid scores, the top k of score + a
-    per-expert bias that only selects, weights the chosen scores normalised to sum 1."""
+    per-expert selection bias (transformers' e_score_correction_bias) that only selects: the weights are the
+    chosen scores without it (normalised to sum 1 with norm_topk_prob)."""
+    expert_groups: int = 1
+    """sigmoid router: group-limited routing (DeepSeek-V3's n_group): the experts form this many groups of
+    consecutive ids, each scored per token by the sum of its two best biased scores, and a token's experts come
+    from its topk_groups best groups only. 1: no limit."""
+    topk_groups: int = 1
+    """Groups a token's experts may come from (DeepSeek-V3's topk_group; 4 of 8); at most expert_groups, and
+    topk_groups x experts per group must reach top_k."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this after any normalisation (DeepSeek-V3: 2.5); the shared
+    experts' output is not."""
+    first_dense_blocks: int = 0
+    """The first this many blocks keep the dense SwiGLU of width model.ffn_hidden (DeepSeek-V3's
+    first_k_dense_replace: 3); the blocks after them follow ``every``."""
     aux_free_bias_rate: float = 0.001
     """sigmoid router: after every step each expert's selection bias moves by this much towards balance (up
     when it received fewer tokens than the mean over experts in that step, down when more); 0 keeps the
     biases fixed."""
     shared_experts: int = 0
-    """Experts every token passes through besides its routed ones (DeepSeek's shared experts), as one SwiGLU
-    of width shared_experts * ffn_hidden."""
+    """Experts every token passes through besides its routed ones (DeepSeek's n_shared_experts), as one dense
+    SwiGLU of width shared_experts x the experts' width (``ffn_hidden``), added to the routed output: split
+    column/row-parallel over tp like the dense feed-forward, replicated over ep (a dense weight: its gradient
+    is averaged over ep with the other data axes)."""
     every: int = 1
-    """MoE in every k-th block: blocks i with (i + 1) % every == 0 (every=2: blocks 1, 3, ...); the others
-    keep the dense SwiGLU."""
+    """MoE in every k-th block: blocks i >= first_dense_blocks with (i + 1) % every == 0 (every=2: blocks 1,
+    3, ...); the others keep the dense SwiGLU."""

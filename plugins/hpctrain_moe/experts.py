@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.model import amp
+from hpctrain.model.shapes import ModelShape
+from hpctrain.model.transformer import SwiGLU
 
 Uses = Callable[[torch.Tensor], torch.Tensor]
 """How the layer sees a weight (identity, or a collective under sequence parallelism)."""
@@ -60,18 +62,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-class SharedExperts(nn.Module):
-    """``count`` shared experts every token passes through, as one SwiGLU of
-    width count * hidden (the sum of ``count`` SwiGLUs is one wider SwiGLU)."""
-
-    param_init = {"w1": "normal", "w3": "normal", "w2": "normal_scaled"}
-
-    def __init__(self, d_model: int, hidden: int, count: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(count * hidden, d_model))
-        self.w3 = nn.Parameter(torch.empty(count * hidden, d_model))
-        self.w2 = nn.Parameter(torch.empty(d_model, count * hidden))
-
-    def forward(self, x: torch.Tensor, uses: Optional[Uses] = None) -> torch.Tensor:
-        see = uses or (lambda w: w)
-        return swiglu(x, see(self.w1), see(self.w3), see(self.w2))
+def shared_experts(d_model: int, width: int) -> SwiGLU:
+    """The shared experts every token passes through, as the core's dense SwiGLU of ``width`` = count x the
+    experts' width (the sum of ``count`` SwiGLUs is one wider SwiGLU): tensor parallelism splits it like a
+    dense block's feed-forward (``hpctrain.model.transformer.SwiGLU.linears``)."""
+    return SwiGLU(ModelShape(vocab_size=1, d_model=d_model, n_layers=1, n_heads=1, n_kv_heads=1, ffn_hidden=width,
+                             tie_embeddings=False))

@@ -7,6 +7,12 @@ load-balancing loss and z-loss into the auxiliary-loss channel, the step
 statistics into ``LayerStats`` (training forwards only) -> the tokens to
 their experts and back (``dispatch``) -> plus the shared experts.
 
+The shared experts (``MoEConfig.shared_experts``) are the core's dense
+SwiGLU, so tensor parallelism splits them column/row-parallel as it splits
+a dense block's feed-forward (through its ``linears`` seam, on the layer's
+input as the block gives it); expert parallelism leaves them whole (dense
+weights: the data axes average their gradients over ep).
+
 Regions. Under tensor parallelism the layer is replicated over tp. Without
 sequence parallelism the tp ranks hold the same tokens and compute the
 same thing. With it (``token_split``: the tp group), each holds a shard of
@@ -41,7 +47,7 @@ from hpctrain.model.recompute import recomputing
 from hpctrain_moe.capacity import expert_capacity, keep_mask
 from hpctrain_moe.config import MoEConfig
 from hpctrain_moe.dispatch import combine, dispatch, plan_dispatch
-from hpctrain_moe.experts import GroupedExperts, SharedExperts
+from hpctrain_moe.experts import GroupedExperts, shared_experts
 from hpctrain_moe.router import Router, assignment_counts, balance_loss, route, z_loss
 from hpctrain_moe.stats import LayerStats
 
@@ -79,7 +85,7 @@ class MoE(nn.Module):
         hidden = cfg.ffn_hidden or hidden  # the experts' own width (Qwen3-MoE, DeepSeek), else the dense one
         self.router = Router(d_model, cfg.num_experts, cfg.top_k, cfg.router)
         self.experts = GroupedExperts(d_model, hidden, cfg.num_experts)
-        self.shared = SharedExperts(d_model, hidden, cfg.shared_experts) if cfg.shared_experts else None
+        self.shared = shared_experts(d_model, hidden * cfg.shared_experts) if cfg.shared_experts else None
         self.stats = LayerStats(cfg.num_experts)
         self.last_keep: Optional[torch.Tensor] = None
         """The last forward's kept assignments (N, k) with a capacity (tests compare drops)."""
@@ -147,8 +153,10 @@ class MoE(nn.Module):
         batch, d = x.shape[0], x.shape[-1]
         tokens = x.reshape(-1, d)
         n = tokens.shape[0]
-        routing = route(self.router.logits(tokens, self._uses(self.router.weight)), self.cfg.top_k,
-                        self.cfg.router, self.router.expert_bias, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        routing = route(self.router.logits(tokens, self._uses(self.router.weight)), cfg.top_k, cfg.router,
+                        self.router.expert_bias, cfg.norm_topk_prob, cfg.expert_groups, cfg.topk_groups,
+                        cfg.routed_scaling_factor)
         keep = self._keep(routing.experts, batch) if self.cfg.capacity_factor is not None else None
         self.last_keep = keep
         if collecting():
@@ -156,6 +164,7 @@ class MoE(nn.Module):
         plan = plan_dispatch(routing.experts, routing.weights, keep, self.cfg.num_experts, self.regions.ep)
         rows = dispatch(tokens, plan, self.regions.ep)
         out = combine(self.experts(rows, plan.segments, self._uses, join=False), plan, self.regions.ep, n)
-        if self.shared is not None:
-            out = out + self.shared(tokens, self._uses)
-        return out.view_as(x)
+        out = out.view_as(x)
+        if self.shared is not None:  # on x as given: tp's sequence-parallel seam gathers along its sequence dim
+            out = out + self.shared(x)
+        return out

@@ -1,8 +1,11 @@
 """Mixture-of-experts plugin: ``model.ffn=moe`` blocks and the ``ep`` axis.
 
 - ``hpctrain_make_module(kind="ffn", name="moe")`` builds every
-  ``model.moe.every``-th block's feed-forward as an ``MoE`` (the others stay
-  the core's SwiGLU), holding all experts, on the meta device.
+  ``model.moe.every``-th block's feed-forward after the first
+  ``model.moe.first_dense_blocks`` as an ``MoE`` (the others stay the
+  core's SwiGLU), holding all experts, on the meta device; multi-token
+  prediction's blocks (indices from ``model.n_layers`` on) follow the same
+  rule and count as MoE layers of the model (``moe_layers``).
 - ``hpctrain_parallelize(axis="ep")`` keeps this rank's E/ep experts: the
   stacked expert weights are split on dim 0 over ``ep`` (their ShardSpecs
   say so, so checkpoints store [experts, ...] logical tensors and any ep
@@ -54,20 +57,31 @@ def moe_config(cfg: Any) -> MoEConfig:
     return plugin_section(cfg, SECTION, MoEConfig)
 
 
-def is_moe_block(layer_index: int, every: int) -> bool:
-    """Whether block ``layer_index`` is an MoE block (``MoEConfig.every``)."""
-    return (layer_index + 1) % every == 0
+def is_moe_block(layer_index: int, m: MoEConfig) -> bool:
+    """Whether block ``layer_index`` is an MoE block (``MoEConfig.first_dense_blocks`` and ``every``)."""
+    return layer_index >= m.first_dense_blocks and (layer_index + 1) % m.every == 0
 
 
-def moe_layer_ids(n_layers: int, every: int) -> List[int]:
-    return [i for i in range(n_layers) if is_moe_block(i, every)]
+def block_count(cfg: Any) -> int:
+    """The model's blocks: ``model.n_layers`` and one per multi-token prediction module after them."""
+    return int(cfg.model.n_layers) + int(cfg.model.get("mtp_depth", 0))
+
+
+def moe_layer_ids(cfg: Any) -> List[int]:
+    m = moe_config(cfg)
+    return [i for i in range(block_count(cfg)) if is_moe_block(i, m)]
 
 
 def moe_layers(model: nn.Module) -> Dict[int, MoE]:
-    """This rank's MoE blocks by their index in the whole model."""
+    """This rank's MoE blocks by their index in the whole model (multi-token prediction's after the main
+    model's, on the stage that holds them)."""
     layers = model.layers
     assert isinstance(layers, nn.Module)
-    return {int(name): block.ffn for name, block in layers.named_children() if isinstance(block.ffn, MoE)}
+    blocks = dict(layers.named_children())
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:
+        blocks.update({name: module.block for name, module in mtp.layers.named_children()})
+    return {int(name): block.ffn for name, block in blocks.items() if isinstance(block.ffn, MoE)}
 
 
 @hookimpl
@@ -103,6 +117,10 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
         out.append(f"model.moe.capacity_factor={m.capacity_factor}: must be > 0, or null for dropless routing")
     if m.router not in ROUTERS:
         out.append(f"model.moe.router={m.router!r}: choose one of {', '.join(ROUTERS)}")
+    out += _group_problems(m)
+    if not (m.routed_scaling_factor > 0 and m.routed_scaling_factor < float("inf")):
+        out.append(f"model.moe.routed_scaling_factor={m.routed_scaling_factor}: must be a finite number > 0 "
+                   "(1: the weights as routed; DeepSeek-V3: 2.5)")
     for key in ("aux_loss_coef", "z_loss_coef", "aux_free_bias_rate"):
         value = getattr(m, key)
         if not value >= 0:  # also rejects nan
@@ -116,6 +134,36 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
     elif m.every > cfg.model.n_layers:
         out.append(f"model.moe.every={m.every} exceeds model.n_layers={cfg.model.n_layers}: no block would be MoE; "
                    f"use every <= {cfg.model.n_layers} or model.ffn=swiglu")
+    if m.first_dense_blocks < 0:
+        out.append(f"model.moe.first_dense_blocks={m.first_dense_blocks}: must be >= 0")
+    elif 1 <= m.every <= cfg.model.n_layers and not any(is_moe_block(i, m) for i in range(cfg.model.n_layers)):
+        out.append(f"model.moe.first_dense_blocks={m.first_dense_blocks} leaves none of model.n_layers="
+                   f"{cfg.model.n_layers} blocks MoE (model.moe.every={m.every}); use fewer dense blocks or "
+                   "model.ffn=swiglu")
+    return out
+
+
+def _group_problems(m: MoEConfig) -> List[str]:
+    """Group-limited routing's keys (``MoEConfig.expert_groups``, ``topk_groups``)."""
+    g, top = m.expert_groups, m.topk_groups
+    if g < 1:
+        return [f"model.moe.expert_groups={g}: must be >= 1 (1: no group limit)"]
+    if not 1 <= top <= g:
+        return [f"model.moe.topk_groups={top}: must be between 1 and model.moe.expert_groups ({g})"]
+    if g == 1:
+        return []
+    out = []
+    if m.router != "sigmoid":
+        out.append(f"model.moe.expert_groups={g} with model.moe.router={m.router}: group-limited routing is "
+                   "DeepSeek-V3's, on the sigmoid router's biased scores; use model.moe.router=sigmoid or "
+                   "expert_groups=1")
+    if m.num_experts % g or m.num_experts // g < 2:
+        out.append(f"model.moe.expert_groups={g} does not split model.moe.num_experts={m.num_experts} into groups "
+                   "of 2 or more experts (a group scores by its two best); use a divisor of num_experts up to "
+                   f"{m.num_experts // 2}")
+    elif top * (m.num_experts // g) < m.top_k:
+        out.append(f"model.moe.topk_groups={top} groups of {m.num_experts // g} experts hold fewer than "
+                   f"model.moe.top_k={m.top_k}; raise topk_groups or lower top_k")
     return out
 
 
@@ -132,7 +180,7 @@ def hpctrain_make_module(kind: str, name: str, cfg: Any, layer_index: int, mesh:
         return None
     m = moe_config(cfg)
     shape = ModelShape.from_config(cfg.model)
-    if not is_moe_block(layer_index, m.every):
+    if not is_moe_block(layer_index, m):
         return SwiGLU(shape)
     return MoE(shape.d_model, shape.ffn_hidden, m, _regions(mesh, cfg))
 
@@ -152,7 +200,7 @@ class Experts(AxisHandle):
         """The step's per-layer expert loads and balance terms, summed over the world (a collective every
         rank enters, with MoE blocks on its stage or not)."""
         m = self.moe
-        ids = moe_layer_ids(self.cfg.model.n_layers, m.every)
+        ids = moe_layer_ids(self.cfg)
         held = moe_layers(state.model)
         rows = torch.zeros((len(ids), m.num_experts + 5), dtype=torch.float64, device=state.device)
         for row, layer_id in enumerate(ids):
@@ -171,7 +219,7 @@ class Experts(AxisHandle):
         self._reduced = (step, rows)
         if m.router == "sigmoid" and m.aux_free_bias_rate:
             held = moe_layers(state.model)
-            for row, layer_id in enumerate(moe_layer_ids(self.cfg.model.n_layers, m.every)):
+            for row, layer_id in enumerate(moe_layer_ids(self.cfg)):
                 if layer_id in held:
                     bias = held[layer_id].router.expert_bias
                     assert bias is not None  # the sigmoid router keeps selection biases

@@ -34,9 +34,24 @@ class Routing:
     """(N,) fp32: logsumexp of the logits, for the z-loss (differentiable)."""
 
 
+def limit_groups(pick: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: ``pick`` (N, E), the scores experts are chosen by, with every
+    expert outside each token's ``topk_groups`` best groups set to -inf. The experts form ``groups`` groups
+    of consecutive ids; a group's score is the sum of its two best ``pick`` values (as transformers'
+    DeepseekV3TopkRouter)."""
+    n, e = pick.shape
+    per_group = pick.view(n, groups, e // groups)
+    group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(topk_groups, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return pick.masked_fill(~allowed.repeat_interleave(e // groups, dim=1), float("-inf"))
+
+
 def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tensor] = None,
-          norm_topk_prob: bool = True) -> Routing:
-    """Route N tokens from their (N, E) fp32 logits (see ``MoEConfig.router`` and ``norm_topk_prob``)."""
+          norm_topk_prob: bool = True, expert_groups: int = 1, topk_groups: int = 1,
+          routed_scaling_factor: float = 1.0) -> Routing:
+    """Route N tokens from their (N, E) fp32 logits (see ``MoEConfig``: ``router``, ``norm_topk_prob``,
+    ``expert_groups``/``topk_groups`` (sigmoid router) and ``routed_scaling_factor``)."""
     if kind == "softmax":
         probs = logits.softmax(dim=-1)
         if top_k == 1 or not norm_topk_prob:  # Switch, Qwen3-MoE's default: the probabilities themselves
@@ -47,13 +62,17 @@ def route(logits: torch.Tensor, top_k: int, kind: str, bias: Optional[torch.Tens
         balance = probs
     elif kind == "sigmoid":
         scores = logits.sigmoid()
-        pick = scores if bias is None else scores + bias
+        pick = scores if bias is None else scores + bias  # the bias selects; the weights are the scores
+        if expert_groups > 1:
+            pick = limit_groups(pick, expert_groups, topk_groups)
         experts = pick.topk(top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)
         weights = chosen / chosen.sum(dim=-1, keepdim=True) if norm_topk_prob else chosen
         balance = scores / scores.sum(dim=-1, keepdim=True)
     else:
         raise ValueError(f"model.moe.router={kind!r}: choose one of {', '.join(ROUTERS)}")
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return Routing(experts, weights, balance, torch.logsumexp(logits, dim=-1))
 
 

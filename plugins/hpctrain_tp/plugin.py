@@ -12,9 +12,10 @@ divides into tp shards under sequence parallelism) are the core's
 ``check_layout``, which the planner shares.
 
 A feed-forward block other than the built-in SwiGLU (an MoE layer from
-another plugin) is left whole on every tp rank: it receives this rank's
-tokens (its sequence shard under sequence parallelism) and sums its own
-weights' gradients over tp where the ranks' tokens differ.
+another plugin) is left whole on every tp rank, but for the SwiGLUs inside
+it (an MoE layer's shared experts), which are split as a dense block's: it
+receives this rank's tokens (its sequence shard under sequence parallelism)
+and sums its own weights' gradients over tp where the ranks' tokens differ.
 
 Data parallelism composes unchanged: tp is not a data axis, so every
 gradient is averaged over the data axes as before (and ZeRO shards the tp
@@ -85,14 +86,14 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
         for qk_norm in (attn.q_norm, attn.k_norm):
             if qk_norm is not None:  # each rank normalises its own heads: the weight's gradient sums over tp
                 qk_norm.weight_view = SumOverTensorParallel(group)
-        ffn = block.ffn
-        if type(ffn) is SwiGLU:
+        # the dense SwiGLU, or one inside another feed-forward (an MoE layer's shared experts), is split; the
+        # rest of that feed-forward is replicated over tp and handles the tp region itself (its plugin gets the
+        # mesh in hpctrain_make_module)
+        for ffn in [m for m in block.ffn.modules() if type(m) is SwiGLU]:
             column_parallel(ffn.w1, mesh)
             column_parallel(ffn.w3, mesh)
             row_parallel(ffn.w2, mesh)
             ffn.linears = ffn_linears
-        # any other feed-forward (an MoE layer) is replicated over tp and
-        # handles the tp region itself (hpctrain_make_module gets the mesh)
         norms += [block.attn_norm, block.ffn_norm]
 
     _vocab_parallel(model, mesh, regions, padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to))

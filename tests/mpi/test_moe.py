@@ -2,11 +2,12 @@
 the same per-step losses and the same gradient of every parameter (expert
 weights assembled from the ep ranks that hold them), dropless at ep 2 and 4,
 with data parallelism and tensor parallelism (sequence parallelism on and
-off) and context parallelism around it, with shared experts, and with the sigmoid router (whose
-selection biases move after every step from the world's loads). With a
-capacity the same assignments are dropped as in one process; a router that
-sends every token to one expert trains (three of four ep ranks receive no
-token) and still equals one process.
+off; the shared experts split over tp) and context parallelism around it,
+with shared experts, and with the sigmoid router (whose selection biases
+move after every step from the world's loads). With a capacity the same
+assignments are dropped as in one process; a router that sends every
+token to one expert trains (three of four ep ranks receive no token) and
+still equals one process.
 
 Tolerances (fp32), as for data parallelism: expert parallelism changes
 which rank computes a token's expert and in what order rows are summed,
@@ -65,11 +66,14 @@ def test_ep2_with_data_parallelism(world, pm):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
 def test_ep2_with_tensor_parallel_attention(world, pm, sequence_parallel):
-    trainer = _check(pm, (), "parallel.ep=2", "parallel.tp=2",
+    trainer = _check(pm, ("model.moe.shared_experts=1",), "parallel.ep=2", "parallel.tp=2",
                      f"parallel.sequence_parallel={str(sequence_parallel).lower()}")
     block = trainer.model.layers[0]
-    # attention split over tp (its projections' seam filled by tensor parallelism), experts over ep
+    # attention and the shared experts split over tp (their projections' seam filled by tensor parallelism),
+    # the routed experts over ep
     assert type(block.attn.linears).__name__ == "TensorParallelLinears"
+    assert type(block.ffn.shared.linears).__name__ == "TensorParallelLinears"
+    assert block.ffn.shared.w1.weight.shape[0] == 64 // 2
     assert _experts_per_rank(trainer) == 2
 
 

@@ -192,6 +192,20 @@ BAD = [
     ("model.moe.ffn_hidden=0 model=tiny-moe", "model.moe.ffn_hidden=0: must be null (model.ffn_hidden) or an "
      "integer >= 1"),
     ("model.moe.norm_topk_prob=maybe model=tiny-moe", "model.moe.norm_topk_prob='maybe': must be true or false"),
+    ("model.moe.expert_groups=0 model=tiny-moe", "model.moe.expert_groups=0: must be >= 1 (1: no group limit)"),
+    ("model.moe.expert_groups=2 model=tiny-moe", "model.moe.expert_groups=2 with model.moe.router=softmax: "
+     "group-limited routing is DeepSeek-V3's"),
+    ("model.moe.expert_groups=3 model=tiny-moe model.moe.router=sigmoid", "model.moe.expert_groups=3 does not "
+     "split model.moe.num_experts=4 into groups of 2 or more experts"),
+    ("model.moe.topk_groups=3 model=tiny-moe model.moe.router=sigmoid model.moe.expert_groups=2",
+     "model.moe.topk_groups=3: must be between 1 and model.moe.expert_groups (2)"),
+    ("model.moe.topk_groups=1 model=tiny-moe model.moe.router=sigmoid model.moe.expert_groups=2 model.moe.top_k=3",
+     "model.moe.topk_groups=1 groups of 2 experts hold fewer than model.moe.top_k=3"),
+    ("model.moe.routed_scaling_factor=0 model=tiny-moe", "model.moe.routed_scaling_factor=0.0: must be a finite "
+     "number > 0"),
+    ("model.moe.first_dense_blocks=-1 model=tiny-moe", "model.moe.first_dense_blocks=-1: must be >= 0"),
+    ("model.moe.first_dense_blocks=2 model=tiny-moe", "model.moe.first_dense_blocks=2 leaves none of "
+     "model.n_layers=2 blocks MoE"),
     ("trainer.stepz=3", "trainer.stepz is not a config key (trainer has no 'stepz'); did you mean trainer.steps?"),
     ("+trainer.newkey=3", "trainer.newkey is not a config key (trainer has no 'newkey'); the keys of trainer: steps,"),
     ("parallel.zero.stag=1", "did you mean parallel.zero.stage?"),

@@ -54,7 +54,7 @@ def _per_token(layer: MoE, x: torch.Tensor, keep=None) -> torch.Tensor:
             y = y + r.weights[0, j] * _silu_glu(tok, ex.w1[e], ex.w3[e], ex.w2[e])
         if layer.shared is not None:
             s = layer.shared
-            y = y + _silu_glu(tok, s.w1, s.w3, s.w2)
+            y = y + _silu_glu(tok, s.w1.weight, s.w3.weight, s.w2.weight)
         out.append(y)
     return torch.stack(out).view_as(x)
 
