@@ -1,5 +1,5 @@
-"""Tiny Qwen2 and Qwen3 models made inside the tests with transformers' own classes (nothing downloaded),
-for tests/unit/hf/test_qwen.py and tests/mpi/test_qwen.py.
+"""Tiny Qwen2, Qwen3 and Qwen3-MoE models made inside the tests with transformers' own classes (nothing
+downloaded), for tests/unit/hf/test_qwen.py, test_qwen_moe.py and tests/mpi/test_qwen.py, test_qwen_moe.py.
 
 Shapes as ``hf_models``: 8 query heads of 8 over a hidden size of 64, 2 key/value heads, vocabulary 300.
 ``qwen3_config(head_dim=16)`` decouples the head size (8 x 16 = 128 query dims over a hidden size of 64),
@@ -36,6 +36,16 @@ def qwen3_config(vocab: int = VOCAB, layers: int = 2, tie: bool = False, head_di
     from transformers import Qwen3Config
 
     return Qwen3Config(**{**_common(vocab, layers, tie), "head_dim": head_dim, **fields})
+
+
+def qwen3_moe_config(vocab: int = VOCAB, layers: int = 2, norm_topk_prob: bool = True, **fields):
+    """A Qwen3-MoE: 4 experts of width 32 (``moe_intermediate_size``), top 2, in every block unless
+    ``decoder_sparse_step`` says otherwise (the dense blocks between: ``intermediate_size`` 96)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**_common(vocab, layers, False), "head_dim": 8, "num_experts": 4,
+                             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                             "norm_topk_prob": norm_topk_prob, **fields})
 
 
 def hf_loss(path, ids: torch.Tensor, model: Optional[torch.nn.Module] = None) -> float:

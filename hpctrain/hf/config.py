@@ -1,4 +1,5 @@
-"""A Hugging Face ``config.json`` (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3) as our model config.
+"""A Hugging Face ``config.json`` (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE) as our
+model config.
 
 ``read_hf_config(dir)`` returns the ``model`` overrides the directory
 implies, or the problems: one line per field the model does not implement
@@ -16,6 +17,17 @@ over each query and key head before RoPE (``model.qk_norm``). A
 ``head_dim`` other than hidden_size / num_attention_heads (Qwen3 0.6B, 4B,
 32B; Llama 3.2 writes it equal) becomes ``model.head_dim``.
 
+Qwen3-MoE is a Qwen3 whose MoE blocks (``model.ffn=moe``) route with a
+softmax over all experts, keep the top k and renormalise them only with
+``norm_topk_prob`` (``model.moe.norm_topk_prob``); its experts have their own
+width (``moe_intermediate_size`` -> ``model.moe.ffn_hidden``) and the blocks
+between MoE blocks (``decoder_sparse_step`` -> ``model.moe.every``) a dense
+MLP of ``intermediate_size``. Dense layers named in ``mlp_only_layers``
+are refused unless ``decoder_sparse_step`` already makes them dense;
+``router_aux_loss_coef`` becomes the balance loss coefficient (transformers
+adds it only with ``output_router_logits``; the logged loss is the
+language-model loss either way).
+
 RoPE parameters come in two spellings: transformers 4's top-level
 ``rope_theta`` + ``rope_scaling`` (what published checkpoints carry) and
 transformers 5's ``rope_parameters`` (what ``save_pretrained`` writes now);
@@ -30,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 """The Hugging Face architectures our decoder computes exactly, with their model_type."""
 
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -136,12 +148,21 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     model_type = data.get("model_type")
     if arch not in ARCHITECTURES or (model_type is not None and model_type != ARCHITECTURES[arch]):
         return {}, [f"{path}: architecture {arch or model_type!r} is not supported; hpctrain trains "
-                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3)"]
+                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE)"]
     if arch in QWEN:  # transformers' Qwen2/Qwen3 read neither mlp_bias nor qk_norm; Qwen3's attention_bias is all four
         if arch == "Qwen3ForCausalLM" and data.get("attention_bias"):
             problems.append(f"{path}: attention_bias={data['attention_bias']} (Qwen3: biases on q/k/v and on o_proj) "
                             "is not implemented (only Qwen2's q/k/v biases); this model cannot be trained here")
         problems += _qwen_window_problems(data, path, seq_len)
+    elif arch == "Qwen3MoeForCausalLM":  # one window on every layer, with use_sliding_window (off by default)
+        if data.get("attention_bias"):
+            problems.append(f"{path}: attention_bias={data['attention_bias']} (biases on q/k/v and on o_proj) is "
+                            "not implemented; this model cannot be trained here")
+        window = data.get("sliding_window") if data.get("use_sliding_window", False) else None
+        if window is not None and (seq_len is None or int(window) < seq_len):
+            problems.append(f"{path}: use_sliding_window=true with sliding_window={window} is not implemented "
+                            f"(attention here is fully causal); use trainer.seq_len <= {window}, where the window "
+                            "changes nothing")
     else:
         for key, what in _REFUSED_TRUE.items():
             if data.get(key):
@@ -177,7 +198,7 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     # a head size other than hidden / heads is model.head_dim; the same one is left implied (null)
     out["head_dim"] = int(head_dim) if isinstance(head_dim, int) and head_dim * heads != hidden else None
     out["qkv_bias"] = arch == "Qwen2ForCausalLM"
-    out["qk_norm"] = arch == "Qwen3ForCausalLM"
+    out["qk_norm"] = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     theta, scaling, rope_problems = _rope(data, path)
     problems += rope_problems
     out["rope_theta"] = theta
@@ -190,15 +211,48 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
         out["moe"] = {"num_experts": int(data.get("num_local_experts", 8)),
                       "top_k": int(data.get("num_experts_per_tok", 2)), "router": "softmax",
                       "capacity_factor": None, "shared_experts": 0, "every": 1,
-                      "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.02)), "z_loss_coef": 0.0}
+                      "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.02)), "z_loss_coef": 0.0,
+                      "ffn_hidden": None, "norm_topk_prob": True}
+    elif arch == "Qwen3MoeForCausalLM":
+        moe, moe_problems = _qwen3_moe(data, path, out["n_layers"])
+        problems += moe_problems
+        out["ffn"] = "moe"
+        out["moe"] = moe
     else:
         out["ffn"] = "swiglu"
     return out, problems
 
 
+def _qwen3_moe(data: Dict[str, Any], path: str, n_layers: int) -> Tuple[Dict[str, Any], List[str]]:
+    """(``model.moe`` of a Qwen3-MoE config.json, problems). transformers 5 writes the experts' count as
+    num_local_experts, published checkpoints (and transformers 4) as num_experts."""
+    problems = []
+    experts = int(data.get("num_experts", data.get("num_local_experts", 128)) or 0)
+    top_k = int(data.get("num_experts_per_tok", 8))
+    every = int(data.get("decoder_sparse_step", 1) or 1)
+    norm = bool(data.get("norm_topk_prob", False))
+    if experts < 1:
+        problems.append(f"{path}: num_experts={experts} (no MoE block) is not implemented; a dense Qwen3 is "
+                        "Qwen3ForCausalLM")
+    if norm and top_k == 1:
+        problems.append(f"{path}: norm_topk_prob=true with num_experts_per_tok=1 (every weight 1.0) is not "
+                        "implemented; one expert per token keeps its probability here")
+    dense = sorted({int(i) for i in data.get("mlp_only_layers") or []})
+    moe_dense = [i for i in dense if 0 <= i < n_layers and (i + 1) % every == 0]
+    if moe_dense:
+        problems.append(f"{path}: mlp_only_layers={dense} makes layers {moe_dense} dense, which is not implemented "
+                        f"(dense layers only between MoE ones: decoder_sparse_step={every}, model.moe.every)")
+    if data.get("router_jitter_noise"):
+        problems.append(f"{path}: router_jitter_noise={data['router_jitter_noise']} is not implemented; set it to 0.0")
+    moe = {"num_experts": experts, "top_k": top_k, "router": "softmax", "capacity_factor": None, "shared_experts": 0,
+           "every": every, "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.001)), "z_loss_coef": 0.0,
+           "ffn_hidden": int(data.get("moe_intermediate_size", 768)), "norm_topk_prob": norm}
+    return moe, problems
+
+
 WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
                "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts",
-               "moe.top_k", "moe.router", "moe.shared_experts", "moe.every")
+               "moe.top_k", "moe.router", "moe.shared_experts", "moe.every", "moe.ffn_hidden", "moe.norm_topk_prob")
 """``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
 directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE
 loss coefficients and capacity) an explicit override sets instead: training choices, not the model's shape."""
@@ -230,8 +284,8 @@ def apply_hf_config(cfg: Any, explicit: Sequence[str] = ()) -> List[str]:
     if problems:
         return problems
     if overrides.get("ffn") == "moe" and "moe" not in cfg.model:
-        return [f"model.hf_dir={hf_dir} is a Mixtral, but no plugin provides model.ffn=moe (install hpctrain's "
-                "moe plugin or unblock it)"]
+        return [f"model.hf_dir={hf_dir} is a mixture of experts, but no plugin provides model.ffn=moe (install "
+                "hpctrain's moe plugin or unblock it)"]
     kept = {k[len("model."):] for k in explicit if k.startswith("model.")}
     for key, value in _flat(overrides).items():
         if key in kept:

@@ -14,8 +14,11 @@ one tensor per expert and q/k rows go to rotate_half order
 parallelism's padding is never in a checkpoint.
 
 The architecture follows the model: MoE blocks -> MixtralForCausalLM (a
-softmax router with top-k >= 2 in every block, no shared experts: what
-Mixtral computes); q/k/v biases (``model.qkv_bias``) -> Qwen2ForCausalLM;
+softmax router with top-k >= 2 renormalised, in every block, no shared
+experts: what Mixtral computes), or with qk-norm Qwen3MoeForCausalLM (a
+softmax router, its ``norm_topk_prob``, MoE every ``decoder_sparse_step``-th
+block with dense ones of ``intermediate_size`` between, experts of
+``moe_intermediate_size``, no shared experts); q/k/v biases (``model.qkv_bias``) -> Qwen2ForCausalLM;
 qk-norm (``model.qk_norm``) -> Qwen3ForCausalLM (without biases: its
 ``attention_bias`` would put one on o_proj too); otherwise LlamaForCausalLM
 (a Mistral without a sliding window is a Llama). Both options together, or
@@ -40,7 +43,7 @@ import torch
 
 from hpctrain.data.indexed import prefix_of, read_description
 from hpctrain.errors import ConfigError
-from hpctrain.hf.names import hf_tensor, rope_row_permutation
+from hpctrain.hf.names import hf_tensor, moe_family, rope_row_permutation
 from hpctrain.hf.weights import INDEX, SINGLE
 from hpctrain.model.shapes import ModelShape
 
@@ -82,23 +85,39 @@ def _architecture(model: Any) -> str:
                               "biases on o_proj too when it has any)")
         return "Qwen2ForCausalLM" if s.qkv_bias else "Qwen3ForCausalLM" if s.qk_norm else "LlamaForCausalLM"
     moe = model.moe
+    if moe_family(model) == "qwen3_moe":
+        return _qwen3_moe_architecture(s, moe)
     problems = []
-    if s.qkv_bias or s.qk_norm:
-        problems.append(f"model.qkv_bias={str(s.qkv_bias).lower()}, model.qk_norm={str(s.qk_norm).lower()} "
-                        "(Mixtral has neither)")
-    if moe.router != "softmax" or int(moe.top_k) < 2:
-        problems.append(f"model.moe.router={moe.router} with top_k={moe.top_k} (Mixtral: softmax, top_k >= 2)")
+    if s.qkv_bias:
+        problems.append("model.qkv_bias=true (Mixtral has no biases; Qwen3-MoE: qk-norm without them)")
+    if moe.router != "softmax" or int(moe.top_k) < 2 or not moe.get("norm_topk_prob", True):
+        problems.append(f"model.moe.router={moe.router} with top_k={moe.top_k}, norm_topk_prob="
+                        f"{str(moe.get('norm_topk_prob', True)).lower()} (Mixtral: softmax, top_k >= 2, renormalised)")
     if int(moe.shared_experts):
         problems.append(f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none)")
     if int(moe.every) != 1:
-        problems.append(f"model.moe.every={moe.every} (Mixtral has experts in every block)")
+        problems.append(f"model.moe.every={moe.every} (Mixtral has experts in every block; with dense blocks "
+                        "between, set model.qk_norm=true for Qwen3-MoE)")
     if problems:
         raise ConfigError(f"this model has no Hugging Face architecture: {'; '.join(problems)}")
     return "MixtralForCausalLM"
 
 
+def _qwen3_moe_architecture(s: ModelShape, moe: Any) -> str:
+    problems = []
+    if s.qkv_bias:
+        problems.append("model.qkv_bias=true (Qwen3-MoE's attention_bias would put one on o_proj too)")
+    if moe.router != "softmax":
+        problems.append(f"model.moe.router={moe.router} (Qwen3-MoE: softmax)")
+    if int(moe.shared_experts):
+        problems.append(f"model.moe.shared_experts={moe.shared_experts} (Qwen3-MoE has none)")
+    if problems:
+        raise ConfigError(f"this model has no Hugging Face architecture: {'; '.join(problems)}")
+    return "Qwen3MoeForCausalLM"
+
+
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3"}
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 """config.json's model_type of each architecture an export writes."""
 
 
@@ -127,7 +146,18 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
     if arch == "MixtralForCausalLM":
         out.update(num_local_experts=int(model.moe.num_experts), num_experts_per_tok=int(model.moe.top_k),
                    router_aux_loss_coef=float(model.moe.aux_loss_coef), router_jitter_noise=0.0,
-                   sliding_window=None, output_router_logits=False)
+                   sliding_window=None, output_router_logits=False,
+                   intermediate_size=int(model.moe.get("ffn_hidden") or s.ffn_hidden))  # no dense block
+    elif arch == "Qwen3MoeForCausalLM":
+        moe = model.moe
+        del out["attention_bias"]  # written below, after the fields Qwen3's share
+        out.update(num_experts=int(moe.num_experts), num_experts_per_tok=int(moe.top_k),
+                   moe_intermediate_size=int(moe.get("ffn_hidden") or s.ffn_hidden),
+                   decoder_sparse_step=int(moe.every), mlp_only_layers=[],
+                   # top_k=1 keeps its probability here whatever the option (MoEConfig.norm_topk_prob)
+                   norm_topk_prob=bool(moe.get("norm_topk_prob", True)) and int(moe.top_k) > 1,
+                   router_aux_loss_coef=float(moe.aux_loss_coef), output_router_logits=False,
+                   use_sliding_window=False, sliding_window=None, attention_bias=False)
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         del out["attention_bias"]  # Qwen2 has no such field (q/k/v biases always); Qwen3's is written below
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=s.n_layers)
@@ -153,10 +183,11 @@ def _expert(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t[e]
 
 
-def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int,
-               num_experts: int) -> List[Tuple[str, Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
-    """(Hugging Face name, shape, how to take it from the logical tensor) for one entry."""
-    found = hf_tensor(entry.logical, n_heads, n_kv_heads, num_experts)
+def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int, num_experts: int,
+               family: str = "mixtral") -> List[Tuple[str, Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
+    """(Hugging Face name, shape, how to take it from the logical tensor) for one entry (``family``: the MoE
+    architecture's names)."""
+    found = hf_tensor(entry.logical, n_heads, n_kv_heads, num_experts, family)
     if found is None:
         raise ConfigError(f"{entry.logical} has no Hugging Face name; this model cannot be exported")
     if len(found.names) > 1:
@@ -286,13 +317,14 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
         if config.get(key) is None and value is not None:
             config[key] = value
     n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    experts = config.get("num_local_experts", 0)
+    experts = config.get("num_local_experts", config.get("num_experts", 0))
+    family = moe_family(model)
     torch_dtype = DTYPES[dtype]
     # the plan: (entry, [(name, shape, take)]) in shards, from the shapes alone
     shards: List[List[_Planned]] = [[]]
     used, total = 0, 0
     for entry in entries:
-        for name, shape, take in hf_tensors(entry, n_heads, n_kv, head_dim, experts):
+        for name, shape, take in hf_tensors(entry, n_heads, n_kv, head_dim, experts, family):
             nbytes = int(torch.Size(shape).numel()) * torch_dtype.itemsize
             if shards[-1] and used + nbytes > max_shard_bytes:
                 shards.append([])

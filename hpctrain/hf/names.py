@@ -8,8 +8,10 @@
 Mixtral's ``ffn.router`` <-> ``block_sparse_moe.gate`` and our stacked
 ``ffn.experts.w{1,3,2}`` (E, ...) <-> one tensor per expert,
 ``block_sparse_moe.experts.<e>.w{1,3,2}.weight`` (the same gate/up/down
-letters); ``norm`` <-> ``model.norm``; ``output`` <-> ``lm_head`` (absent when
-the embeddings are tied). Linear weights are (out, in) in both: no transposes.
+letters); Qwen3-MoE's (``MOE_FAMILIES``) ``mlp.gate`` and
+``mlp.experts.<e>.{gate,up,down}_proj.weight`` (transformers 5 fuses them
+in memory, but writes and reads this layout); ``norm`` <-> ``model.norm``;
+``output`` <-> ``lm_head`` (absent when the embeddings are tied). Linear weights are (out, in) in both: no transposes.
 
 RoPE: our ``apply_rope`` rotates interleaved pairs (dims 2i, 2i+1 of a head
 share frequency i); Hugging Face's ``rotate_half`` rotates dims i and
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 
@@ -35,7 +37,7 @@ _PER_LAYER = {
     "attn.wv.weight": "self_attn.v_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
     "ffn.w1.weight": "mlp.gate_proj.weight", "ffn.w3.weight": "mlp.up_proj.weight",
     "ffn.w2.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight", "ffn.router.weight": "block_sparse_moe.gate.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn.wq.bias": "self_attn.q_proj.bias", "attn.wk.bias": "self_attn.k_proj.bias",
     "attn.wv.bias": "self_attn.v_proj.bias", "attn.q_norm.weight": "self_attn.q_norm.weight",
     "attn.k_norm.weight": "self_attn.k_norm.weight",
@@ -43,7 +45,11 @@ _PER_LAYER = {
 _QUERY_ROWS = ("attn.wq.weight", "attn.wq.bias")
 _KEY_ROWS = ("attn.wk.weight", "attn.wk.bias")
 _ONE_HEAD = ("attn.q_norm.weight", "attn.k_norm.weight")
-_EXPERTS = {"ffn.experts.w1": "w1", "ffn.experts.w3": "w3", "ffn.experts.w2": "w2"}
+MOE_FAMILIES = {
+    "mixtral": ("block_sparse_moe", {"ffn.experts.w1": "w1", "ffn.experts.w3": "w3", "ffn.experts.w2": "w2"}),
+    "qwen3_moe": ("mlp", {"ffn.experts.w1": "gate_proj", "ffn.experts.w3": "up_proj", "ffn.experts.w2": "down_proj"}),
+}
+"""Where each MoE architecture keeps a block's router and experts: (module, our expert tensor -> its name)."""
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
@@ -59,16 +65,27 @@ class HfTensor:
     (``rope_row_permutation``); 1 for the qk-norm weights (one head's dims)."""
 
 
-def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0) -> Optional[HfTensor]:
-    """The Hugging Face tensor(s) of a logical tensor, or None if it has none."""
+def moe_family(model: Any) -> str:
+    """The MoE architecture of a model config section (its ``MOE_FAMILIES`` key): Qwen3-MoE, the one
+    with qk-norm, or Mixtral (what ``hpctrain.hf.export`` writes, and what an import reads)."""
+    return "qwen3_moe" if bool(model.get("qk_norm", False)) else "mixtral"
+
+
+def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
+              family: str = "mixtral") -> Optional[HfTensor]:
+    """The Hugging Face tensor(s) of a logical tensor, or None if it has none (``family``: the MoE
+    architecture's names, ``MOE_FAMILIES``)."""
     if logical in _TOP:
         return HfTensor([_TOP[logical]])
     m = _LAYER.match(logical)
     if m is None:
         return None
     prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    if rest in _EXPERTS:
-        return HfTensor([f"{prefix}block_sparse_moe.experts.{e}.{_EXPERTS[rest]}.weight" for e in range(num_experts)])
+    module, experts = MOE_FAMILIES[family]
+    if rest == "ffn.router.weight":
+        return HfTensor([f"{prefix}{module}.gate.weight"])
+    if rest in experts:
+        return HfTensor([f"{prefix}{module}.experts.{e}.{experts[rest]}.weight" for e in range(num_experts)])
     if rest not in _PER_LAYER:
         return None
     heads = n_heads if rest in _QUERY_ROWS else n_kv_heads if rest in _KEY_ROWS else 1 if rest in _ONE_HEAD else None

@@ -32,7 +32,7 @@ import torch
 from hpctrain.checkpoint import weight_mismatches
 from hpctrain.errors import ConfigError
 from hpctrain.hf import PREFIX
-from hpctrain.hf.names import HfTensor, hf_tensor, rope_row_permutation
+from hpctrain.hf.names import HfTensor, hf_tensor, moe_family, rope_row_permutation
 from hpctrain.model.build import build_model
 from hpctrain.model.shapes import ModelShape
 from hpctrain.shard import get_spec
@@ -51,18 +51,21 @@ def safe_open(path: str, framework: str = "pt"):
 
 
 class HfWeights:
-    """The weights of Hugging Face directory ``hf_dir`` for a model with these heads and experts."""
+    """The weights of Hugging Face directory ``hf_dir`` for a model with these heads and experts (``family``:
+    the MoE architecture's tensor names, ``hpctrain.hf.names.MOE_FAMILIES``)."""
 
-    def __init__(self, hf_dir: str, n_heads: int, n_kv_heads: int, head_dim: int, num_experts: int = 0):
+    def __init__(self, hf_dir: str, n_heads: int, n_kv_heads: int, head_dim: int, num_experts: int = 0,
+                 family: str = "mixtral"):
         self.dir = hf_dir
         self.n_heads, self.n_kv_heads, self.head_dim, self.num_experts = n_heads, n_kv_heads, head_dim, num_experts
+        self.family = family
         self._files: Dict[str, Any] = {}
         self.weight_map, problems = weight_map(hf_dir)
         if problems:
             raise ConfigError("\n".join(problems))
 
     def where(self, logical: str) -> Optional[HfTensor]:
-        return hf_tensor(logical, self.n_heads, self.n_kv_heads, self.num_experts)
+        return hf_tensor(logical, self.n_heads, self.n_kv_heads, self.num_experts, self.family)
 
     def _slice(self, name: str):
         file = self.weight_map[name]
@@ -161,7 +164,7 @@ def file_problem(path: str) -> Optional[str]:
 
 
 def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_kv_heads: int,
-          num_experts: int = 0, limit: int = 3, model_dir: Optional[str] = None) -> List[str]:
+          num_experts: int = 0, limit: int = 3, model_dir: Optional[str] = None, family: str = "mixtral") -> List[str]:
     """Problems of loading ``hf_dir`` into a model whose logical tensors have the ``expected`` shapes;
     ``model_dir``: the ``model.hf_dir`` the model's shape came from, if any (the fix named depends on it)."""
     mapping, problems = weight_map(hf_dir)
@@ -183,7 +186,7 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
             return [_unreadable(os.path.join(hf_dir, file), e)]
     missing, wrong = [], []
     for logical, shape in expected.items():
-        found = hf_tensor(logical, n_heads, n_kv_heads, num_experts)
+        found = hf_tensor(logical, n_heads, n_kv_heads, num_experts, family)
         if found is None:
             missing.append(f"{logical} (no Hugging Face name)")
             continue
@@ -225,7 +228,8 @@ def hf_weights_for(cfg: Any) -> Optional[HfWeights]:
         return None
 
     s = ModelShape.from_config(cfg.model)
-    return HfWeights(str(src)[len(PREFIX):], s.n_heads, s.n_kv_heads, s.head_dim, num_experts_of(cfg))
+    return HfWeights(str(src)[len(PREFIX):], s.n_heads, s.n_kv_heads, s.head_dim, num_experts_of(cfg),
+                     moe_family(cfg.model))
 
 
 def init_from_problems(cfg: Any, pm: Any) -> List[str]:
@@ -248,4 +252,4 @@ def init_from_problems(cfg: Any, pm: Any) -> List[str]:
         expected[spec.logical_name] = tuple(spec.global_shape)
     s = ModelShape.from_config(cfg.model)
     return check(src[len(PREFIX):], expected, s.n_heads, s.n_kv_heads, num_experts_of(cfg),
-                 model_dir=cfg.model.get("hf_dir"))
+                 model_dir=cfg.model.get("hf_dir"), family=moe_family(cfg.model))
