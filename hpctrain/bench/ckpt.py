@@ -167,6 +167,15 @@ def _dir_size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
+HINTS_CANNOT_SHOW = (
+    "What --hints cannot show on one machine's disk or tmpfs: there is no striping over storage targets, no "
+    "byte-range lock traffic between clients and no metadata server, which are what alignment, meta blocks, "
+    "collective buffering and striping hints address on Lustre/GPFS; here they change only the file's layout "
+    "and size (alignment pads datasets) and the number of write calls. An MPI library ignores the MPI-IO hints "
+    "it does not read (Open MPI's OMPIO takes its collective settings from MCA parameters). Measure on the "
+    "target file system: docs/checkpointing.md.")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = ArgumentParser(prog="hpctrain-bench ckpt", description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=512, help="hidden size (default 512)")
@@ -186,8 +195,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="checkpoint.every for the time-lost-per-failure estimate (default 50)")
     ap.add_argument("--local-every", type=int, default=5,
                     help="checkpoint.local.every for the time-lost-per-failure estimate (default 5)")
+    ap.add_argument("--hints", nargs="+", default=None, metavar="OVERRIDE",
+                    help="file-system settings for one more hpctrain contender, measured beside the default in "
+                         "every iteration: checkpoint.hdf5.{alignment_kb,meta_block_size,sieve_buf_size}=N, "
+                         "+checkpoint.hdf5.mpiio_hints.KEY=VALUE (docs/checkpointing.md)")
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     args = ap.parse_args(argv)
+    if args.hints and not all(h.lstrip("+").startswith("checkpoint.hdf5.") and "=" in h for h in args.hints):
+        ap.error("--hints takes checkpoint.hdf5.KEY=VALUE overrides (+checkpoint.hdf5.mpiio_hints.KEY=VALUE for "
+                 f"MPI-IO hints), not {' '.join(args.hints)}")
 
     import h5py  # the h5ckpt plugin's dependency: only when the benchmark runs
     import torch.distributed.checkpoint as dcp  # heavy: the peer, only when the benchmark runs
@@ -209,6 +225,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     cfg, sync_ck = checkpointer()
     unverified_ck = checkpointer("checkpoint.hdf5.verify=false")[1]
+    hinted_ck = checkpointer(*args.hints)[1] if args.hints else None
     modes = ("overlap", "blocking")
     async_cks = {m: checkpointer("checkpoint.async_save=true", f"checkpoint.hdf5.staging={m}")[1] for m in modes}
     if sync_ck is None:
@@ -226,7 +243,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     io = "MPI-IO" if (h5py.get_config().mpi and cfg.checkpoint.hdf5.driver != "serial") else "serial"
     state = _dcp_state(run_state, size)
     work = _step_work(args.step_s, comm)
-    keys = ["h5 save", "dcp save", "h5 load", "dcp load", "h5 load unverified", "work alone"]
+    keys = ["h5 save", "dcp save", "h5 load", "dcp load", "h5 load unverified", "work alone", "hinted save",
+            "hinted load"]
     keys += [f"{m} {k}" for m in modes for k in ("blocked", "steps", "added", "committed")]
     keys += ["local save", "local blocked", "local steps", "local added", "local load"]
     t: Dict[str, List[float]] = {k: [] for k in keys}
@@ -236,13 +254,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # the previous iteration's files are removed here, untimed.
         h5_path, dcp_path = os.path.join(base, f"ours-{it}.h5"), os.path.join(base, f"dcp-{it}")
         async_paths = {m: os.path.join(base, f"ours-async-{m}-{it}.h5") for m in modes}
+        hinted_path = os.path.join(base, f"ours-hinted-{it}.h5")
         if rank == 0:
             for old in previous:
                 if os.path.isdir(old):
                     shutil.rmtree(old)
                 else:
                     os.remove(old)
-        previous = [h5_path, dcp_path, *async_paths.values()]
+        previous = [h5_path, dcp_path, *async_paths.values()] + ([hinted_path] if hinted_ck is not None else [])
         comm.Barrier()
         runs = {
             "h5 save": lambda p=h5_path: sync_ck.save(run_state, p),
@@ -252,6 +271,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             "h5 load unverified": lambda p=h5_path: unverified_ck.load(run_state, p),
             "work alone": work,
         }
+        if hinted_ck is not None:  # right after the default's save and load, so the two meet the same load
+            runs = {**{k: runs[k] for k in ("h5 save", "h5 load")},
+                    "hinted save": lambda p=hinted_path: hinted_ck.save(run_state, p),
+                    "hinted load": lambda p=hinted_path: hinted_ck.load(run_state, p),
+                    **{k: v for k, v in runs.items() if k not in ("h5 save", "h5 load")}}
         for key, fn in runs.items():
             dt = max_over_ranks(comm, timed_call(comm, fn))
             if it:
@@ -357,11 +381,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                     Column("x 14 bytes/param", "{:.4f}")])
     size_t.add("hpctrain .h5", h5_size, h5_size / (12 * params), h5_size / (14 * params))
     size_t.add("DCP directory", dcp_size, dcp_size / (12 * params), dcp_size / (14 * params))
+    hinted_lines: List[str] = []
+    if hinted_ck is not None:
+        hinted_size = comm.bcast(_dir_size(hinted_path) if rank == 0 else None, root=0)
+        size_t.add("with --hints: hpctrain .h5", hinted_size, hinted_size / (12 * params), hinted_size / (14 * params))
+        hin = Table([Column("--hints " + " ".join(args.hints), align="<"), Column("default s", "{:.3f}"),
+                     Column("with hints s", "{:.3f}"), Column("speed x default", "{:.2f}x")])
+        for op in ("save", "load"):
+            hin.add(f"hints {op}", med[f"h5 {op}"], med[f"hinted {op}"], paired_ratio(t[f"h5 {op}"], t[f"hinted {op}"]))
+        hinted_lines = ["", hin.render(args.markdown), "", HINTS_CANNOT_SHOW]
     print_rank0(comm, f"# hpctrain-bench ckpt: {params / 1e6:.1f}M fp32 parameters + AdamW state = {mb:.0f} MB, "
                 f"sharded on dim 0 over {size} ranks; median of {args.iters} (slowest rank); hpctrain "
                 f"{io}, collective I/O for datasets >= {cfg.checkpoint.hdf5.collective_min_mb} MiB",
                 machine_summary(comm), "", table.render(args.markdown), "", asy.render(args.markdown), "",
-                size_t.render(args.markdown), "", loc.render(args.markdown), "", blk.render(args.markdown),
+                size_t.render(args.markdown), *hinted_lines, "", loc.render(args.markdown), "",
+                blk.render(args.markdown),
                 "", f"Time lost per failure (mean, restart and queue wait not counted): persistent only, "
                 f"checkpoint.every={args.every}: {args.every / 2:g} steps x {step_s:.3f} s + load "
                 f"{med['h5 load']:.3f} s = {lost_p:.2f} s; with checkpoint.local.every={args.local_every}: "

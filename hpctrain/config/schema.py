@@ -380,6 +380,18 @@ class LocalCheckpointConfig:
 
 
 @dataclass
+class LustreConfig:
+    """Striping of the checkpoint directory on Lustre (hpctrain/lustre.py; docs/checkpointing.md)."""
+
+    stripe_count: int = 0
+    """lfs setstripe -c on checkpoint.dir before the first save, so every checkpoint spreads over this many
+    storage targets (OSTs); -1: all of them; 0: leave the directory's layout. Without lfs, one line says so."""
+    stripe_size: str = ""
+    """lfs setstripe -S with stripe_count: bytes or a number with K, M or G (4M), a multiple of 64K; empty: the
+    file system's default (1M)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpointing (the format is a plugin; see hpctrain_make_checkpointer)."""
 
@@ -409,6 +421,8 @@ class CheckpointConfig:
     memory. (The key is not ``async`` because that is a Python keyword.)"""
     local: LocalCheckpointConfig = field(default_factory=LocalCheckpointConfig)
     """The node-local tier with partner copies (checkpoint.local.every, dir, replicas)."""
+    lustre: LustreConfig = field(default_factory=LustreConfig)
+    """Lustre striping of checkpoint.dir (checkpoint.lustre.stripe_count, stripe_size)."""
     allow_batch_change: bool = False
     """Resume from a checkpoint saved with another trainer.global_batch_size. Refused by default, because the
     run then differs from the one that saved it while looking like its continuation; when allowed, the

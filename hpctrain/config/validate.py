@@ -25,6 +25,7 @@ from hpctrain.data.sources import check_data_config, data_vocab_size
 from hpctrain.errors import ConfigError, PluginError
 from hpctrain.hf.config import hf_model_problems
 from hpctrain.hf.weights import init_from_problems
+from hpctrain.lustre import problems as lustre_problems
 from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
 from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 from hpctrain.model.compile import backends
@@ -258,6 +259,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     if ck.every and ck.dir:
         problems += _writable(str(ck.dir), "checkpoint.dir")
     problems += _local_tier_checks(cfg, world_size)
+    problems += lustre_problems(cfg.checkpoint.lustre)
     problems += _elastic_checks(cfg)
     problems += check_data_config(cfg.data, t.seq_len, cfg.model.vocab_size)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 import h5py
@@ -36,16 +37,63 @@ def h5py_has_mpi() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def open_file(path: str, mode: str, comm: Any = None, alignment: int = 0) -> h5py.File:
-    """Open ``path``; with ``comm`` through MPI-IO (collective over ``comm``)."""
-    kw: dict = {}
-    if mode in ("w", "w-", "x"):
-        kw["libver"] = LIBVER
-        if alignment > 0:
-            kw.update(alignment_threshold=alignment, alignment_interval=alignment)
+@dataclass(frozen=True)
+class FileAccess:
+    """What goes on a file's access property list (``checkpoint.hdf5.*``, docs/checkpointing.md): 0 or
+    empty leaves HDF5's and the MPI library's defaults."""
+
+    alignment: int = 0
+    """Bytes: objects of at least this size start at a multiple of it (H5Pset_alignment; files made here)."""
+    meta_block_size: int = 0
+    """Bytes of file space metadata is allocated in (H5Pset_meta_block_size)."""
+    sieve_buf_size: int = 0
+    """Bytes of the data-sieving buffer for small raw-data accesses (H5Pset_sieve_buf_size)."""
+    mpiio_hints: Tuple[Tuple[str, str], ...] = ()
+    """MPI_Info key/value pairs handed to MPI_File_open through H5Pset_fapl_mpio (MPI-IO files only)."""
+
+
+_LIBVER = {"earliest": h5py.h5f.LIBVER_EARLIEST, "v108": h5py.h5f.LIBVER_V18, "latest": h5py.h5f.LIBVER_LATEST}
+
+
+def file_access_plist(comm: Any, access: FileAccess, create: bool) -> h5py.h5p.PropFAID:
+    """The file-access property list for ``access``: built here rather than by ``h5py.File``'s keywords,
+    which cannot set the sieve buffer, and whose MPI-IO info would be the only hint path otherwise."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(_LIBVER[LIBVER[0] if create else "earliest"], _LIBVER[LIBVER[1]])
+    if create and access.alignment > 0:
+        fapl.set_alignment(access.alignment, access.alignment)
+    if access.meta_block_size > 0:
+        fapl.set_meta_block_size(access.meta_block_size)
+    if access.sieve_buf_size > 0:
+        fapl.set_sieve_buf_size(access.sieve_buf_size)
     if comm is not None:
-        return h5py.File(path, mode, driver="mpio", comm=comm, **kw)
-    return h5py.File(path, mode, **kw)
+        from mpi4py import MPI  # (with an MPI-IO file only)
+
+        info = MPI.Info.Create()
+        try:
+            for key, value in access.mpiio_hints:
+                info.Set(key, value)
+            fapl.set_fapl_mpio(comm, info)  # HDF5 keeps its own copy of the info
+        finally:
+            info.Free()
+    return fapl
+
+
+def open_file(path: str, mode: str, comm: Any = None, access: FileAccess = FileAccess()) -> h5py.File:
+    """Open ``path`` (mode r, r+, w, w- or x); with ``comm`` through MPI-IO (collective over ``comm``),
+    with ``access``'s settings on its file-access property list."""
+    create = mode in ("w", "w-", "x")
+    fapl = file_access_plist(comm, access, create)
+    name = os.fsencode(path)
+    if mode == "r":
+        fid = h5py.h5f.open(name, h5py.h5f.ACC_RDONLY, fapl=fapl)
+    elif mode == "r+":
+        fid = h5py.h5f.open(name, h5py.h5f.ACC_RDWR, fapl=fapl)
+    elif create:
+        fid = h5py.h5f.create(name, h5py.h5f.ACC_TRUNC if mode == "w" else h5py.h5f.ACC_EXCL, fapl=fapl)
+    else:
+        raise ValueError(f"open_file: mode {mode!r} is not one of r, r+, w, w-, x")
+    return h5py.File(fid)
 
 
 def _plists() -> Tuple[Any, Any]:

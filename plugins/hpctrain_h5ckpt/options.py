@@ -14,12 +14,12 @@ lower it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
 
 from hpctrain.log import get_logger
 
-from hpctrain_h5ckpt.h5io import h5py_has_mpi
+from hpctrain_h5ckpt.h5io import FileAccess, h5py_has_mpi
 
 DRIVERS = ("auto", "mpio", "serial")
 STAGING_MODES = ("overlap", "blocking")
@@ -47,6 +47,21 @@ class H5Config:
     staging: str = "overlap"
     """With checkpoint.async_save: overlap (copy to host during the next forward/backward; the trainer waits
     before the optimizer step) or blocking (copy inside save()); see hpctrain_h5ckpt.staging."""
+    meta_block_size: int = 0
+    """Bytes of file space HDF5 allocates metadata in (H5Pset_meta_block_size): a checkpoint's hundreds of
+    object headers and attributes then share a few blocks instead of scattering small writes between the
+    tensors; 0: HDF5's default (2 KiB). On Lustre/GPFS: 1 MiB or the stripe size (docs/checkpointing.md)."""
+    sieve_buf_size: int = 0
+    """Bytes of HDF5's data-sieving buffer for small raw-data reads and writes (H5Pset_sieve_buf_size); 0:
+    HDF5's default (64 KiB). Larger turns the small independent writes below collective_min_mb into fewer,
+    larger file-system requests."""
+    mpiio_hints: Dict[str, Any] = field(default_factory=dict)
+    """MPI-IO hints passed to MPI_File_open through the file-access property list (MPI-IO files only): any of
+    cb_nodes, cb_buffer_size, cb_config_list, romio_cb_write, romio_cb_read, romio_ds_write, romio_ds_read
+    (collective buffering and data sieving), striping_factor, striping_unit (Lustre: the new file's stripe
+    count and size in bytes); e.g. +checkpoint.hdf5.mpiio_hints.cb_nodes=8 on the command line. {}: the
+    MPI library's defaults. A library ignores hints it does not know (Open MPI's own OMPIO reads fewer than
+    ROMIO): docs/checkpointing.md."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,36 @@ class IOOptions:
     alignment: int
     fsync: bool
     verify: bool
+    meta_block_size: int = 0
+    sieve_buf_size: int = 0
+    mpiio_hints: Tuple[Tuple[str, str], ...] = ()
+
+    def access(self) -> FileAccess:
+        """What the files' access property lists get (``h5io.open_file``)."""
+        return FileAccess(self.alignment, self.meta_block_size, self.sieve_buf_size, self.mpiio_hints)
+
+
+SIZE_HINTS = ("cb_nodes", "cb_buffer_size", "striping_factor", "striping_unit")
+"""MPI-IO hints whose value is a positive integer."""
+SWITCH_HINTS = ("romio_cb_write", "romio_cb_read", "romio_ds_write", "romio_ds_read")
+"""ROMIO's switches: enable, disable or automatic."""
+MPIIO_HINTS = SIZE_HINTS + ("cb_config_list",) + SWITCH_HINTS
+"""The hints ``checkpoint.hdf5.mpiio_hints`` takes (the MPI standard's reserved ones and ROMIO's, as
+ROMIO's users guide names them)."""
+
+
+def hint_problems(hints: Any) -> List[str]:
+    out = []
+    for key, value in dict(hints or {}).items():
+        where = f"checkpoint.hdf5.mpiio_hints.{key}={value!r}"
+        if key not in MPIIO_HINTS:
+            out.append(f"{where}: not an MPI-IO hint hpctrain passes; use one of {', '.join(MPIIO_HINTS)}")
+        elif key in SIZE_HINTS and not (str(value).isdigit() and int(value) > 0):
+            unit = "bytes" if key in ("cb_buffer_size", "striping_unit") else "a count"
+            out.append(f"{where}: must be a positive integer ({unit})")
+        elif key in SWITCH_HINTS and str(value) not in ("enable", "disable", "automatic"):
+            out.append(f"{where}: must be enable, disable or automatic")
+    return out
 
 
 def problems(h5: Any) -> List[str]:
@@ -72,7 +117,10 @@ def problems(h5: Any) -> List[str]:
         out.append(f"checkpoint.hdf5.collective_min_mb={h5.collective_min_mb} must be >= 0")
     if h5.alignment_kb < 0:
         out.append(f"checkpoint.hdf5.alignment_kb={h5.alignment_kb} must be >= 0")
-    return out
+    for key in ("meta_block_size", "sieve_buf_size"):
+        if getattr(h5, key) < 0:
+            out.append(f"checkpoint.hdf5.{key}={getattr(h5, key)} must be >= 0 (bytes; 0: HDF5's default)")
+    return out + hint_problems(h5.mpiio_hints)
 
 
 def resolve(h5: Any, rank: int = 0) -> IOOptions:
@@ -88,4 +136,7 @@ def resolve(h5: Any, rank: int = 0) -> IOOptions:
         alignment=int(h5.alignment_kb) * 1024,
         fsync=bool(h5.fsync),
         verify=bool(h5.verify),
+        meta_block_size=int(h5.meta_block_size),
+        sieve_buf_size=int(h5.sieve_buf_size),
+        mpiio_hints=tuple(sorted((str(k), str(v)) for k, v in dict(h5.mpiio_hints or {}).items())),
     )

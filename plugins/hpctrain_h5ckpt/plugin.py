@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime
+from hpctrain.log import get_logger
+from hpctrain.lustre import stripe_directory
 
 from hpctrain_h5ckpt import options, store
 
@@ -19,6 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.mesh import Mesh
 
 FORMAT = "hdf5"
+log = get_logger(__name__)
 
 
 @hookimpl
@@ -85,7 +88,13 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
     # a run that saves periodically or resumes locks its directory at once; one that
     # may only save when stopped, at that save; one that never saves reads without a lock
     read_only = not (ck.every or ck.get("save_on_stop", False))
-    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), checkpoint_dir(cfg, run_dir), int(ck.keep),
+    directory = checkpoint_dir(cfg, run_dir)
+    lustre = ck.get("lustre")
+    if directory and lustre is not None and not read_only and comm.Get_rank() == 0:
+        said = stripe_directory(directory, lustre)  # before the first file is made in it
+        if said:
+            log.info("%s", said)
+    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), directory, int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
                           run_dir=run_dir, read_only=read_only)
 

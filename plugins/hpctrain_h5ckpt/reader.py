@@ -129,7 +129,7 @@ class CheckpointReader:
         self.file: Optional[h5py.File] = None
         error: List[str] = []
         try:
-            self.file = h5io.open_file(path, "r", comm if opts.parallel else None)
+            self.file = h5io.open_file(path, "r", comm if opts.parallel else None, opts.access())
         except (OSError, ValueError) as e:
             error = [f"checkpoint {path}: cannot be opened as HDF5 ({e}); "
                      "the file is truncated, torn or not a checkpoint"]

@@ -189,7 +189,7 @@ def _write_parallel(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any
     data writes, while the kernel is already writing the dirty pages back
     (a helper thread summing during the writes competes with them for the
     rank's core: docs/benchmarks.md, "Figures behind code and test choices")."""
-    f = h5io.open_file(path, "w", comm, opts.alignment)  # collective; a failure here is every rank's
+    f = h5io.open_file(path, "w", comm, opts.access())  # collective; a failure here is every rank's
 
     def reserve() -> Optional[str]:  # rank 0, for the whole file (see ``space``)
         short = space.reserve(path, space.needed_bytes(plan, opts.alignment)) if comm.Get_rank() == 0 else None
@@ -237,14 +237,14 @@ def _write_serial(path: str, plan: Plan, owned: Owned, attrs: Mapping[str, Any],
         f = None
         try:
             if rank == 0:
-                f = h5io.open_file(path, "w", None, opts.alignment)
+                f = h5io.open_file(path, "w", None, opts.access())
                 short = space.reserve(path, space.needed_bytes(plan, opts.alignment))
                 if short:
                     raise OSError(f"reserving room for the file failed ({short})")
                 h5io.create_all(f, plan.datasets, sums)
                 _write_meta(f, attrs)
             else:
-                f = h5io.open_file(path, "r+")
+                f = h5io.open_file(path, "r+", None, opts.access())
             mine = _write_owned(f, plan, owned, opts, collective=False)
         except Exception as e:  # noqa: BLE001 - passed on with the token
             mine = _describe(e)

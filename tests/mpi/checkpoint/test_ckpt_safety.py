@@ -278,3 +278,51 @@ def test_serial_fallback_without_mpi_h5py(baseline, shared_tmp, monkeypatch):
     resumed = build_trainer(f"checkpoint.dir={shared_tmp}/serial", "checkpoint.resume=auto", "trainer.steps=4",
                             "checkpoint.hdf5.driver=serial")
     assert resumed.step == 2 and resumed.checkpointer.opts.parallel is False
+
+
+HINTS = {"cb_nodes": "2", "cb_buffer_size": "1048576", "romio_cb_write": "enable", "striping_factor": "4",
+         "striping_unit": "1048576"}
+
+
+def test_file_system_hints_reach_every_files_access_property_list(baseline, shared_tmp, monkeypatch):
+    """checkpoint.hdf5.{alignment_kb, meta_block_size, sieve_buf_size, mpiio_hints} are read back from the
+    access property list of every file a save and a resume open (h5py's low-level get_alignment,
+    get_meta_block_size, get_sieve_buf_size, get_fapl_mpio), the tensors are the baseline's, and
+    checkpoint.lustre runs lfs setstripe on the directory once, on rank 0 (a stand-in lfs records it)."""
+    seen = []
+    real_open = h5io.open_file
+
+    def spy(path, mode, comm=None, access=None):
+        f = real_open(path, mode, comm, access or h5io.FileAccess())
+        fapl = f.id.get_access_plist()
+        hints = {}
+        if comm is not None:
+            dup, info = fapl.get_fapl_mpio()
+            hints = {k: info.Get(k) for k in HINTS}
+            dup.Free()
+            info.Free()
+        seen.append((mode, fapl.get_alignment(), fapl.get_meta_block_size(), fapl.get_sieve_buf_size(), hints))
+        return f
+
+    monkeypatch.setattr(h5io, "open_file", spy)
+    lfs_log = f"{shared_tmp}/lfs-args"
+    bin_dir = f"{shared_tmp}/bin"
+    _on_rank0(lambda: (os.makedirs(bin_dir), open(f"{bin_dir}/lfs", "w").write(f'#!/bin/sh\necho "$@" >> {lfs_log}\n'),
+                       os.chmod(f"{bin_dir}/lfs", 0o755)))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    d = f"{shared_tmp}/hinted"
+    settings = ["checkpoint.hdf5.alignment_kb=4", "checkpoint.hdf5.meta_block_size=65536",
+                "checkpoint.hdf5.sieve_buf_size=262144", *(f"+checkpoint.hdf5.mpiio_hints.{k}={v}"
+                                                             for k, v in HINTS.items())]
+    _train(d, "trainer.steps=2", "checkpoint.every=2", "checkpoint.lustre.stripe_count=4",
+           "checkpoint.lustre.stripe_size=1M", *settings)
+    resumed = build_trainer(f"checkpoint.dir={d}", "checkpoint.resume=auto", "trainer.steps=4", *settings)
+    assert resumed.step == 2
+    parallel = resumed.checkpointer.opts.parallel
+    assert [s[0] for s in seen] == ["w", "r"]
+    for mode, alignment, meta_block, sieve, hints in seen:
+        assert (alignment, meta_block, sieve) == ((4096, 4096) if mode == "w" else (1, 1), 65536, 262144)
+        assert hints == (HINTS if parallel else {})
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert_same_datasets(_ck(baseline, 2), _ck(d, 2))
+        assert open(lfs_log).read().splitlines() == [f"setstripe -c 4 -S 1M {d}"]

@@ -101,6 +101,17 @@ BAD = [
     ("comm.backend=carrier-pigeon", "comm.backend='carrier-pigeon'"),
     ("checkpoint.every=-1", "checkpoint.every=-1: must be an integer >= 0"),
     ("checkpoint.keep=-2", "checkpoint.keep=-2: must be an integer >= 0"),
+    ("checkpoint.hdf5.meta_block_size=-1", "checkpoint.hdf5.meta_block_size=-1 must be >= 0 (bytes; 0: HDF5's "
+     "default)"),
+    ("checkpoint.hdf5.sieve_buf_size=-4096", "checkpoint.hdf5.sieve_buf_size=-4096 must be >= 0"),
+    ("+checkpoint.hdf5.mpiio_hints.cb_nodez=4", "checkpoint.hdf5.mpiio_hints.cb_nodez=4: not an MPI-IO hint hpctrain "
+     "passes; use one of cb_nodes, cb_buffer_size"),
+    ("+checkpoint.hdf5.mpiio_hints.cb_buffer_size=0", "checkpoint.hdf5.mpiio_hints.cb_buffer_size=0: must be a "
+     "positive integer (bytes)"),
+    ("+checkpoint.hdf5.mpiio_hints.romio_cb_write=yes", "checkpoint.hdf5.mpiio_hints.romio_cb_write='yes': must be "
+     "enable, disable or automatic"),
+    ("checkpoint.lustre.stripe_count=-2", "checkpoint.lustre.stripe_count=-2 must be -1 (every storage target), 0"),
+    ("checkpoint.lustre.stripe_size=4X", "checkpoint.lustre.stripe_size='4X' is not a stripe size"),
     ("checkpoint.local.every=-5", "checkpoint.local.every=-5: must be an integer >= 0; 0 turns the local tier off"),
     ("checkpoint.local.replicas=-1", "checkpoint.local.replicas=-1: must be an integer >= 0 and below the number"),
     ("checkpoint.local.replicas=1 checkpoint.local.every=5",
