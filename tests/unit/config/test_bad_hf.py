@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from qwen_models import qwen2_config, qwen3_config
+from qwen_models import qwen2_config, qwen3_config, qwen3_moe_config
 
 from hpctrain.config.validate import validate
 
@@ -25,7 +25,8 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     return {"llama": save(llama_config(), d / "llama"), "mixtral": save(mixtral_config(), d / "mixtral"),
             "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB"),
-            "qwen2": save(qwen2_config(), d / "qwen2"), "qwen3": save(qwen3_config(), d / "qwen3")}
+            "qwen2": save(qwen2_config(), d / "qwen2"), "qwen3": save(qwen3_config(), d / "qwen3"),
+            "qwen3_moe": save(qwen3_moe_config(), d / "qwen3_moe")}
 
 
 def _copy(models, tmp_path, which="llama"):
@@ -79,6 +80,16 @@ def _rows():
                                                              "original_max_position_embeddings": 32}),
          ["rope_scaling type 'yarn' is not implemented"]),
         ("router_jitter", field("mixtral", router_jitter_noise=0.1), ["router_jitter_noise=0.1 is not implemented"]),
+        ("qwen3_moe_mlp_only_layers", field("qwen3_moe", mlp_only_layers=[1]),
+         ["mlp_only_layers=[1] makes layers [1] dense, which is not implemented", "decoder_sparse_step=1"]),
+        ("qwen3_moe_norm_topk_prob_top1", field("qwen3_moe", norm_topk_prob=True, num_experts_per_tok=1),
+         ["norm_topk_prob=true with num_experts_per_tok=1 (every weight 1.0) is not implemented"]),
+        ("qwen3_moe_no_experts", field("qwen3_moe", num_local_experts=0),
+         ["num_experts=0 (no MoE block) is not implemented; a dense Qwen3 is Qwen3ForCausalLM"]),
+        ("qwen3_moe_attention_bias", field("qwen3_moe", attention_bias=True),
+         ["attention_bias=True (biases on q/k/v and on o_proj) is not implemented"]),
+        ("qwen3_moe_sliding_window", field("qwen3_moe", use_sliding_window=True, sliding_window=16),
+         ["use_sliding_window=true with sliding_window=16 is not implemented", "trainer.seq_len <= 16"]),
         ("no_config_json", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "config.json"),
          ["has no config.json"]),
         ("missing_shard", lambda models, tmp_path: _unlink(_copy(models, tmp_path, "sharded"),
@@ -153,7 +164,7 @@ def test_a_bad_model_is_one_line_naming_it(make_config, pm, models, tmp_path, na
         assert fragment in line, (fragment, line)
 
 
-@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3"])
+@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3", "qwen3_moe"])
 def test_a_good_model_passes(make_config, pm, models, which):
     assert _problems(make_config, pm, models[which]) == []
 

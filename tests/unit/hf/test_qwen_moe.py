@@ -105,6 +105,8 @@ def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, t
                 "num_experts_per_tok", "head_dim"):
         assert config[key] == source[key], key
     assert config["num_experts"] == source["num_local_experts"] == 4  # transformers 5 writes the other name
+    again = compose_resolved(["model=hf", f"model.hf_dir={out}"], pm).model  # and it reads back as it was
+    assert again.moe == _imported(dirs[which], pm).model.moe and again.ffn_hidden == trainer.cfg.model.ffn_hidden
     hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
                                                     output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
