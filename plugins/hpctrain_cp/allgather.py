@@ -33,9 +33,11 @@ from hpctrain_cp.blocks import (
     expand_kv,
     filled,
     merge,
+    pack_kv,
     pair_kind,
     plan_pairs,
     reduce_kv,
+    unpack_kv,
 )
 
 
@@ -56,9 +58,10 @@ class _AllGatherAttention(torch.autograd.Function):
                 segments: Optional[torch.Tensor] = None):
         rank, heads = group.rank, q.shape[1]
         c = q.shape[2] // len(layout.chunks[rank])
-        kv = all_gather_along(torch.stack([k, v]), group, dim=3)  # (2, b, kv_heads, T, d), rank order
+        # (b, kv_heads, T, dk + dv), rank order: joined on the head dim, as value heads may be narrower (MLA)
+        kv = all_gather_along(pack_kv(k, v), group, dim=2)
         every = None if segments is None else all_gather_along(segments, group, dim=1)  # (b, T), rank order
-        kx, vx = expand_kv(kv[0].float(), heads), expand_kv(kv[1].float(), heads)
+        kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(kv, k.shape[-1]))
         q32 = q.float()
         outs: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
         lses: List[Optional[torch.Tensor]] = [None] * len(layout.chunks[rank])
@@ -68,7 +71,7 @@ class _AllGatherAttention(torch.autograd.Function):
             outs[i], lses[i] = merge(outs[i], lses[i], o, o_lse)
         out, lse = torch.cat(filled(outs), dim=2), torch.cat(filled(lses), dim=2)
         ctx.save_for_backward(q, kv, out, lse, segments, every)
-        ctx.group, ctx.layout, ctx.scale, ctx.kv_heads = group, layout, scale, k.shape[1]
+        ctx.group, ctx.layout, ctx.scale, ctx.kv_heads, ctx.dk = group, layout, scale, k.shape[1], k.shape[-1]
         return out.to(q.dtype)
 
     @staticmethod
@@ -77,7 +80,7 @@ class _AllGatherAttention(torch.autograd.Function):
         group, layout, scale = ctx.group, ctx.layout, ctx.scale
         rank, heads = group.rank, q.shape[1]
         c = q.shape[2] // len(layout.chunks[rank])
-        kx, vx = expand_kv(kv[0].float(), heads), expand_kv(kv[1].float(), heads)
+        kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(kv, ctx.dk))
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(dim=-1)
         dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(kx), torch.zeros_like(vx)
@@ -88,9 +91,10 @@ class _AllGatherAttention(torch.autograd.Function):
             dq[:, :, qs] += g_q
             dk[:, :, ks] += g_k
             dv[:, :, ks] += g_v
-        dkv = torch.stack([reduce_kv(dk, ctx.kv_heads), reduce_kv(dv, ctx.kv_heads)])
-        mine = reduce_scatter_along(dkv, group, dim=3)  # every rank's gradient for this rank's keys, summed
-        return dq.to(q.dtype), mine[0].to(kv.dtype), mine[1].to(kv.dtype), None, None, None, None
+        dkv = pack_kv(reduce_kv(dk, ctx.kv_heads), reduce_kv(dv, ctx.kv_heads))
+        mine = reduce_scatter_along(dkv, group, dim=2)  # every rank's gradient for this rank's keys, summed
+        d_k, d_v = unpack_kv(mine, ctx.dk)
+        return dq.to(q.dtype), d_k.to(kv.dtype), d_v.to(kv.dtype), None, None, None, None
 
 
 class AllGatherAttention(nn.Module):

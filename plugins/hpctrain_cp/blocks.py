@@ -66,8 +66,22 @@ FUSED = True
 """Use the fused CPU kernel where it exists (tests turn it off to check one against the other)."""
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return FUSED and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
+def _fused(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused CPU kernel takes this pair (it needs value heads as wide as query/key heads, which
+    latent attention's are not: those pairs take the matrix products)."""
+    return (FUSED and q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
+            and q.shape[-1] == v.shape[-1])
+
+
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Keys and values (b, kv_heads, t, dk) and (b, kv_heads, t, dv) as one tensor to send or gather: joined
+    on the head dim, so dk and dv may differ (latent attention's value heads)."""
+    return torch.cat([k, v], dim=-1).contiguous()
+
+
+def unpack_kv(block: torch.Tensor, dk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``pack_kv``'s keys and values, from the key head size ``dk``."""
+    return block[..., :dk], block[..., dk:]
 
 
 def _allowed(mask: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -102,7 +116,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     ``mask`` (b, 1, c, c), document masking: only where True (and causal
     when ``causal``); a row it leaves empty gives output 0 and lse -inf."""
     if mask is None:
-        if _fused(q):
+        if _fused(q, v):
             assert _FLASH_CPU is not None  # (_fused checked it)
             out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
             return out, lse
@@ -113,7 +127,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         return (p @ v) / denom, (m + torch.log(denom)).squeeze(-1)
     allowed = _allowed(mask, causal)
     empty = ~allowed.any(dim=-1)  # (b, 1, c): rows that see no key of this chunk
-    if _fused(q):
+    if _fused(q, v):
         assert _FLASH_CPU is not None  # (_fused checked it)
         out, lse = _FLASH_CPU(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, False,
                               attn_mask=_additive(allowed, q.dtype), scale=scale)
@@ -155,7 +169,7 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     takes ``out`` itself (it forms delta inside). ``mask`` as in
     ``block_forward`` (``lse``, the whole row's, is finite: a masked-out
     score contributes exp(-inf) = 0)."""
-    if _fused(q) and out is not None:
+    if _fused(q, v) and out is not None:
         assert _FLASH_CPU_BACKWARD is not None  # (_fused checked it)
         if mask is None:
             dq, dk, dv = _FLASH_CPU_BACKWARD(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),

@@ -51,9 +51,11 @@ from hpctrain_cp.blocks import (
     expand_kv,
     filled,
     merge,
+    pack_kv,
     pair_kind,
     plan_pairs,
     reduce_kv,
+    unpack_kv,
 )
 
 TAG_KV, TAG_DKV, TAG_SEG = 31, 32, 33
@@ -101,13 +103,14 @@ class _RingAttention(torch.autograd.Function):
         mine = layout.chunks[rank]
         outs: List[Optional[torch.Tensor]] = [None] * len(mine)
         lses: List[Optional[torch.Tensor]] = [None] * len(mine)
-        block = torch.stack([k, v]).contiguous()
+        dk = k.shape[-1]
+        block = pack_kv(k, v)  # (value heads may be narrower than key heads: latent attention)
         seg = segments  # the segment ids of the block held now
         for step in range(n):
             src = (rank - step) % n
             nxt, works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
             t0 = time.thread_time()
-            kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
+            kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(block, dk))
             for i, j, causal, mask in plan_pairs(_pairs(mine, layout.chunks[src]), segments, seg, c):
                 o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
                                          vx[:, :, j * c:(j + 1) * c], scale, causal, mask)
@@ -133,14 +136,15 @@ class _RingAttention(torch.autograd.Function):
         q32, dout32 = q.float(), dout.float()
         delta = (dout32 * out).sum(dim=-1)
         dq = torch.zeros_like(q32)
-        block = torch.stack([k, v]).contiguous()
+        d_key = k.shape[-1]
+        block = pack_kv(k, v)
         seg = segments
         dblock = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         for step in range(n):
             src = (rank - step) % n
             nxt, kv_works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
             t0 = time.thread_time()
-            kx, vx = expand_kv(block[0].float(), heads), expand_kv(block[1].float(), heads)
+            kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(block, d_key))
             dk = torch.zeros_like(kx)
             dv = torch.zeros_like(vx)
             for i, j, causal, mask in plan_pairs(_pairs(mine, layout.chunks[src]), segments, seg, c):
@@ -150,8 +154,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, qs] += g_q
                 dk[:, :, ks] += g_k
                 dv[:, :, ks] += g_v
-            dblock[0] += reduce_kv(dk, kv_heads)
-            dblock[1] += reduce_kv(dv, kv_heads)
+            dblock += pack_kv(reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads))
             if ctx.clock is not None:
                 ctx.clock.backward += time.thread_time() - t0
             dblock, works = _shift(comm, rank, n, dblock, TAG_DKV)  # the gradient travels with its block
@@ -159,7 +162,8 @@ class _RingAttention(torch.autograd.Function):
                 w.wait()
             if nxt is not None:
                 block, seg = nxt if segments is not None else (nxt, None)
-        return dq.to(q.dtype), dblock[0].to(k.dtype), dblock[1].to(v.dtype), None, None, None, None, None
+        d_k, d_v = unpack_kv(dblock, d_key)
+        return dq.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype), None, None, None, None, None
 
 
 class RingAttention(nn.Module):
