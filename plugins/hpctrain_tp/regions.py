@@ -24,7 +24,12 @@ from typing import List, Sequence
 import torch
 import torch.nn.functional as F
 
-from hpctrain.comm.differentiable import copy_to_region, reduce_from_region, reduce_scatter_to_sequence_region
+from hpctrain.comm.differentiable import (
+    copy_to_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_region,
+)
 from hpctrain.mesh import Group
 
 from hpctrain_tp.columns import SEQUENCE_DIM, sequence_parallel_columns
@@ -43,6 +48,14 @@ class TensorParallelRegions:
             return sequence_parallel_columns(x, self.group, weights)
         x = copy_to_region(x, self.group)
         return [F.linear(x, w) for w in weights]
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as every rank's column-parallel computation reads it (a narrow tensor, such as latent
+        attention's latents, that is not worth keeping only as a shard): the whole sequence, gathered under
+        sequence parallelism (bwd reduce-scatter), entered with ``copy_to_region`` (bwd all-reduce) without."""
+        if self.sequence_parallel:
+            return gather_from_sequence_region(x, self.group, SEQUENCE_DIM)
+        return copy_to_region(x, self.group)
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         """After a row-parallel projection (partial sums over tp): sum them,
