@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 from omegaconf import OmegaConf
 
@@ -57,6 +57,9 @@ class Restored:
     optimizer: Optional[str] = None
     """The ``optim.name`` that saved it, where the format records one (None: unknown); training refuses
     another optimizer's state (``hpctrain.train.checkpointing``)."""
+    provenance: Optional[Dict[str, Any]] = None
+    """Where it came from (``hpctrain.provenance``: software, job, config and data hashes), where the format
+    records it; a resume on another software stack logs what differs."""
 
 
 @runtime_checkable

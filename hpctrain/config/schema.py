@@ -81,6 +81,13 @@ class ModelConfig:
     """Core attention implementation (a name a plugin can provide, e.g. ring attention)."""
     ffn: str = "swiglu"
     """Feed-forward implementation per block ("swiglu" built in; "moe" from a plugin)."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3, hpctrain/model/mtp.py): this many modules after the last block, module
+    k predicting the token k + 1 ahead with one more block of the model's kind, sharing the embedding and output
+    head (on the last pipeline stage); 0: none. DeepSeek-V3: 1."""
+    mtp_loss_weight: float = 0.3
+    """lambda: the objective is the language-model loss plus lambda / mtp_depth times the modules' summed losses
+    (DeepSeek-V3: 0.3, later 0.1); the logged loss stays the language model's."""
     recompute: str = "none"
     """Activation recomputation: none; selective (the attention core is recomputed in backward); full (each
     block keeps only its input and runs its forward again in backward)."""

@@ -29,6 +29,7 @@ from hpctrain.lustre import problems as lustre_problems
 from hpctrain.mesh import AXES, DATA_AXES, DEFAULT_ORDER, resolve_sizes
 from hpctrain.model.build import BUILTIN_ATTENTION, BUILTIN_FFN
 from hpctrain.model.compile import backends
+from hpctrain.model.mtp import mtp_problems
 from hpctrain.model.recompute import RECOMPUTE
 from hpctrain.model.shapes import ModelShape
 from hpctrain.optimizers.checks import optimizer_problems
@@ -166,6 +167,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
     sizes, _ = given_sizes(given, world_size, p.order, [])  # check_layout has reported a bad product
     if cfg.model.recompute not in RECOMPUTE:
         problems.append(f"model.recompute={cfg.model.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    problems += mtp_problems(cfg)
     if t.precision not in PRECISIONS:
         problems.append(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
     outer = cfg.optim.outer

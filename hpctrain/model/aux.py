@@ -38,19 +38,23 @@ class AuxLosses:
 
     def __init__(self) -> None:
         self.terms: List[Tuple[str, torch.Tensor]] = []
+        self.like_loss: List[bool] = []
+        """Per term: weighted like the language-model loss (``add_aux_loss(..., like_loss=True)``)."""
 
-    def add(self, name: str, value: torch.Tensor) -> None:
+    def add(self, name: str, value: torch.Tensor, like_loss: bool = False) -> None:
         if value.dim() != 0:
             raise ValueError(f"auxiliary loss {name!r} must be a scalar, got shape {tuple(value.shape)}")
         self.terms.append((name, value))
+        self.like_loss.append(like_loss)
 
-    def total(self) -> Optional[torch.Tensor]:
-        """Their sum (differentiable), or None when there are none."""
-        if not self.terms:
-            return None
-        out = self.terms[0][1]
-        for _, v in self.terms[1:]:
-            out = out + v
+    def total(self, loss_weight: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Their sum (differentiable), or None when there are none; the terms added ``like_loss`` times
+        ``loss_weight`` (the micro-batch's, ``hpctrain.train.step_runner.weighted_loss``; None: 1)."""
+        out: Optional[torch.Tensor] = None
+        for (_, v), like in zip(self.terms, self.like_loss):
+            if like and loss_weight is not None:
+                v = v * loss_weight
+            out = v if out is None else out + v
         return out
 
     def by_name(self) -> Dict[str, float]:
@@ -61,11 +65,13 @@ class AuxLosses:
         return out
 
 
-def add_aux_loss(name: str, value: torch.Tensor) -> None:
-    """Add ``value`` (a scalar tensor) to the objective of the forward being collected."""
+def add_aux_loss(name: str, value: torch.Tensor, like_loss: bool = False) -> None:
+    """Add ``value`` (a scalar tensor) to the objective of the forward being collected; ``like_loss``: a
+    mean over the micro-batch's counted targets (multi-token prediction), which a loss mask weighs as it
+    weighs the language-model loss (``with_aux``'s ``loss_weight``)."""
     active = _ACTIVE.get()
     if active is not None:
-        active.add(name, value)
+        active.add(name, value, like_loss)
 
 
 def collecting() -> bool:
@@ -118,8 +124,8 @@ def scaled(objective: torch.Tensor) -> torch.Tensor:
     return objective if scale is None else objective * scale
 
 
-def with_aux(loss: torch.Tensor, aux: AuxLosses) -> torch.Tensor:
-    """The training objective: ``loss`` plus the collected auxiliary losses
-    (``loss`` itself when none), times the active ``objective_scale``."""
-    extra = aux.total()
+def with_aux(loss: torch.Tensor, aux: AuxLosses, loss_weight: Optional[float] = None) -> torch.Tensor:
+    """The training objective: ``loss`` (already weighted) plus the collected auxiliary losses (those added
+    ``like_loss`` times ``loss_weight``, as ``loss`` was), times the active ``objective_scale``."""
+    extra = aux.total(loss_weight)
     return scaled(loss if extra is None else loss + extra)

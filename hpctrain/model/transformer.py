@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.model.mtp import MTP
 from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 
@@ -278,10 +279,13 @@ class Transformer(nn.Module):
     """The decoder, or the part of it one pipeline stage runs (``part``):
     the first stage holds the token embedding, the last the final norm, the
     output projection and the loss; modules a stage does not hold are None
-    or absent from ``layers``."""
+    or absent from ``layers``. With multi-token prediction (``mtp``,
+    ``hpctrain.model.mtp``) the last stage holds its modules too, and the
+    embedding they share (``mtp_embeddings``, when that stage is not the
+    first)."""
 
     def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks,
-                 rope_scaling: Optional[RopeScaling] = None):
+                 rope_scaling: Optional[RopeScaling] = None, mtp: Optional[MTP] = None):
         super().__init__()
         self.shape = shape
         self.rope_theta = rope_theta
@@ -294,6 +298,10 @@ class Transformer(nn.Module):
         if shape.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.loss_fn: Optional[nn.Module] = CrossEntropy()
+        self.mtp: Optional[MTP] = mtp
+        """Multi-token prediction's modules (``model.mtp_depth``), beside the head; None: none."""
+        self.mtp_embeddings: Optional[nn.Module] = None
+        """The embedding ``mtp`` shares, on a last pipeline stage that is not the first (else ``tok_embeddings``)."""
 
     def part(self, layer_ids: Iterable[int], first: bool, last: bool) -> "Transformer":
         """A new Transformer holding *this* model's modules for one pipeline
@@ -307,6 +315,8 @@ class Transformer(nn.Module):
         out.tok_embeddings = self.tok_embeddings if first else None
         out.layers = Layers({str(i): self.layers[i] for i in layer_ids})
         out.norm, out.output, out.loss_fn = (self.norm, self.output, self.loss_fn) if last else (None, None, None)
+        out.mtp = self.mtp if last else None
+        out.mtp_embeddings = self.tok_embeddings if last and not first and self.mtp is not None else None
         return out
 
     def forward(
@@ -315,6 +325,7 @@ class Transformer(nn.Module):
         targets: Optional[torch.Tensor] = None,
         positions: Optional[torch.Tensor] = None,
         segments: Optional[torch.Tensor] = None,
+        tokens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run the parts this module holds.
 
@@ -330,7 +341,11 @@ class Transformer(nn.Module):
         same tokens as ``positions``, the whole sequence of this rank even
         when a later stage's input is a sequence-parallel shard); every
         block's attention then stays inside each document. None: one
-        sequence per sample.
+        sequence per sample. ``tokens``: the token ids (batch, seq), which
+        multi-token prediction embeds on a last stage that receives hidden
+        states (default ``inputs``); its loss joins the objective through the
+        auxiliary-loss channel (``hpctrain.model.mtp``), the returned loss
+        stays the language model's.
         """
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
@@ -341,7 +356,16 @@ class Transformer(nn.Module):
         if self.output is None:
             return x
         assert self.norm is not None and self.loss_fn is not None  # set with the head
-        logits = self.output(self.norm(x))
+        h = self.norm(x)
+        logits = self.output(h)
         if targets is None:
             return logits
-        return self.loss_fn(logits, targets)
+        loss = self.loss_fn(logits, targets)
+        if self.mtp is not None:
+            embed = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+            ids = tokens if tokens is not None else inputs
+            if embed is None or ids.dim() != 2:
+                raise ValueError("multi-token prediction needs the embedding and the token ids (tokens=) on the "
+                                 "stage with the head")
+            self.mtp(h, ids, targets, embed, self.output, self.loss_fn, cos, sin, segments)
+        return loss

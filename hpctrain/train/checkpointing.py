@@ -59,6 +59,7 @@ from hpctrain.errors import ConfigError, HpctrainError, PluginError
 from hpctrain.localckpt import LocalTier
 from hpctrain.localckpt.tier import DamagedCopies, Found
 from hpctrain.log import log_rank0
+from hpctrain.provenance import software, stack_changes
 from hpctrain.train.faults import FaultInjector
 from hpctrain.train.state import TrainState
 
@@ -182,6 +183,10 @@ class Checkpointing:
                 self.resumed = Resumed("persistent", restored.path, restored.optimizer)
                 log_rank0("resumed from %s at step %d (%d samples consumed)", restored.path, state.step,
                           state.cursor.consumed_samples)
+                changed = stack_changes(restored.provenance, software())
+                if changed:  # information: a newer stack loads an older checkpoint
+                    log_rank0("%s was saved on another software stack (hpctrain-ckpt inspect shows its "
+                              "provenance):\n  %s", restored.path, "\n  ".join(changed))
         tier = self.local
         if tier is None:
             return self.resumed

@@ -128,7 +128,7 @@ class GradAccumulation:
             else:
                 with autocast(), collect_aux_losses() as aux:
                     loss = model(mb.inputs, mb.targets, mb.positions, segments=mb.segments)
-                    objective = with_aux(weighted_loss(loss, mb), aux)
+                    objective = with_aux(weighted_loss(loss, mb), aux, mb.loss_weight)
                 grads.before_backward(i, n)
                 (objective / n).backward()
             count = counted_targets(mb)

@@ -27,12 +27,15 @@ world communicator, passed in by the plugin.
 """
 from __future__ import annotations
 
+import json
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Deque, List, Optional, Tuple
 
+from hpctrain import provenance
 from hpctrain.checkpoint import Restored
 from hpctrain.log import get_logger, log_rank0
 
@@ -104,7 +107,7 @@ class H5Checkpointer:
         self._auto: List[str] = []
         self._cached_plan: Optional[Tuple[Any, Plan]] = None
         self._buffers = HostBuffers() if self._bg is not None else None
-        self._static: Optional[Tuple[Any, Tuple[bytes, str]]] = None
+        self._static: Optional[Tuple[Any, Tuple[bytes, str, str]]] = None
         self._hooked: List[Any] = []
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
@@ -166,7 +169,7 @@ class H5Checkpointer:
         if self.rank == 0:
             os.makedirs(os.path.dirname(final), exist_ok=True)
         if self._static is None or self._static[0] is not train_state.cfg:
-            self._static = (train_state.cfg, snapshot.static_text(train_state.cfg))
+            self._static = (train_state.cfg, self._static_text(train_state.cfg))
         view = snapshot.describe(train_state, self._static[1])
         try:
             plan = self._plan(view)  # collective: also orders rank 0's makedirs before the file is opened
@@ -219,6 +222,14 @@ class H5Checkpointer:
                       "copied %.1f MB to host); writing %s in the background", step, stats.blocking_s, waited,
                       stats.host_bytes / 1e6, os.path.basename(final))
         return final
+
+    def _static_text(self, cfg: Any) -> Tuple[bytes, str, str]:
+        """(config YAML, versions JSON, provenance JSON) for a run's saves, once per config (collective: every
+        rank's node; rank 0 alone computes the provenance, whose attributes are the ones written)."""
+        text, versions = snapshot.static_text(cfg)
+        hosts = self.comm.allgather(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        record = json.dumps(provenance.record(text, cfg.data, hosts)) if self.rank == 0 else ""
+        return text, versions, record
 
     @staticmethod
     def _room_problem(final: str, needed: int) -> Optional[str]:

@@ -32,6 +32,9 @@ import sys
 from typing import Any, List, Optional
 
 from hpctrain.errors import ArgumentParser, ConfigError, write_error
+from hpctrain.provenance import ATTR as PROVENANCE_ATTR
+from hpctrain.provenance import lines as provenance_lines
+from hpctrain.provenance import parse as parse_provenance
 
 from hpctrain_h5ckpt import store
 from hpctrain_h5ckpt.errors import CheckpointError
@@ -78,6 +81,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"({layout.get('world_size')} ranks, order {layout.get('order')})")
         print(f"scheduler   {m.get('scheduler')}")
         print(f"versions    {m.get('versions')}")
+        record = parse_provenance(m.get(PROVENANCE_ATTR))
+        for line in provenance_lines(record) if record else ["provenance  (not recorded: saved before hpctrain "
+                                                             "recorded it)"]:
+            print(line)
         rows = [(p, d) for p, d in sorted(r.index.items())]
         width = max(len(p) for p, _ in rows)
         print(f"\n{'dataset':<{width}}  {'shape':<14} {'dtype':<9} {'size':>12}  splits")

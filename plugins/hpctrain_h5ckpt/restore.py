@@ -54,6 +54,8 @@ from hpctrain.boxes import box_shape
 from hpctrain.checkpoint import Restored
 from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger, log_rank0
+from hpctrain.provenance import ATTR as PROVENANCE_ATTR
+from hpctrain.provenance import parse as parse_provenance
 from hpctrain.shard import Piece
 
 from hpctrain_h5ckpt.errors import CheckpointError
@@ -216,7 +218,8 @@ def load_into(train_state: "TrainState", reader: CheckpointReader) -> Restored:
     step = int(meta["step"])
     log_rank0("loaded %s: step %d, %d samples consumed; saved on %s, loaded on %s", reader.path, step,
               train_state.cursor.consumed_samples, _layout_str(meta.get("layout")), train_state.mesh.describe())
-    return Restored(reader.path, step, None if saved_optimizer is None else str(saved_optimizer))
+    return Restored(reader.path, step, None if saved_optimizer is None else str(saved_optimizer),
+                    parse_provenance(meta.get(PROVENANCE_ATTR)))
 
 
 def _destinations(targets: List[Tuple[Held, List[Piece]]]) -> Dict[str, List[Any]]:

@@ -16,7 +16,9 @@ The tree (``h5ls -r`` shows it)::
                                         optimizer (optim.name), scheduler,
                                         data_cursor, trainer_state
                                         (``TrainState.extra_state()``, JSON),
-                                        versions, created_unix, ...
+                                        versions, provenance (software, job,
+                                        config and data hashes:
+                                        ``hpctrain.provenance``), created_unix, ...
 
 Each dataset carries ``torch_dtype``, ``checksum`` and, for tensors,
 ``splits`` (the saving layout's ShardSpec splits, JSON); its path names
@@ -49,6 +51,7 @@ from omegaconf import OmegaConf
 import hpctrain
 from hpctrain.log import get_logger
 from hpctrain.mesh import Mesh
+from hpctrain.provenance import ATTR as PROVENANCE_ATTR
 from hpctrain.shard import SPEC_ATTR, Piece, ShardSpec, get_spec, replicated_spec
 from hpctrain.train.lr_schedule import lr_at
 
@@ -186,10 +189,11 @@ def static_text(cfg: Any) -> Tuple[bytes, str]:
     return OmegaConf.to_yaml(cfg, resolve=True).encode("utf-8") or b"\n", json.dumps(versions())
 
 
-def describe(train_state: "TrainState", static: Optional[Tuple[bytes, str]] = None) -> StateView:
-    """Every dataset this rank holds, with its box, referencing live tensors."""
+def describe(train_state: "TrainState", static: Optional[Tuple[bytes, str, str]] = None) -> StateView:
+    """Every dataset this rank holds, with its box, referencing live tensors; ``static``: the config text,
+    versions and provenance (``hpctrain.provenance``, JSON; empty: not recorded) the checkpointer made once."""
     mesh, cfg, view = train_state.mesh, train_state.cfg, StateView()
-    text, versions_json = static or static_text(cfg)
+    text, versions_json, provenance_json = static or (*static_text(cfg), "")
     state = optimizer_state(train_state)
     for p, held in held_params(train_state):
         name = held.spec.logical_name
@@ -233,6 +237,8 @@ def describe(train_state: "TrainState", static: Optional[Tuple[bytes, str]] = No
         "trainer_state": json.dumps(train_state.extra_state()),  # fp16's loss scale
         "versions": versions_json, "created_unix": time.time(),
     }
+    if provenance_json:
+        view.attrs[PROVENANCE_ATTR] = provenance_json
     return view
 
 

@@ -117,7 +117,8 @@ class PipelineRunner:
                         count = counted_targets(mb)
                         loss_sum = loss_sum + out.detach().float() * count
                         tokens += count
-                        outputs[key], out_grads[key] = [with_aux(weighted_loss(out, mb), aux) / m], [None]
+                        objective = with_aux(weighted_loss(out, mb), aux, mb.loss_weight)
+                        outputs[key], out_grads[key] = [objective / m], [None]
                     else:
                         outputs[key], out_grads[key] = [out], [None]
                         extra = aux.total()
@@ -190,7 +191,9 @@ class PipelineRunner:
         # a later stage's input may be a sequence shard (tp): name the tokens' positions
         positions = mb.positions if mb.positions is not None else torch.arange(mb.inputs.shape[1], device=x.device)
         with autocast(), collect_aux_losses() as aux:  # every stage's attention masks documents
-            out = chunk(x, mb.targets if stage == self.last else None, positions, segments=mb.segments)
+            # the last stage's multi-token prediction embeds the token ids (hpctrain.model.mtp)
+            out = chunk(x, mb.targets if stage == self.last else None, positions, segments=mb.segments,
+                        tokens=mb.inputs if stage == self.last else None)
         return out, aux
 
     def _send(self, comm: Any, tensor: torch.Tensor, a: Action, boundary: int, backward: bool) -> Tuple[Any, Any]:

@@ -155,7 +155,8 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Pip
     stages = p * v
     # auto: the split the planner assumes (end stages' embedding and head counted, hpctrain.pipeline.split)
     layers = stage_layers(pc.layers, model.shape.n_layers, stages, model_end_cost(model.shape))
-    tied = model.shape.tie_embeddings
+    # the last stage holds the embedding too when the head is tied to it or multi-token prediction shares it
+    tied = model.shape.tie_embeddings or model.mtp is not None
     chunks: List[nn.Module] = []
     for c in range(v):
         s = c * p + r

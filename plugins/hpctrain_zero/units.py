@@ -1,7 +1,9 @@
 """Units: the parameter groups ZeRO shards and gathers as one flat buffer.
 
 In forward order: the token embedding, each transformer block, then the
-head (final norm and output projection). Parameters that belong to none of
+head (final norm and output projection), then multi-token prediction's
+modules (``mtp``), which use the embedding and the head's projection again
+(dependencies, so those stay gathered until their gradients are out). Parameters that belong to none of
 them (a plugin's extra module) form a last unit, ``rest``. A parameter shared
 by two units (tied embeddings) belongs to the first that holds it; the
 units that use it record that one as a dependency.
@@ -49,6 +51,9 @@ def _part_units(model: nn.Module) -> List[Unit]:
     head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m is not None]
     if head:
         found.append(Unit("head", head))
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # multi-token prediction, after the head: it calls the embedding and output projection again
+        found.append(Unit("mtp", [mtp], depends=[u.name for u in found if u.name in ("embed", "head")]))
     owner: Dict[int, str] = {}
     for unit in found:
         for module in unit.modules:

@@ -48,7 +48,8 @@ def _train(d: str, *overrides: str):
 
 def _meta(path: str) -> dict:
     with h5py.File(path, "r") as f:
-        return {k: v for k, v in f["meta"].attrs.items() if k != "created_unix"}
+        # (the provenance hashes the config, which names the save mode)
+        return {k: v for k, v in f["meta"].attrs.items() if k not in ("created_unix", "provenance")}
 
 
 def _on_rank0(fn) -> None:

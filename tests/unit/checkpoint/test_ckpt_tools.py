@@ -68,6 +68,55 @@ def test_inspect_shows_step_layout_and_size(ckpt_dir, capsys):
     assert "bytes/parameter" in out and "trainer:" in out
 
 
+def test_provenance_is_recorded_printed_and_a_changed_stack_resume_names_the_difference(copy_of, capsys):
+    """Every checkpoint holds its provenance (hpctrain.provenance): inspect prints it; resuming from a file
+    whose record names another torch and MPI logs one block with those two lines, and nothing for the same
+    stack. The config hash is the stored config's."""
+    import hashlib
+    import logging
+
+    from hpctrain import provenance
+    from hpctrain.config import compose_resolved
+    from hpctrain.plugins import create_manager
+    from hpctrain.run import reference_trainer
+
+    path = copy_of()
+    with h5py.File(path, "r") as f:
+        record = json.loads(f["meta"].attrs["provenance"])
+        config_text = f["meta/config"][()]
+    assert record["config_sha256"] == hashlib.sha256(config_text).hexdigest()
+    assert record["software"]["torch"] == torch.__version__ and "mpi" in record["software"]
+    assert record["job"]["world_size"] == 1 and record["job"]["ranks_per_node"] == 1
+    assert record["data"]["sha256"] and provenance.git_commit() == record["software"].get("hpctrain_git")
+    assert cli.main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and f"config      sha256 {record['config_sha256']}" in out
+    assert "job         1 ranks on 1 node(s)" in out
+
+    older = json.loads(json.dumps(record))
+    older["software"].update(torch="2.0.0", mpi="Open MPI v4.0.3")
+    other = copy_of("step_00000002.h5")
+    with h5py.File(other, "r+") as f:
+        f["meta"].attrs["provenance"] = json.dumps(older)
+    pm = create_manager()
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(r.getMessage())
+    logger = logging.getLogger("hpctrain")
+    logger.addHandler(handler)
+    try:
+        for resume in (path, other):
+            reference_trainer(compose_resolved(
+                ["trainer.steps=4", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                 "trainer.seq_len=32", "trainer.progress=off", f"checkpoint.resume={resume}"], pm), pm)
+    finally:
+        logger.removeHandler(handler)
+    blocks = [line for line in lines if "was saved on another software stack" in line]
+    assert blocks == [f"{other} was saved on another software stack (hpctrain-ckpt inspect shows its provenance):"
+                      f"\n  mpi: Open MPI v4.0.3 -> {record['software']['mpi']}"
+                      f"\n  torch: 2.0.0 -> {torch.__version__}"], lines
+
+
 def test_verify_accepts_a_good_file(ckpt_dir, capsys):
     assert cli.main(["verify", os.path.join(ckpt_dir, "step_00000002.h5")]) == 0
     assert capsys.readouterr().out.startswith("OK ")

@@ -1,0 +1,55 @@
+"""A tiny DeepSeek-V3-style model trains as in one process at 4 ranks: the
+same per-step losses and the same gradient of every parameter.
+
+The model: block 0 dense (``model.moe.first_dense_blocks=1``), block 1
+MoE with the sigmoid router, its selection bias moving after every step
+(``aux_free_bias_rate``, so step 2 routes with the bias the world's loads
+set), group-limited routing (8 experts in 4 groups, top-2 from the best 2
+groups), a routed scaling factor, one shared expert and experts narrower
+than the dense feed-forward; multi-token prediction of depth 1 (its block
+an MoE block too), weighted 0.3. Attention is the standard one: the
+multi-head latent attention of issue 56 had not landed when this was
+written.
+
+Layouts (one shared one-process reference, 2 steps):
+
+- ep 2 x pp 2: the experts split over ep (the shared expert replicated,
+  its gradient averaged over ep like a dense weight), block 0 and the
+  embedding on stage 0, block 1, the head and the MTP module (with the
+  embedding it shares, whose gradient is summed with stage 0's) on stage 1;
+- dp 4 with ZeRO-3: every weight sharded, gathered per unit (the MTP
+  module's weights in the last unit, the embedding and head called twice).
+
+Tolerances as tests/mpi/test_moe.py (routing is discontinuous; no token
+of these runs sits near a tie).
+"""
+from __future__ import annotations
+
+import pytest
+
+from parity import assert_parity, record, shared_reference, world_trainer
+
+STEPS = 2
+BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.seq_len=32", "trainer.device=cpu",
+        "trainer.progress=off", "trainer.log_every=100", "model=tiny-moe", "model.moe.first_dense_blocks=1",
+        "model.moe.router=sigmoid", "model.moe.aux_free_bias_rate=0.01", "model.moe.num_experts=8",
+        "model.moe.top_k=2", "model.moe.expert_groups=4", "model.moe.topk_groups=2",
+        "model.moe.routed_scaling_factor=2.5", "model.moe.shared_experts=1", "model.moe.ffn_hidden=32",
+        "model.mtp_depth=1", "model.mtp_loss_weight=0.3")
+LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
+
+LAYOUTS = {
+    "ep2-pp2": ("parallel.ep=2", "parallel.pp=2"),
+    "dp4-zero3": ("parallel.zero.stage=3",),
+}
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_deepseek_style_model_trains_like_one_process(world, pm, layout):
+    trainer = world_trainer(pm, *BASE, *LAYOUTS[layout])
+    got = record(trainer, STEPS)
+    want = shared_reference(BASE, STEPS)
+    assert any(name.startswith("mtp.") for name in want[0].grads)  # the MTP module trains
+    assert "layers.0.ffn.w1.weight" in want[0].grads and "layers.1.ffn.experts.w1" in want[0].grads
+    assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
