@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Tuple
 
 from omegaconf import OmegaConf
 
-from hpctrain.config.schema import FAULTS
+from hpctrain.config.schema import FAULTS, FINETUNE_METHODS, LORA_TARGETS
 from hpctrain.mesh import AXES
 
 
@@ -132,6 +132,16 @@ RULES: Tuple[Rule, ...] = (
     Rule("debug.slow_s", at_least(0), "a finite number >= 0"),
     Rule("debug.comm_delay_axis", lambda x: x in ("none",) + AXES, f"one of none, {', '.join(AXES)}"),
     Rule("debug.comm_delay_ms", at_least(0), "a finite number of milliseconds >= 0"),
+    Rule("finetune.method", lambda x: x in FINETUNE_METHODS, f"one of {', '.join(FINETUNE_METHODS)}"),
+    Rule("finetune.lora.rank", at_least(1), "an integer >= 1 (the adapters' inner size)", "the usual is 8 to 64"),
+    Rule("finetune.lora.alpha", above(0), "a finite number > 0 (updates scale by alpha / rank)",
+         "the usual is twice the rank"),
+    Rule("finetune.lora.dropout", within(0, 1, hi_open=True), "a number in [0, 1)", "0 turns it off"),
+    Rule("finetune.lora.targets",
+         lambda x: x is not None and len(x) > 0 and all(t in LORA_TARGETS for t in x),
+         f"a non-empty list of projections out of {', '.join(LORA_TARGETS)}", "e.g. [q,k,v,o]"),
+    Rule("finetune.lora.experts", lambda x: x is False, "false: adapters on MoE experts are not implemented yet",
+         "gate/up/down then adapt dense SwiGLU blocks only"),
     Rule("cluster.gpus", at_least(0), "an integer >= 0"),
     Rule("cluster.gpus_per_node", at_least(0), "an integer >= 0"),
     Rule("cluster.gpu_mem_gb", at_least(0), "a finite number >= 0"),

@@ -551,6 +551,42 @@ class ClusterConfig:
     """Inter-node bus bandwidth per GPU (GB/s)."""
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""Projections LoRA can adapt, by the names of their role (Llama's q_proj ... down_proj)."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the chosen projections; the base weights are frozen
+    (``hpctrain.finetune.lora``)."""
+
+    rank: int = 8
+    """r: the adapters' inner size (A: r x in, B: out x r)."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (PEFT's lora_dropout); 0 for exact parity between layouts."""
+    targets: List[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
+    """Projections to adapt, any of q, k, v, o (attention), gate, up, down (the SwiGLU feed-forward)."""
+    experts: bool = False
+    """Adapt the feed-forward projections of MoE experts too (not implemented yet: must stay false); false:
+    gate/up/down adapt only dense SwiGLU blocks."""
+
+
+FINETUNE_METHODS = ("full", "lora")
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tuning: which weights train. Where the weights come from is checkpoint.init_from."""
+
+    method: str = "full"
+    """full: every weight trains; lora (the preset finetune=lora): only LoRA adapters train (finetune.lora),
+    every other weight is frozen (no gradient, no optimizer state)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The adapters of method=lora."""
+
+
 @dataclass
 class TrainConfig:
     """The whole run. Plugin sections are added by ``store.build_schema``."""
@@ -566,6 +602,7 @@ class TrainConfig:
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     run_dir: Optional[str] = None
     """Not read or written by hpctrain: the run directory is passed to the hooks that need it (``run_dir``
     arguments). Kept so configs saved by older runs (checkpoints' ``/meta/config``) still load."""

@@ -51,6 +51,7 @@ GROUPS: Dict[str, type] = {
     "reliability": S.ReliabilityConfig,
     "debug": S.DebugConfig,
     "logging": S.LoggingConfig,
+    "finetune": S.FinetuneConfig,
 }
 
 

@@ -31,6 +31,7 @@ import torch
 
 from hpctrain.checkpoint import weight_mismatches
 from hpctrain.errors import ConfigError
+from hpctrain.finetune.lora import is_adapter_name
 from hpctrain.hf import PREFIX
 from hpctrain.hf.names import HfTensor, hf_tensor, moe_family, rope_row_permutation
 from hpctrain.model.build import build_model
@@ -249,7 +250,8 @@ def init_from_problems(cfg: Any, pm: Any) -> List[str]:
     expected = {}
     for p in model.parameters():
         spec = get_spec(p)
-        expected[spec.logical_name] = tuple(spec.global_shape)
+        if not is_adapter_name(spec.logical_name):  # LoRA adapters start from their init, not the base's files
+            expected[spec.logical_name] = tuple(spec.global_shape)
     s = ModelShape.from_config(cfg.model)
     return check(src[len(PREFIX):], expected, s.n_heads, s.n_kv_heads, num_experts_of(cfg),
                  model_dir=cfg.model.get("hf_dir"), family=moe_family(cfg.model))

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from hpctrain.boxes import Box, box_shape, full_box, intersect
 from hpctrain.errors import PluginError
+from hpctrain.finetune.lora import add_adapters, lora_config
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.model.attention import SdpaAttention
 from hpctrain.model.mtp import build_mtp
@@ -88,6 +89,9 @@ def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
                         block, lambda: RMSNorm(shape.d_model, m.norm_eps))
         scaling = RopeScaling.from_config(getattr(m, "rope_scaling", None))
         model = Transformer(shape, m.norm_eps, m.rope_theta, blocks, scaling, mtp)
+        lora = lora_config(cfg)
+        if lora is not None:  # adapters on the one-process model: every axis then cuts them with their base
+            add_adapters(model, lora)
     assign_specs(model)
     return model
 
@@ -144,17 +148,23 @@ def init_box(spec: ShardSpec, box: Box, seed: int, std: float, n_layers: int) ->
         return torch.ones(shape)
     if spec.init == "zeros":
         return torch.zeros(shape)
-    if spec.init not in ("normal", "normal_scaled"):
+    if spec.init not in ("normal", "normal_scaled", "kaiming_uniform"):
         raise ValueError(f"{spec.logical_name}: unknown init {spec.init!r}")
     if spec.init == "normal_scaled":
         std = std / math.sqrt(2 * n_layers)
+    # torch's kaiming_uniform_(a=sqrt(5)), nn.Linear's and PEFT's LoRA A: uniform in +-1/sqrt(fan_in)
+    bound = 1.0 / math.sqrt(spec.global_shape[-1]) if spec.init == "kaiming_uniform" else 0.0
     out = torch.empty(shape)
     full = spec.global_shape
     for tile in itertools.product(*_tile_ranges(box, len(full))):
         tile_box = tuple((lo, min(hi, n)) for (_, lo, hi), n in zip(tile, full))
         index = ",".join(str(i) for i, _, _ in tile)
         g = torch.Generator().manual_seed(tensor_seed(seed, f"{spec.logical_name}#{index}"))
-        values = torch.empty(box_shape(tile_box)).normal_(0.0, std, generator=g)
+        values = torch.empty(box_shape(tile_box))
+        if bound:
+            values.uniform_(-bound, bound, generator=g)
+        else:
+            values.normal_(0.0, std, generator=g)
         common = intersect(box, tile_box)
         if common is None:
             continue

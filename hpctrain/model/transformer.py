@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.model.mtp import MTP
+from hpctrain.finetune.lora import adapted
 from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 
@@ -62,13 +63,14 @@ class Linears:
     the hidden size (the output projection). Tensor parallelism replaces this
     object with one that enters and leaves its region. The one-process
     version calls the modules, so whatever wraps or hooks them (torch's own
-    tensor parallelism in the benchmark, an adapter) still applies."""
+    tensor parallelism in the benchmark) still applies, and a projection's LoRA adapter
+    (``hpctrain.finetune.lora``) adds its update."""
 
     def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
-        return [linear(x) for linear in linears]
+        return [adapted(linear, x) for linear in linears]
 
     def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        return linear(y)
+        return adapted(linear, y)
 
 
 LOCAL = Linears()

@@ -6,7 +6,10 @@
     hpctrain-ckpt export PATH --to DIR [--dtype bfloat16] [--max-shard-size 5GB] [--tokenizer FILE|DIR]
                   [--overwrite]               a Hugging Face model directory (Llama or Mixtral) that
                                               transformers' from_pretrained loads; a DIR holding files
-                                              only with --overwrite, which replaces it whole, atomically
+                                              only with --overwrite, which replaces it whole, atomically;
+                                              a LoRA run's (finetune=lora) with --merge: adapters merged
+    hpctrain-ckpt export PATH --adapter DIR   a LoRA run's adapters as a PEFT adapter directory, which
+                                              peft.PeftModel.from_pretrained loads onto the base model
     hpctrain-ckpt import-hf DIR OUT.h5        a Hugging Face directory as one of our checkpoints (step 0)
 
 PATH is a checkpoint file or a checkpoint directory (inspect and export:
@@ -153,13 +156,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from hpctrain.hf.export import check_target, parse_size  # heavy (torch): only for export
 
-    from hpctrain_h5ckpt.export import export_hf  # heavy (torch, h5py): only for export
+    from hpctrain_h5ckpt.export import export_adapter, export_hf  # heavy (torch, h5py): only for export
 
+    if (args.to is None) == (args.adapter is None):
+        raise ConfigError("hpctrain-ckpt export: give --to DIR (a Hugging Face model) or --adapter DIR (a LoRA "
+                          "run's adapters in the PEFT format), one of them")
+    if args.adapter is not None:
+        if args.merge:
+            raise ConfigError("hpctrain-ckpt export: --merge goes with --to (the merged model), not --adapter")
+        check_target(args.adapter, args.overwrite)
+        files = export_adapter(_resolve(args.path), args.adapter, args.overwrite)
+        print(f"wrote {args.adapter}: {', '.join(files)} (PEFT LoRA adapter; q/k rows in rotate_half order)")
+        return 0
     check_target(args.to, args.overwrite)  # before the checkpoint is even looked for
     path = _resolve(args.path)
     # written beside --to and renamed into place: a failure leaves no partial model and --to as it was
-    files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer, args.overwrite)
-    print(f"wrote {args.to}: {', '.join(files)} (Hugging Face {args.dtype}; q/k rows in rotate_half order)")
+    files = export_hf(path, args.to, args.dtype, parse_size(args.max_shard_size), args.tokenizer, args.overwrite,
+                      args.merge)
+    print(f"wrote {args.to}: {', '.join(files)} (Hugging Face {args.dtype}; q/k rows in rotate_half order"
+          f"{'; LoRA adapters merged' if args.merge else ''})")
     return 0
 
 
@@ -184,7 +199,11 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("export", help="a Hugging Face model directory (Llama or Mixtral) of the model weights")
     p.add_argument("path")
-    p.add_argument("--to", required=True, help="output directory (made; its parent must exist)")
+    p.add_argument("--to", default=None, help="output directory (made; its parent must exist)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a LoRA run's adapters as a PEFT adapter directory (adapter_config.json, "
+                        "adapter_model.safetensors) instead of --to")
+    p.add_argument("--merge", action="store_true", help="with --to: a LoRA run's adapters merged into the model")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="dtype of the exported weights (default float32)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB, as transformers)")

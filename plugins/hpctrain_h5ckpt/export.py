@@ -9,6 +9,10 @@ The run's tokenizer files are copied alongside: those of ``model.hf_dir``
 (an imported model), the one its hpctrain-prepare shards were made with
 (whose BOS/EOS ids also go into config.json when the model config has
 none) and any ``--tokenizer`` given.
+
+A LoRA run's checkpoint (``finetune=lora``) holds the base weights and the
+adapters: ``--merge`` exports the merged model, ``--adapter DIR`` the
+adapters alone in the PEFT format (``hpctrain.finetune.peft_export``).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from omegaconf import OmegaConf
 
 from hpctrain.data.tokenize import TokenizerError, tokenizer_vocab_size
 from hpctrain.errors import ConfigError
+from hpctrain.finetune.lora import is_adapter_name
+from hpctrain.finetune.peft_export import merged_entries, write_adapter_dir
 from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 
 from hpctrain_h5ckpt import checksum
@@ -86,26 +92,44 @@ def _check_tokenizer(tokenizer: str, model_vocab: Any) -> None:
                           "give the tokenizer the model was trained with")
 
 
-def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
-              tokenizer: Optional[str] = None, overwrite: bool = False) -> List[str]:
-    """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written. A
-    directory ``out`` that holds files is refused unless ``overwrite``, then replaced whole, atomically
-    (``write_hf_dir``)."""
-
-    check_target(out, overwrite)
+def _open(path: str) -> h5py.File:
     try:
-        f = h5py.File(path, "r")
+        return h5py.File(path, "r")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: cannot be opened as HDF5 ({e}); the file is truncated, torn "
                               "or not a checkpoint") from None
-    with f:
+
+
+def _entries(path: str, f: h5py.File) -> List[Entry]:
+    group = f["model"]
+    return [Entry(name, tuple(group[name].shape), _reader(path, group[name])) for name in sorted(group, key=_order)]
+
+
+def export_adapter(path: str, out: str, overwrite: bool = False) -> List[str]:
+    """Write the PEFT adapter of LoRA checkpoint ``path`` to ``out`` (``write_adapter_dir``); returns the files."""
+    check_target(out, overwrite)
+    with _open(path) as f:
+        return write_adapter_dir(out, run_config(f), _entries(path, f), overwrite)
+
+
+def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int = 5 * 10**9,
+              tokenizer: Optional[str] = None, overwrite: bool = False, merge: bool = False) -> List[str]:
+    """Write Hugging Face directory ``out`` from checkpoint ``path``; returns the files written. A
+    directory ``out`` that holds files is refused unless ``overwrite``, then replaced whole, atomically
+    (``write_hf_dir``). ``merge``: a LoRA checkpoint's adapters merged into their projections."""
+
+    check_target(out, overwrite)
+    with _open(path) as f:
         cfg = run_config(f)
         model = cfg.model
         if tokenizer:
             _check_tokenizer(tokenizer, model.vocab_size)
-        group = f["model"]
-        entries = [Entry(name, tuple(group[name].shape), _reader(path, group[name]))
-                   for name in sorted(group, key=_order)]
+        entries = _entries(path, f)
+        if merge:
+            entries = merged_entries(cfg, entries)
+        elif any(is_adapter_name(e.logical) for e in entries):
+            raise ConfigError(f"checkpoint {path} holds LoRA adapters (finetune=lora): pass --merge for the merged "
+                              "model, or --adapter DIR for the adapters in the PEFT format")
         sources = [str(model.hf_dir)] if model.get("hf_dir") and os.path.isdir(str(model.hf_dir)) else []
         data_files, token_ids = data_tokenizer(cfg.get("data"))
         sources += [p for p in data_files if os.path.isfile(p)] + ([tokenizer] if tokenizer else [])

@@ -16,6 +16,7 @@ import h5py
 import torch
 
 from hpctrain.checkpoint import weight_mismatches
+from hpctrain.finetune.lora import is_adapter_name
 from hpctrain.model.build import build_model
 from hpctrain.plugins import get_manager
 from hpctrain.shard import get_spec
@@ -69,7 +70,8 @@ def init_from_problems(cfg: Any, limit: int = 3) -> List[str]:
         spec = get_spec(p)
         shape = stored.get(spec.logical_name)
         if shape is None:
-            missing.append(spec.logical_name)
+            if not is_adapter_name(spec.logical_name):  # LoRA on a pretrained checkpoint: adapters from their init
+                missing.append(spec.logical_name)
         elif shape != tuple(spec.global_shape):
             wrong.append(f"{spec.logical_name} is {list(shape)}, the model needs {list(spec.global_shape)}")
 

@@ -16,6 +16,10 @@ one-process names and checkpoints hold logical tensors:
   summed over tp through the norm's weight seam (``SumOverTensorParallel``),
   with or without sequence parallelism;
 - SwiGLU: ``w1`` (gate) and ``w3`` (up) column-parallel, ``w2`` row-parallel;
+- LoRA adapters (``hpctrain.finetune.lora``) with their base: a column-parallel
+  projection's B cut by rows (replicated with them), its A whole with the
+  gradient summed over tp; a row-parallel projection's A cut by columns, its
+  B whole with the gradient summed over tp;
 - the projections' seam (``Linears``) becomes ``TensorParallelLinears``:
   enter the region for the column-parallel projections, leave it after the
   row-parallel one (``regions``);
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import copy_to_region
+from hpctrain.finetune.lora import adapter_of
 from hpctrain.mesh import Group, Mesh
 from hpctrain.model.build import narrow_param
 from hpctrain.model.transformer import Linears
@@ -41,15 +46,22 @@ from hpctrain_tp.regions import TensorParallelRegions
 
 
 def column_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1, pieces: Optional[int] = None) -> None:
-    """Output features (weight dim 0, and the bias with them) cut over tp in whole ``unit``s (a head's rows)."""
+    """Output features (weight dim 0, and the bias with them) cut over tp in whole ``unit``s (a head's rows);
+    a LoRA adapter's B (out x r) with them, its A whole."""
     narrow_param(linear, "weight", get_spec(linear.weight).split(0, "tp", pieces=pieces, unit=unit), mesh)
     if linear.bias is not None:
         narrow_param(linear, "bias", get_spec(linear.bias).split(0, "tp", pieces=pieces, unit=unit), mesh)
+    adapter = adapter_of(linear)
+    if adapter is not None:
+        narrow_param(adapter, "B", get_spec(adapter.B).split(0, "tp", pieces=pieces, unit=unit), mesh)
 
 
 def row_parallel(linear: nn.Linear, mesh: Mesh, unit: int = 1) -> None:
-    """Input features (weight dim 1) cut over tp."""
+    """Input features (weight dim 1) cut over tp; a LoRA adapter's A (r x in) with them, its B whole."""
     narrow_param(linear, "weight", get_spec(linear.weight).split(1, "tp", unit=unit), mesh)
+    adapter = adapter_of(linear)
+    if adapter is not None:
+        narrow_param(adapter, "A", get_spec(adapter.A).split(1, "tp", unit=unit), mesh)
 
 
 class TensorParallelLinears(Linears):
@@ -71,13 +83,28 @@ class TensorParallelLinears(Linears):
         def view(i: int, t: torch.Tensor) -> torch.Tensor:
             return copy_to_region(t, replicas) if replicas is not None and i in self.replicated else t
 
-        outs = self.regions.columns(x, [view(i, m.weight) for i, m in enumerate(linears)])
+        weights = [view(i, m.weight) for i, m in enumerate(linears)]
+        adapters = [(i, a) for i, m in enumerate(linears) if (a := adapter_of(m)) is not None]
+        # LoRA's A is whole on every rank, each rank's B rows giving it a partial gradient: summed over tp
+        downs = [copy_to_region(a.A, self.regions.group) for _, a in adapters]
+        dropped = any(not isinstance(a.dropout, nn.Identity) for _, a in adapters)
+        outs = self.regions.columns(x, weights + ([] if dropped else downs))
+        hidden = (outs[len(linears):] if not dropped else  # (dropout: a mask per adapter, as one process)
+                  [self.regions.columns(a.dropout(x), [d])[0] for (_, a), d in zip(adapters, downs)])
+        outs = outs[:len(linears)]
+        for (i, a), h in zip(adapters, hidden):
+            outs[i] = outs[i] + a.up(h, view(i, a.B))  # B cut with the base's rows (and replicated with them)
         # a bias (q/k/v, model.qkv_bias) is cut with its weight's rows and added to this rank's columns, whose
         # tokens are the whole sequence under sequence parallelism too: its gradient is this rank's whole one
         return [y if m.bias is None else y + view(i, m.bias) for i, (y, m) in enumerate(zip(outs, linears))]
 
     def rows(self, y: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        return self.regions.exit(F.linear(y, linear.weight))
+        out = F.linear(y, linear.weight)
+        adapter = adapter_of(linear)
+        if adapter is not None:  # A cut with the base's columns: B A_r y_r is a partial sum, as W_r y_r is;
+            # B is whole on every rank with a partial gradient each: summed over tp
+            out = out + adapter.up(adapter.down(y), copy_to_region(adapter.B, self.regions.group))
+        return self.regions.exit(out)
 
 
 class SumOverTensorParallel:

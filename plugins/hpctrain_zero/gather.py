@@ -29,7 +29,11 @@ units share, are kept) and hooks the unit's output so that backward makes
 the unit ready again just before its backward runs, prefetching the
 previous unit. Once every parameter of the unit has its gradient (hooks
 registered after the gradient-sync engine's, which has already taken the
-gradient into its bucket), the unit is released. ``release_all`` frees
+gradient into its bucket), the unit is released. A unit with frozen
+parameters (no gradient: LoRA's base weights) may get its trainable ones'
+gradients before backward is done with the frozen ones (the input gradient
+still needs them), so it is released when backward reaches the previous
+unit's output, i.e. has passed it. ``release_all`` frees
 whatever is left after backward (parameters no micro-batch used).
 
 Autograd keeps referring to the parameter objects, so swapping ``data``
@@ -66,6 +70,8 @@ class UnitFlats:
     works: List[Work] = field(default_factory=list)
     ready: bool = False
     pending_grads: int = 0
+    frozen: bool = False
+    """Some parameters are frozen (LoRA's base): released once backward has passed the unit, not by gradients."""
 
 
 class UnitGatherer:
@@ -147,12 +153,14 @@ class UnitGatherer:
         for i, u in enumerate(self.units):
             u.keep_after_forward = (not self.reshard_after_forward or i == len(self.units) - 1
                                     or u.unit.name in shared)
+            u.frozen = any(not p.requires_grad for fg in u.flats for p in fg.params)
             first, last = u.unit.modules[0], u.unit.modules[-1]
             self._handles.append(first.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i)))
             self._handles.append(last.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out)))
             for fg in u.flats:
                 for p in fg.params:
-                    self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._got_grad(i)))
+                    if p.requires_grad:  # (a frozen weight gets no gradient: its unit is released by release_all)
+                        self._handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._got_grad(i)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -162,7 +170,7 @@ class UnitGatherer:
     def _before_forward(self, i: int) -> None:
         u = self.units[i]
         self.ready(u)
-        u.pending_grads = sum(len(fg.params) for fg in u.flats)
+        u.pending_grads = sum(p.requires_grad for fg in u.flats for p in fg.params)
         if i + 1 < len(self.units):
             self.start(self.units[i + 1])
 
@@ -178,13 +186,15 @@ class UnitGatherer:
         self.ready(self.units[i])
         if i > 0:
             self.start(self.units[i - 1])
+        if i + 1 < len(self.units) and self.units[i + 1].frozen:  # its backward has reached its input: done
+            self.release(self.units[i + 1])
 
     def _got_grad(self, i: int) -> None:
         # a tied parameter's gradient comes once, after its last use in
         # backward, so its owner unit is released only when both uses are done
         u = self.units[i]
         u.pending_grads -= 1
-        if u.pending_grads == 0:
+        if u.pending_grads == 0 and not u.frozen:
             self.release(u)
 
     def stats(self) -> Dict[str, int]:

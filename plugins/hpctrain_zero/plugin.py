@@ -21,7 +21,11 @@ runs AdamW on the owned chunks only:
   again for backward and freed once its gradients are out.
 
 Parameters whose data group has a single rank (nothing to shard) stay as
-they are and are updated whole. ``param_dtype`` makes gathered / computed
+they are and are updated whole. Frozen parameters (``requires_grad`` False:
+a LoRA run's base weights) have no gradient and no optimizer state: stages
+1-2 leave them whole and out of the flat groups; stage 3 shards them in flat
+groups of their own (``@frozen``), gathered for forward and backward like the
+others but never reduced, updated or all-gathered after a step. ``param_dtype`` makes gathered / computed
 parameters 16-bit with an fp32 master chunk; ``reduce_dtype`` is the
 reduce-scatter's dtype. Memory per rank is logged at start (``memory``).
 
@@ -78,6 +82,8 @@ class Zero(DataHandle):
         self.shapes = shapes
         """Full (pre-flat) shape of each parameter, per flat group."""
         self.unsharded = unsharded
+        self.trained = [fg for fg in flats if fg.params[0].requires_grad]
+        """The flat groups that train (the engine's buckets, the optimizer's shards), forward order."""
         self.full: List[Optional[torch.Tensor]] = []
         """Stages 1-2: each flat group's whole parameter buffer (the parameters are views of it)."""
         self.masters: List[torch.Tensor] = []
@@ -120,21 +126,23 @@ class Zero(DataHandle):
             for i, p in enumerate(fg.params):
                 a, b = fg.held(i)
                 if b > a:
+                    if fg not in self.trained:  # frozen: sharded (stage 3), never updated
+                        continue
                     shard = p if z.stage == 3 else nn.Parameter(self.masters[-1][fg.shard_slice(i)])
                     if z.stage != 3:
                         set_spec(shard, fg.flat_spec(i))
                     self.shards[id(p)] = (shard, fg.flat_spec(i))
         for p in self.unsharded:
             self.shards[id(p)] = (p, get_spec(p))
-        numels = {id(p): n for fg in self.flats for p, n in zip(fg.params, fg.numels)}
-        groups = {id(p): fg.group.communicator() for fg in self.flats for p in fg.params}
+        numels = {id(p): n for fg in self.trained for p, n in zip(fg.params, fg.numels)}
+        groups = {id(p): fg.group.communicator() for fg in self.trained for p in fg.params}
         config = grad_sync.SyncConfig(cap_bytes=0, reduce_scatter=True, keep_grads=False,
                                       every_microbatch=z.stage >= 2 and mesh.size("pp") == 1,
                                       dtype=dtype_of(z.reduce_dtype), release_buffers=z.stage >= 2, max_in_flight=1,
                                       device=self.device)
         self.engine = grad_sync.GradSync(lambda p: groups.get(id(p)), config)
-        params = [p for fg in self.flats for p in fg.params]
-        self.engine.attach(params, buckets=[fg.params for fg in reversed(self.flats)],
+        params = [p for fg in self.trained for p in fg.params]
+        self.engine.attach(params, buckets=[fg.params for fg in reversed(self.trained)],
                            numel_of=lambda p: numels[id(p)])
         if z.stage == 3:
             units = [UnitFlats(u, self.unit_flats[u.name], [self.masters[self.flats.index(fg)]
@@ -170,7 +178,7 @@ class Zero(DataHandle):
             return
         if self.gatherer is not None:  # units a pipeline stage still holds gathered: back to their shards first
             self.gatherer.release_all()
-        for reduced, fg in zip(self._engine().shards(), reversed(self.flats)):
+        for reduced, fg in zip(self._engine().shards(), reversed(self.trained)):
             used_anywhere = reduced.used_anywhere
             if fg.replicas is not None and fg.replicas.size > 1:  # hierarchical: the node averages, then across nodes
                 across = fg.replicas.communicator()
@@ -214,17 +222,17 @@ class Zero(DataHandle):
         if self.cfg.offload == "nvme":
             directory = self.cfg.offload_dir or os.path.join(self.run_dir or tempfile.gettempdir(), "zero_offload")
             mapped = offload.mapped_states(directory, self.mesh.world_rank,
-                                           [(fg.name, fg.chunk) for fg in self.flats])
+                                           [(fg.name, fg.chunk) for fg in self.trained])
             segments = [optimizer.Segment(list(fg.params), mapped[fg.name],
                                           {id(p): fg.shard_slice(i) for i, p in enumerate(fg.params)})
-                        for fg in self.flats]
+                        for fg in self.trained]
             segments.append(optimizer.Segment(list(self.unsharded)))
             log_rank0("ZeRO offload=nvme: optimizer moments memory-mapped in %s (%d files per rank)", directory,
                       len(mapped))
         elif self.cfg.offload == "cpu":
             log_rank0("ZeRO offload=cpu: %s", "fp32 master chunks and moments in pinned host memory, AdamW on the "
                       "host" if self.host else "the run is on the CPU already; nothing moves")
-        specs = [fg.flat_spec(i) for fg in self.flats for i in range(len(fg.params))]
+        specs = [fg.flat_spec(i) for fg in self.trained for i in range(len(fg.params))]
         specs += [get_spec(p) for p in self.unsharded]  # every tensor of the stage, held here or not
         zero = optimizer.ZeroOptimizer(list(params), self.shards, cfg.optim, self._after_step,
                                        masters_apart=apart, segments=segments, mesh=self.mesh, specs=specs)
@@ -238,7 +246,7 @@ class Zero(DataHandle):
         if self.stage == 3:
             return
         for fg, full, master in zip(self.flats, self.full, self.masters):
-            assert full is not None  # stages 1-2 keep the whole flat buffer
+            assert full is not None  # stages 1-2 keep the whole flat buffer (of parameters that train)
             mine = full[fg.lo:fg.hi]
             if mine.data_ptr() != master.data_ptr():
                 mine.copy_(master)
@@ -310,13 +318,16 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any, run_dir: Option
     for unit in units:
         by_group: Dict[str, Tuple[Any, List[nn.Parameter]]] = {}
         for p in unit.params:
+            if not p.requires_grad and z.stage < 3:  # frozen: nothing to shard (no gradient, no state)
+                continue
             group = mesh.group(mesh.reduction_axes(get_spec(p).split_axes))
             if group.size == 1:
-                unsharded.append(p)
+                if p.requires_grad:
+                    unsharded.append(p)
                 continue
             # a copy held by two pipeline stages (tied embeddings) is a flat group of its own, cut alike at
             # both ends, so the ends can sum their gradient shards element for element
-            key = group.name + ("@tied" if _tied_across_stages(p) else "")
+            key = group.name + ("@tied" if _tied_across_stages(p) else "") + ("" if p.requires_grad else "@frozen")
             by_group.setdefault(key, (group, []))[1].append(p)
         unit_flats[unit.name] = [FlatGroup(f"{unit.name}@{name}", ps, *_shard_groups(mesh, group, z))
                                  for name, (group, ps) in by_group.items()]
