@@ -27,3 +27,10 @@ def test_an_experiment_keeps_its_directory_name(make_config, overrides):
                                     "optim.lr=0.001"])
 def test_a_changed_value_is_another_experiment(make_config, change):
     assert default_checkpoint_dir(make_config(change), "/launch") != default_checkpoint_dir(make_config(), "/launch")
+
+
+@pytest.mark.parametrize("change", ["model.moe.norm_topk_prob=false", "model.moe.ffn_hidden=32"])
+def test_a_changed_key_of_a_plugin_section_is_another_experiment(make_config, change):
+    """LATER_KEYS_AT_DEFAULT reaches into model.moe: left out at its default only."""
+    moe = default_checkpoint_dir(make_config("model=tiny-moe"), "/launch")
+    assert default_checkpoint_dir(make_config("model=tiny-moe", change), "/launch") != moe
