@@ -106,7 +106,7 @@ class Checkpointer(Protocol):
 
 
 EXPERIMENT_KEYS = ("model", "data", "optim", "trainer.global_batch_size", "trainer.seq_len", "trainer.seed",
-                   "trainer.precision")
+                   "trainer.precision", "finetune")
 """What makes two launches the same experiment for the default checkpoint
 directory. Left out on purpose: the layout (``parallel.*``: checkpoints
 resume at any layout), ``trainer.steps`` (a relaunch may train longer), the
@@ -119,12 +119,19 @@ LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model
                          "model.moe.ffn_hidden": None, "model.moe.norm_topk_prob": True,
                          "model.mtp_depth": 0, "model.mtp_loss_weight": 0.3, "model.moe.expert_groups": 1,
                          "model.moe.topk_groups": 1, "model.moe.routed_scaling_factor": 1.0,
-                         "model.moe.first_dense_blocks": 0}
+                         "model.moe.first_dense_blocks": 0,
+                         "finetune.method": "full",
+                         "finetune.lora": {"rank": 8, "alpha": 16.0, "dropout": 0.0,
+                                           "targets": ["q", "k", "v", "o"], "experts": False}}
 """Keys added to the ``EXPERIMENT_KEYS`` sections after directories were first
 named, with their defaults: left out of the hash while at their default, so an
 experiment that does not use them keeps the directory name it had before they
 existed (a relaunch after an upgrade finds its checkpoints). A new key of
-those sections joins this table (tests/unit/test_checkpoint_dir_names.py)."""
+those sections joins this table (tests/unit/test_checkpoint_dir_names.py). A section
+added later (``LATER_SECTIONS``) is left out whole when all its keys are."""
+
+LATER_SECTIONS = ("finetune",)
+"""``EXPERIMENT_KEYS`` sections added after directories were first named."""
 
 
 def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
@@ -145,6 +152,9 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
             values = values.get(part) if isinstance(values, dict) else None
         if isinstance(values, dict) and values.get(name, default) == default:
             values.pop(name, None)
+    for section in LATER_SECTIONS:
+        if chosen.get(section) == {}:
+            chosen.pop(section)
     if OmegaConf.select(cfg, "checkpoint.init_from", default=None):
         chosen["checkpoint.init_from"] = str(cfg.checkpoint.init_from)
     digest = hashlib.sha256(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:8]

@@ -23,6 +23,7 @@ from hpctrain.config.ranges import range_problems
 from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.data.sources import check_data_config, data_vocab_size
 from hpctrain.errors import ConfigError, PluginError
+from hpctrain.finetune.lora import lora_problems
 from hpctrain.hf.config import hf_model_problems
 from hpctrain.hf.weights import init_from_problems
 from hpctrain.lustre import problems as lustre_problems
@@ -271,6 +272,7 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
 
         problems += init_from_problems(cfg, pm)
     problems += optimizer_problems(cfg, pm, caps.get("optim", []))
+    problems += lora_problems(cfg, pm)
     problems += _observability_checks(cfg, world_size, pm)
     return problems
 

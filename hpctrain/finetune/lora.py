@@ -117,3 +117,19 @@ def lora_config(cfg: Any) -> Optional[Any]:
     if finetune is None or finetune.get("method", "full") != "lora":
         return None
     return finetune.lora
+
+
+def lora_problems(cfg: Any, pm: Any) -> List[str]:
+    """Validation before any collective: with ``finetune=lora``, the targets name a projection of this model
+    (built on the meta device, nothing allocated)."""
+    if lora_config(cfg) is None:
+        return []
+    from hpctrain.model.build import build_model  # (it imports this module)
+
+    try:
+        build_model(cfg, pm)
+    except ConfigError as e:
+        return [str(e)] if "finetune.lora" in str(e) else []
+    except Exception:  # noqa: BLE001 (a model config the other checks reject: they say why)
+        return []
+    return []

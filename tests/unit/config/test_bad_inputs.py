@@ -49,6 +49,18 @@ BAD = [
     ("optim.outer=diloco parallel.zero.stage=1",
      "parallel.zero.stage=1 with optim.outer=diloco: DiLoCo's dp replicas train alone"),
     ("trainer.progress=maybe", "trainer.progress='maybe' is not one of auto, on, off"),
+    ("finetune.method=qlora", "finetune.method='qlora': must be one of full, lora"),
+    ("finetune=lora finetune.lora.rank=0", "finetune.lora.rank=0: must be an integer >= 1"),
+    ("finetune=lora finetune.lora.rank=-4", "finetune.lora.rank=-4: must be an integer >= 1"),
+    ("finetune=lora finetune.lora.alpha=0", "finetune.lora.alpha=0.0: must be a finite number > 0"),
+    ("finetune=lora finetune.lora.dropout=1", "finetune.lora.dropout=1.0: must be a number in [0, 1)"),
+    ("finetune=lora finetune.lora.targets=[q,query]", "finetune.lora.targets=['q', 'query']: must be a non-empty "
+     "list of projections out of q, k, v, o, gate, up, down"),
+    ("finetune=lora finetune.lora.targets=[]", "finetune.lora.targets=[]: must be a non-empty list of projections"),
+    ("finetune=lora finetune.lora.targets=[gate,up,down] model=tiny-moe", "finetune.lora.targets=['gate', 'up', "
+     "'down'] names no projection of this model (attention q,k,v,o; gate,up,down of dense SwiGLU blocks)"),
+    ("finetune=lora finetune.lora.experts=true", "finetune.lora.experts=True: must be false: adapters on MoE "
+     "experts are not implemented yet"),
     ("trainer.compile_backend=tensorrtx",
      "trainer.compile_backend='tensorrtx' is not a torch.compile backend here; use inductor or aot_eager"),
     ("model.vocab_size=1", "model.vocab_size=1: must be an integer >= 2"),

@@ -70,3 +70,11 @@ def test_full_finetuning_is_the_same_model_without_adapters(pm):
     ids = torch.randint(0, 256, (2, 16))
     with torch.no_grad():  # B = 0: a fresh adapter changes nothing
         torch.testing.assert_close(lora.model(ids), full.model(ids), rtol=0, atol=0)
+
+
+def test_a_lora_run_is_its_own_experiment(make_config):
+    from hpctrain.checkpoint import default_checkpoint_dir
+
+    full, lora = (default_checkpoint_dir(make_config(*o), "/launch") for o in ((), ("finetune=lora",)))
+    assert full.endswith("/tiny-64a7e0a7")  # as before finetune existed (tests/unit/test_checkpoint_dir_names.py)
+    assert lora != full != default_checkpoint_dir(make_config("finetune=lora", "finetune.lora.rank=4"), "/launch")
