@@ -192,6 +192,7 @@ def materialize(
     """Allocate this rank's shards on ``device`` and fill each piece it holds
     from the logical init (``init_box``), or from ``source`` when it has the
     tensor (``checkpoint.init_from``: each rank reads its pieces only); padding stays zero.
+    Persistent buffers are zeros, or ``source``'s values where it holds them.
 
     Parameters keep their identity (``torch.utils.swap_tensors``): a plugin
     may hold references to them from ``hpctrain_parallelize`` (gradient hooks,
@@ -228,11 +229,20 @@ def materialize(
         real = nn.Parameter(local.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
         torch.utils.swap_tensors(p, real)  # swaps __dict__ too: re-attach the spec
         set_spec(p, spec)
-    for module in model.modules():
+    for mod_name, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and buf.device.type == "meta":
                 buf_spec = getattr(buf, SPEC_ATTR, None)
                 filled = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+                if source is not None and device.type != "meta" and name not in module._non_persistent_buffers_set:
+                    # a persistent buffer the given weights hold (a router's selection bias: DeepSeek-V3's
+                    # e_score_correction_bias), named as checkpoints name it (its spec, else its path)
+                    spec = buf_spec or replicated_spec(f"{mod_name}.{name}" if mod_name else name, tuple(buf.shape),
+                                                       "zeros")
+                    for piece in spec.pieces(coords, sizes):
+                        given = source(spec, piece.box)
+                        if given is not None:
+                            piece.take(filled).copy_(given)
                 if buf_spec is not None:
                     setattr(filled, SPEC_ATTR, buf_spec)
                 module._buffers[name] = filled

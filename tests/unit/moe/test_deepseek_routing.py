@@ -98,3 +98,19 @@ def test_the_bias_and_the_groups_change_the_choice_here():
     # every token's experts lie in at most topk_groups groups
     for row in full // (E // GROUPS):
         assert len(set(row.tolist())) <= TOPK_GROUPS
+
+
+def test_given_weights_fill_the_selection_bias(make_config, pm):
+    """``checkpoint.init_from`` sources fill persistent buffers they hold (the selection bias: an imported
+    DeepSeek-V3's e_score_correction_bias), named as checkpoints name them; the others stay zero."""
+    from hpctrain.model.build import build_model, materialize
+
+    cfg = make_config("model=tiny-moe", "model.moe.router=sigmoid")
+    given = torch.tensor([0.5, -0.25, 0.0, 1.0])
+
+    def source(spec, box):
+        return given[box[0][0]:box[0][1]] if spec.logical_name == "layers.0.ffn.router.expert_bias" else None
+
+    model = materialize(build_model(cfg, pm), torch.device("cpu"), 0, 0.02, 2, source=source)
+    assert torch.equal(model.layers[0].ffn.router.expert_bias, given)
+    assert torch.equal(model.layers[1].ffn.router.expert_bias, torch.zeros(4))
