@@ -119,7 +119,11 @@ LATER_KEYS_AT_DEFAULT = {"model.head_dim": None, "model.qkv_bias": False, "model
                          "model.moe.ffn_hidden": None, "model.moe.norm_topk_prob": True,
                          "model.mtp_depth": 0, "model.mtp_loss_weight": 0.3, "model.moe.expert_groups": 1,
                          "model.moe.topk_groups": 1, "model.moe.routed_scaling_factor": 1.0,
-                         "model.moe.first_dense_blocks": 0,
+                         "model.moe.first_dense_blocks": 0, "model.attention_kind": "gqa",
+                         "model.mla": {"q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                                       "qk_rope_head_dim": 64, "v_head_dim": 128},
+                         "model.rope_scaling.beta_fast": 32.0, "model.rope_scaling.beta_slow": 1.0,
+                         "model.rope_scaling.mscale": None, "model.rope_scaling.mscale_all_dim": None,
                          "finetune.method": "full",
                          "finetune.lora": {"rank": 8, "alpha": 16.0, "dropout": 0.0,
                                            "targets": ["q", "k", "v", "o"], "experts": False}}

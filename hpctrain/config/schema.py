@@ -20,15 +20,46 @@ class RopeScalingConfig:
 
     type: Optional[str] = None
     """null: plain RoPE; llama3: Llama 3.1's scaling (long wavelengths divided by factor, short ones kept, the
-    band between interpolated), computed as transformers' modeling_rope_utils computes it."""
+    band between interpolated); yarn: YaRN (DeepSeek-V3: frequencies ramped between beta_fast and beta_slow,
+    cos/sin and the softmax scale multiplied by the mscale terms); each computed as transformers'
+    modeling_rope_utils computes it."""
     factor: float = 8.0
-    """llama3: the factor long wavelengths are divided by."""
+    """llama3 and yarn: the factor long wavelengths are divided by."""
     low_freq_factor: float = 1.0
     """llama3: wavelengths above original_max_seq_len / low_freq_factor are scaled by 1/factor."""
     high_freq_factor: float = 4.0
     """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept."""
     original_max_seq_len: int = 8192
-    """llama3: the context length of pretraining (Hugging Face's original_max_position_embeddings)."""
+    """llama3 and yarn: the context length of pretraining (Hugging Face's original_max_position_embeddings)."""
+    beta_fast: float = 32.0
+    """yarn: dims turning more than this many times over original_max_seq_len keep their frequency."""
+    beta_slow: float = 1.0
+    """yarn: dims turning fewer than this many times over original_max_seq_len are divided by factor (the band
+    between is interpolated linearly)."""
+    mscale: Optional[float] = None
+    """yarn: with mscale_all_dim, cos and sin are scaled by (0.1 mscale ln(factor) + 1) / (0.1 mscale_all_dim
+    ln(factor) + 1); null (or without mscale_all_dim): by 0.1 ln(factor) + 1 (transformers' rule)."""
+    mscale_all_dim: Optional[float] = None
+    """yarn: the softmax scale is multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2 (DeepSeek-V3); null: not."""
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (``model.attention_kind=mla``, DeepSeek-V2/V3): queries from a low-rank
+    projection, keys and values expanded per head from one shared latent, plus a rotary part shared by the
+    heads. The defaults are DeepSeek-V2-Lite's."""
+
+    q_lora_rank: Optional[int] = None
+    """Rank of the query's down-projection (with its RMSNorm) before the per-head up-projection (DeepSeek-V3:
+    1536); null: one query projection d_model -> n_heads x (qk_nope_head_dim + qk_rope_head_dim) (V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Width of the key/value latent (with its RMSNorm) that the per-head keys and values are expanded from."""
+    qk_nope_head_dim: int = 128
+    """Dims of each query/key head without rotary embedding (from the latent's up-projection)."""
+    qk_rope_head_dim: int = 64
+    """Dims of each query/key head with rotary embedding (even); the key's is one projection shared by all heads."""
+    v_head_dim: int = 128
+    """Dims of each value head (may differ from qk_nope_head_dim + qk_rope_head_dim)."""
 
 
 @dataclass
@@ -57,6 +88,12 @@ class ModelConfig:
     qk_norm: bool = False
     """An RMSNorm over each query and key head (weights of size head_dim, shared by the heads), applied before
     RoPE (Qwen3)."""
+    attention_kind: str = "gqa"
+    """gqa: grouped-query attention (Llama, Qwen; n_kv_heads, head_dim, qkv_bias, qk_norm); mla: multi-head
+    latent attention with the shape in model.mla (DeepSeek-V2/V3; n_kv_heads null or n_heads, head_dim null, no
+    qkv_bias or qk_norm)."""
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    """Multi-head latent attention's shape (read with model.attention_kind=mla)."""
     ffn_hidden: Optional[int] = None
     """SwiGLU inner size; None means Llama's rule: 8h/3 rounded up to ffn_multiple_of."""
     ffn_multiple_of: int = 32

@@ -27,9 +27,11 @@ from hpctrain.errors import PluginError
 from hpctrain.finetune.lora import add_adapters, lora_config
 from hpctrain.mesh import AXES, Mesh
 from hpctrain.model.attention import SdpaAttention
+from hpctrain.model.mla import MLAttention
 from hpctrain.model.mtp import build_mtp
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import Block, RMSNorm, RopeScaling, SwiGLU, Transformer
+from hpctrain.model.yarn import YarnScaling
 from hpctrain.shard import SPEC_ATTR, ShardSpec, get_spec, replicated_spec, set_spec
 
 BUILTIN_ATTENTION = {"sdpa": SdpaAttention}
@@ -78,16 +80,18 @@ def build_model(cfg: Any, pm=None, mesh: Optional[Mesh] = None) -> Transformer:
     """
     m = cfg.model
     shape = ModelShape.from_config(m)
+    scaling = RopeScaling.from_config(getattr(m, "rope_scaling", None))
+    softmax_factor = scaling.softmax_factor if isinstance(scaling, YarnScaling) else 1.0
     with torch.device("meta"), _NoInitOnMeta():
 
         def block(i: int) -> Block:  # block i of the model (i >= n_layers: a multi-token prediction module's)
             core = _make_part(pm, "attention", m.attention, BUILTIN_ATTENTION, cfg, shape, i, mesh)
-            return Block(shape, m.norm_eps, core, _make_part(pm, "ffn", m.ffn, BUILTIN_FFN, cfg, shape, i, mesh))
+            return Block(shape, m.norm_eps, core, _make_part(pm, "ffn", m.ffn, BUILTIN_FFN, cfg, shape, i, mesh),
+                         MLAttention(shape, core, softmax_factor) if shape.mla is not None else None)
 
         blocks = nn.ModuleList(block(i) for i in range(shape.n_layers))
         mtp = build_mtp(shape, m.norm_eps, int(getattr(m, "mtp_depth", 0)), float(getattr(m, "mtp_loss_weight", 0.0)),
                         block, lambda: RMSNorm(shape.d_model, m.norm_eps))
-        scaling = RopeScaling.from_config(getattr(m, "rope_scaling", None))
         model = Transformer(shape, m.norm_eps, m.rope_theta, blocks, scaling, mtp)
         lora = lora_config(cfg)
         if lora is not None:  # adapters on the one-process model: every axis then cuts them with their base

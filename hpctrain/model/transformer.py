@@ -2,6 +2,12 @@
 options of the same forward, Qwen2's q/k/v biases and Qwen3's qk-norm
 (``Attention``) and a head size other than d_model / n_heads.
 
+Multi-head latent attention (DeepSeek-V2/V3, ``model.attention_kind=mla``) is
+another attention sub-layer with the same forward signature and seams,
+``hpctrain.model.mla.MLAttention``, which ``Block`` takes in place of
+``Attention``; the rotary tables then cover its decoupled rotary part
+(``ModelShape.rope_dim``), with yarn's scaling (``hpctrain.model.yarn``).
+
 Replaceable parts: ``block.attn.core`` (core attention), ``block.ffn`` (the
 feed-forward block: SwiGLU here, MoE from a plugin) and ``model.loss_fn``
 (vocab-parallel cross-entropy from the TP plugin).
@@ -38,16 +44,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.model.mtp import MTP
 from hpctrain.finetune.lora import adapted
+from hpctrain.model.mtp import MTP
 from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
+from hpctrain.model.yarn import YarnScaling
 
 
 def _same(weight: torch.Tensor) -> torch.Tensor:
@@ -106,11 +113,14 @@ class RopeScaling:
     original_max_seq_len: int
 
     @classmethod
-    def from_config(cls, rs: Any) -> Optional["RopeScaling"]:
+    def from_config(cls, rs: Any) -> Optional[Union["RopeScaling", YarnScaling]]:
+        """The scaling ``model.rope_scaling`` names: llama3 (this class), yarn (``YarnScaling``) or None."""
         if rs is None or rs.type is None:
             return None
+        if rs.type == "yarn":
+            return YarnScaling.from_config(rs)
         if rs.type != "llama3":
-            raise ValueError(f"model.rope_scaling.type={rs.type!r}: only llama3 (or null) is implemented")
+            raise ValueError(f"model.rope_scaling.type={rs.type!r}: only llama3, yarn (or null) are implemented")
         return cls(float(rs.factor), float(rs.low_freq_factor), float(rs.high_freq_factor),
                    int(rs.original_max_seq_len))
 
@@ -134,12 +144,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = 
     return torch.where(medium, smoothed, stretched)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, scaling: Optional[RopeScaling] = None):
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                scaling: Optional[Union[RopeScaling, YarnScaling]] = None):
     """cos, sin for the given positions: (seq, head_dim/2) for positions (seq,)
     shared by the batch, (batch, seq, head_dim/2) for per-sample positions
-    (batch, seq) (document masking: positions within each document)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
+    (batch, seq) (document masking: positions within each document). Under
+    yarn both are multiplied by its attention factor, as transformers does."""
+    if isinstance(scaling, YarnScaling):
+        inv_freq = scaling.inv_freq(head_dim, theta, positions.device)
+    else:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.float()[..., None] * inv_freq
+    if isinstance(scaling, YarnScaling) and scaling.attention_factor != 1.0:
+        return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
     return angles.cos(), angles.sin()
 
 
@@ -222,10 +239,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape, eps: float, attention_core: nn.Module, ffn: nn.Module):
+    def __init__(self, shape: ModelShape, eps: float, attention_core: nn.Module, ffn: nn.Module,
+                 attention: Optional[nn.Module] = None):
+        """``attention``: the attention sub-layer when it is not ``Attention`` (latent attention,
+        ``hpctrain.model.mla``: the same forward signature and seams, built around ``attention_core``)."""
         super().__init__()
         self.attn_norm = RMSNorm(shape.d_model, eps)
-        self.attn = Attention(shape, attention_core, eps)
+        self.attn = attention if attention is not None else Attention(shape, attention_core, eps)
         self.ffn_norm = RMSNorm(shape.d_model, eps)
         self.ffn = ffn
         self.recompute = False
@@ -287,7 +307,7 @@ class Transformer(nn.Module):
     first)."""
 
     def __init__(self, shape: ModelShape, eps: float, rope_theta: float, blocks,
-                 rope_scaling: Optional[RopeScaling] = None, mtp: Optional[MTP] = None):
+                 rope_scaling: Optional[Union[RopeScaling, YarnScaling]] = None, mtp: Optional[MTP] = None):
         super().__init__()
         self.shape = shape
         self.rope_theta = rope_theta
@@ -351,7 +371,7 @@ class Transformer(nn.Module):
         """
         if positions is None:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
-        cos, sin = rope_tables(positions, self.shape.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = rope_tables(positions, self.shape.rope_dim, self.rope_theta, self.rope_scaling)
         x = self.tok_embeddings(inputs) if self.tok_embeddings is not None else inputs
         for block in self.layers.values():
             x = block(x, cos, sin, segments)

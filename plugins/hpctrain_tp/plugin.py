@@ -33,11 +33,13 @@ from hpctrain import hookimpl
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import Mesh
 from hpctrain.model.build import narrow_param
+from hpctrain.model.mla import MLAttention
 from hpctrain.model.shapes import padded_vocab
-from hpctrain.model.transformer import SwiGLU, Transformer
+from hpctrain.model.transformer import Attention, SwiGLU, Transformer
 from hpctrain.parallel.handles import AxisHandle
 from hpctrain.shard import get_spec
 
+from hpctrain_tp.latent import parallelize_latent_attention
 from hpctrain_tp.layers import SumOverTensorParallel, TensorParallelLinears, column_parallel, row_parallel
 from hpctrain_tp.regions import TensorParallelRegions
 from hpctrain_tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, VocabParallelHead
@@ -78,14 +80,10 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
     norms = []
     for block in model.layers:
         attn = block.attn
-        column_parallel(attn.wq, mesh, unit=head_dim)
-        column_parallel(attn.wk, mesh, unit=head_dim, pieces=kv_pieces)
-        column_parallel(attn.wv, mesh, unit=head_dim, pieces=kv_pieces)
-        row_parallel(attn.wo, mesh, unit=head_dim)
-        attn.linears = attention_linears
-        for qk_norm in (attn.q_norm, attn.k_norm):
-            if qk_norm is not None:  # each rank normalises its own heads: the weight's gradient sums over tp
-                qk_norm.weight_view = SumOverTensorParallel(group)
+        if isinstance(attn, MLAttention):  # latent attention: heads split, latents whole (latent.py)
+            parallelize_latent_attention(attn, mesh, regions)
+        else:
+            _parallelize_attention(attn, mesh, head_dim, kv_pieces, attention_linears)
         # the dense SwiGLU, or one inside another feed-forward (an MoE layer's shared experts), is split; the
         # rest of that feed-forward is replicated over tp and handles the tp region itself (its plugin gets the
         # mesh in hpctrain_make_module)
@@ -107,6 +105,19 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
               padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to),
               f"key/value heads replicated on {tp // kv_pieces} ranks each" if kv_pieces else "key/value heads split")
     return AxisHandle(model)
+
+
+def _parallelize_attention(attn: Attention, mesh: Mesh, head_dim: int, kv_pieces: Optional[int],
+                            linears: TensorParallelLinears) -> None:
+    """Grouped-query attention: whole query heads per rank, key/value heads split or replicated."""
+    column_parallel(attn.wq, mesh, unit=head_dim)
+    column_parallel(attn.wk, mesh, unit=head_dim, pieces=kv_pieces)
+    column_parallel(attn.wv, mesh, unit=head_dim, pieces=kv_pieces)
+    row_parallel(attn.wo, mesh, unit=head_dim)
+    attn.linears = linears
+    for qk_norm in (attn.q_norm, attn.k_norm):
+        if qk_norm is not None:  # each rank normalises its own heads: the weight's gradient sums over tp
+            qk_norm.weight_view = SumOverTensorParallel(linears.regions.group)
 
 
 def _vocab_parallel(model: Transformer, mesh: Mesh, regions: TensorParallelRegions, padded: int) -> None:

@@ -18,6 +18,7 @@ from hpctrain.dry_run import check_launch, request_problems, split_flags
 from hpctrain.errors import ConfigError
 from hpctrain.plugins import create_manager
 
+MLA = "model.attention_kind=mla model.n_kv_heads=null"  # latent attention on the tiny model (its 2 kv heads: null)
 BAD = [
     ("trainer.steps=0", "trainer.steps=0: must be an integer >= 1"),
     ("trainer.steps=-5", "trainer.steps=-5: must be an integer >= 1"),
@@ -212,6 +213,17 @@ BAD = [
     ("model.n_kv_heads=abc", "model.n_kv_heads='abc': must be null or an integer (int)"),
     ("model.qkv_bias=maybe", "model.qkv_bias='maybe': must be true or false (bool)"),
     ("model.qk_norm=maybe", "model.qk_norm='maybe': must be true or false (bool)"),
+    ("model.attention_kind=flash", "model.attention_kind='flash' is not one of gqa, mla"),
+    ("model.attention_kind=mla", "model.n_kv_heads=2 with model.attention_kind=mla: latent attention sets its heads"),
+    ("model.mla.q_lora_rank=0 " + MLA, "model.mla.q_lora_rank=0: must be null or an integer >= 1"),
+    ("model.mla.kv_lora_rank=0 " + MLA, "model.mla.kv_lora_rank=0: must be an integer >= 1"),
+    ("model.mla.qk_nope_head_dim=-8 " + MLA, "model.mla.qk_nope_head_dim=-8: must be an integer >= 1"),
+    ("model.mla.qk_rope_head_dim=7 " + MLA, "model.mla.qk_rope_head_dim=7: must be even"),
+    ("model.mla.v_head_dim=0 " + MLA, "model.mla.v_head_dim=0: must be an integer >= 1"),
+    ("model.rope_scaling.beta_fast=0", "model.rope_scaling.beta_fast=0.0: must be a finite number > 0 (yarn)"),
+    ("model.rope_scaling.beta_slow=-1", "model.rope_scaling.beta_slow=-1.0: must be a finite number > 0 (yarn)"),
+    ("model.rope_scaling.mscale=0", "model.rope_scaling.mscale=0.0: must be null or a finite number > 0 (yarn)"),
+    ("model.rope_scaling.mscale_all_dim=-1", "model.rope_scaling.mscale_all_dim=-1.0: must be null or a finite"),
     ("model.moe.ffn_hidden=0 model=tiny-moe", "model.moe.ffn_hidden=0: must be null (model.ffn_hidden) or an "
      "integer >= 1"),
     ("model.moe.norm_topk_prob=maybe model=tiny-moe", "model.moe.norm_topk_prob='maybe': must be true or false"),
@@ -240,7 +252,8 @@ BAD = [
     ("+trainer.newkey=3", "trainer.newkey is not a config key (trainer has no 'newkey'); the keys of trainer: steps,"),
     ("parallel.zero.stag=1", "did you mean parallel.zero.stage?"),
     ("comm.per_axis.pp=mpi", "comm.per_axis is a mapping with no entry 'pp' yet; add one with +comm.per_axis.pp="),
-    ("model=gpt5", "model=gpt5: there is no preset 'gpt5' in group model; choose one of: gpt2-124m,"),
+    ("model=gpt5", "model=gpt5: there is no preset 'gpt5' in group model; choose one of: deepseek-v2-lite, "
+     "deepseek-v3, gpt2-124m,"),
     ("HPCTRAIN_DISABLE_PLUGINS=zero optim=mine",
      "(hpctrain/conf/optim/*.yaml and the plugins'); blocked by HPCTRAIN_DISABLE_PLUGINS: zero; to unblock"),
     ("trainer.steps=[1", "cannot parse the override 'trainer.steps=[1'"),
