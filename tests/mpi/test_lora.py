@@ -8,6 +8,8 @@ session, each layout against one shared one-process run:
   gradient summed over tp; row-parallel: A cut by columns, B whole),
 - pp 2 x dp 2, ZeRO-3 (frozen base weights sharded, never reduced),
 - cp 2 x dp 2,
+- and an MoE model's attention adapters (its experts, router and the rest
+  frozen) at ep 2 x tp 2 against its own one-process run,
 
 each equals one process: per-step losses and the gradient of every adapter
 (the only gradients there are; the base has none on any rank). No warm-up,
@@ -43,4 +45,16 @@ def test_lora_trains_like_one_process(world, pm, layout):
     assert adapters == set(want[-1].grads) and len(adapters) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
     assert all(float(want[-1].grads[n].abs().max()) > 0 for n in adapters)  # B moved: A's gradients too
     got = record(world_trainer(pm, *BASE, *layout), STEPS)
+    assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+
+
+MOE = BASE[:2] + ("finetune.lora.targets=[q,k,v,o]", "model=tiny-moe") + BASE[3:]
+
+
+@pytest.mark.mpi(min_size=4)
+def test_lora_on_moe_attention_trains_like_one_process(world, pm):
+    want = shared_reference(MOE, STEPS)
+    assert set(want[-1].grads) == {n for n in want[-1].grads if ".attn." in n and ".lora." in n}
+    assert len(want[-1].grads) == 2 * 4 * 2
+    got = record(world_trainer(pm, *MOE, "parallel.ep=2", "parallel.tp=2"), STEPS)
     assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)

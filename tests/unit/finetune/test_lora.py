@@ -78,3 +78,21 @@ def test_a_lora_run_is_its_own_experiment(make_config):
     full, lora = (default_checkpoint_dir(make_config(*o), "/launch") for o in ((), ("finetune=lora",)))
     assert full.endswith("/tiny-64a7e0a7")  # as before finetune existed (tests/unit/test_checkpoint_dir_names.py)
     assert lora != full != default_checkpoint_dir(make_config("finetune=lora", "finetune.lora.rank=4"), "/launch")
+
+
+def test_a_checkpoint_holds_the_adapters_and_resumes(pm, tmp_path):
+    """Saved after 2 steps and resumed, the third step's loss is the uninterrupted run's; the checkpoint
+    holds the base and the adapters (its config names the base: checkpoint.init_from, for the export)."""
+    import h5py
+
+    ck = (f"checkpoint.dir={tmp_path}", "checkpoint.every=1000")
+    straight = _trainer(pm, *ck)
+    want = [straight.train_step()["loss"] for _ in range(3)]
+    first = _trainer(pm, *ck)
+    assert [first.train_step()["loss"] for _ in range(2)] == want[:2]
+    path = first.save_checkpoint()
+    with h5py.File(path) as f:
+        assert {"layers.0.attn.wq.weight", "layers.0.attn.wq.lora.A", "layers.1.ffn.w2.lora.B"} <= set(f["model"])
+    resumed = _trainer(pm, *ck, f"checkpoint.resume={path}")
+    assert resumed.step == 2
+    assert resumed.train_step()["loss"] == want[2]
