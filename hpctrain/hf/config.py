@@ -22,8 +22,10 @@ softmax over all experts, keep the top k and renormalise them only with
 ``norm_topk_prob`` (``model.moe.norm_topk_prob``); its experts have their own
 width (``moe_intermediate_size`` -> ``model.moe.ffn_hidden``) and the blocks
 between MoE blocks (``decoder_sparse_step`` -> ``model.moe.every``) a dense
-MLP of ``intermediate_size``. Dense layers named in ``mlp_only_layers``
-are refused unless ``decoder_sparse_step`` already makes them dense;
+MLP of ``intermediate_size``. Dense layers named in ``mlp_only_layers`` are
+the first blocks (``model.moe.first_dense_blocks``) when they lead the
+model, and refused between MoE blocks where ``decoder_sparse_step`` does not
+already make them dense;
 ``router_aux_loss_coef`` becomes the balance loss coefficient (transformers
 adds it only with ``output_router_logits``; the logged loss is the
 language-model loss either way).
@@ -212,7 +214,7 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
                       "top_k": int(data.get("num_experts_per_tok", 2)), "router": "softmax",
                       "capacity_factor": None, "shared_experts": 0, "every": 1,
                       "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.02)), "z_loss_coef": 0.0,
-                      "ffn_hidden": None, "norm_topk_prob": True}
+                      "ffn_hidden": None, "norm_topk_prob": True, "first_dense_blocks": 0}
     elif arch == "Qwen3MoeForCausalLM":
         moe, moe_problems = _qwen3_moe(data, path, out["n_layers"])
         problems += moe_problems
@@ -237,22 +239,33 @@ def _qwen3_moe(data: Dict[str, Any], path: str, n_layers: int) -> Tuple[Dict[str
     if norm and top_k == 1:
         problems.append(f"{path}: norm_topk_prob=true with num_experts_per_tok=1 (every weight 1.0) is not "
                         "implemented; one expert per token keeps its probability here")
+    # transformers: MoE where a layer is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; here
+    # the dense layers it lists must lead the model (model.moe.first_dense_blocks)
     dense = sorted({int(i) for i in data.get("mlp_only_layers") or []})
-    moe_dense = [i for i in dense if 0 <= i < n_layers and (i + 1) % every == 0]
-    if moe_dense:
-        problems.append(f"{path}: mlp_only_layers={dense} makes layers {moe_dense} dense, which is not implemented "
-                        f"(dense layers only between MoE ones: decoder_sparse_step={every}, model.moe.every)")
+    steps = [i for i in range(n_layers) if (i + 1) % every == 0]
+    theirs = [i for i in steps if i not in dense]
+    first = 0 if theirs == steps else theirs[0] if theirs else n_layers
+    inside = sorted(set(dense) & {i for i in steps if i >= first})
+    if experts >= 1 and not theirs:
+        problems.append(f"{path}: mlp_only_layers={dense} leaves no MoE layer (decoder_sparse_step={every}); a dense "
+                        "Qwen3 is Qwen3ForCausalLM")
+    elif inside:
+        problems.append(f"{path}: mlp_only_layers={dense} makes layers {inside} dense after MoE layer {first}, "
+                        "which is not implemented (dense layers only before the first MoE layer, "
+                        f"model.moe.first_dense_blocks, or between MoE ones, decoder_sparse_step={every})")
     if data.get("router_jitter_noise"):
         problems.append(f"{path}: router_jitter_noise={data['router_jitter_noise']} is not implemented; set it to 0.0")
     moe = {"num_experts": experts, "top_k": top_k, "router": "softmax", "capacity_factor": None, "shared_experts": 0,
            "every": every, "aux_loss_coef": float(data.get("router_aux_loss_coef", 0.001)), "z_loss_coef": 0.0,
-           "ffn_hidden": int(data.get("moe_intermediate_size", 768)), "norm_topk_prob": norm}
+           "ffn_hidden": int(data.get("moe_intermediate_size", 768)), "norm_topk_prob": norm,
+           "first_dense_blocks": first}
     return moe, problems
 
 
 WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
                "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts",
-               "moe.top_k", "moe.router", "moe.shared_experts", "moe.every", "moe.ffn_hidden", "moe.norm_topk_prob")
+               "moe.top_k", "moe.router", "moe.shared_experts", "moe.every", "moe.ffn_hidden", "moe.norm_topk_prob",
+               "moe.first_dense_blocks")
 """``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
 directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE
 loss coefficients and capacity) an explicit override sets instead: training choices, not the model's shape."""

@@ -17,7 +17,8 @@ The architecture follows the model: MoE blocks -> MixtralForCausalLM (a
 softmax router with top-k >= 2 renormalised, in every block, no shared
 experts: what Mixtral computes), or with qk-norm Qwen3MoeForCausalLM (a
 softmax router, its ``norm_topk_prob``, MoE every ``decoder_sparse_step``-th
-block with dense ones of ``intermediate_size`` between, experts of
+block with dense ones of ``intermediate_size`` between and the first
+``model.moe.first_dense_blocks`` dense (``mlp_only_layers``), experts of
 ``moe_intermediate_size``, no shared experts); q/k/v biases (``model.qkv_bias``) -> Qwen2ForCausalLM;
 qk-norm (``model.qk_norm``) -> Qwen3ForCausalLM (without biases: its
 ``attention_bias`` would put one on o_proj too); otherwise LlamaForCausalLM
@@ -95,9 +96,9 @@ def _architecture(model: Any) -> str:
                         f"{str(moe.get('norm_topk_prob', True)).lower()} (Mixtral: softmax, top_k >= 2, renormalised)")
     if int(moe.shared_experts):
         problems.append(f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none)")
-    if int(moe.every) != 1:
-        problems.append(f"model.moe.every={moe.every} (Mixtral has experts in every block; with dense blocks "
-                        "between, set model.qk_norm=true for Qwen3-MoE)")
+    if int(moe.every) != 1 or int(moe.get("first_dense_blocks", 0)):
+        problems.append(f"model.moe.every={moe.every}, first_dense_blocks={moe.get('first_dense_blocks', 0)} "
+                        "(Mixtral has experts in every block; with dense blocks, set model.qk_norm=true for Qwen3-MoE)")
     if problems:
         raise ConfigError(f"this model has no Hugging Face architecture: {'; '.join(problems)}")
     return "MixtralForCausalLM"
@@ -153,7 +154,9 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
         del out["attention_bias"]  # written below, after the fields Qwen3's share
         out.update(num_experts=int(moe.num_experts), num_experts_per_tok=int(moe.top_k),
                    moe_intermediate_size=int(moe.get("ffn_hidden") or s.ffn_hidden),
-                   decoder_sparse_step=int(moe.every), mlp_only_layers=[],
+                   decoder_sparse_step=int(moe.every),
+                   mlp_only_layers=[i for i in range(min(int(moe.get("first_dense_blocks", 0)), s.n_layers))
+                                    if (i + 1) % int(moe.every) == 0],
                    # top_k=1 keeps its probability here whatever the option (MoEConfig.norm_topk_prob)
                    norm_topk_prob=bool(moe.get("norm_topk_prob", True)) and int(moe.top_k) > 1,
                    router_aux_loss_coef=float(moe.aux_loss_coef), output_router_logits=False,

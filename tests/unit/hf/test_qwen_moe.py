@@ -4,7 +4,9 @@ own ``Qwen3MoeConfig`` and saved in the test: 4 experts of width 32, top 2, qk-n
 - ``norm``: norm_topk_prob=true (the chosen probabilities renormalised), an MoE block in every layer;
 - ``raw``: norm_topk_prob=false (transformers' default: the probabilities themselves);
 - ``raw-step2``: norm_topk_prob=false with decoder_sparse_step=2 and mlp_only_layers=[0]: layer 0 a dense
-  MLP of intermediate_size 96, layer 1 MoE (experts of moe_intermediate_size 32).
+  MLP of intermediate_size 96, layer 1 MoE (experts of moe_intermediate_size 32);
+- ``norm-dense0``: norm_topk_prob=true, decoder_sparse_step=1 with mlp_only_layers=[0]: layer 0 dense
+  (``model.moe.first_dense_blocks=1``), layer 1 MoE.
 
 Imported, the logits equal transformers' within 1e-5 relative; the first training step's loss is
 transformers' own loss (``labels=``; without output_router_logits it leaves out the balance loss, as our
@@ -36,6 +38,7 @@ MODELS = {
     "norm": lambda: qwen3_moe_config(norm_topk_prob=True),
     "raw": lambda: qwen3_moe_config(norm_topk_prob=False),
     "raw-step2": lambda: qwen3_moe_config(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[0]),
+    "norm-dense0": lambda: qwen3_moe_config(norm_topk_prob=True, mlp_only_layers=[0]),
 }
 
 
@@ -63,7 +66,11 @@ def test_the_config_reads_as_qwen3_moe(dirs, pm):
     moe = model.moe
     assert (moe.num_experts, moe.top_k, moe.router, moe.ffn_hidden, moe.norm_topk_prob, moe.every,
             moe.shared_experts, moe.aux_loss_coef) == (4, 2, "softmax", 32, False, 2, 0, 0.001)
-    assert compose_resolved(["model=hf", f"model.hf_dir={dirs['norm']}"], pm).model.moe.norm_topk_prob is True
+    assert moe.first_dense_blocks == 0  # layer 0 is dense by decoder_sparse_step already
+    norm = compose_resolved(["model=hf", f"model.hf_dir={dirs['norm']}"], pm).model.moe
+    dense0 = compose_resolved(["model=hf", f"model.hf_dir={dirs['norm-dense0']}"], pm).model.moe
+    assert (norm.norm_topk_prob, norm.every, norm.first_dense_blocks) == (True, 1, 0)
+    assert (dense0.norm_topk_prob, dense0.every, dense0.first_dense_blocks) == (True, 1, 1)
 
 
 @pytest.mark.parametrize("which", list(MODELS))
@@ -87,7 +94,7 @@ def test_the_first_step_loss_is_transformers_own(dirs, pm, which):
     assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
-@pytest.mark.parametrize("which", ["norm", "raw-step2"])
+@pytest.mark.parametrize("which", ["norm-dense0", "raw-step2"])
 def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, tmp_path, which):
     from transformers import AutoModelForCausalLM
 
@@ -104,6 +111,7 @@ def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, t
     for key in ("norm_topk_prob", "decoder_sparse_step", "moe_intermediate_size", "intermediate_size",
                 "num_experts_per_tok", "head_dim"):
         assert config[key] == source[key], key
+    assert config["mlp_only_layers"] == ([0] if which == "norm-dense0" else [])  # the dense layers that matter
     assert config["num_experts"] == source["num_local_experts"] == 4  # transformers 5 writes the other name
     again = compose_resolved(["model=hf", f"model.hf_dir={out}"], pm).model  # and it reads back as it was
     assert again.moe == _imported(dirs[which], pm).model.moe and again.ffn_hidden == trainer.cfg.model.ffn_hidden
