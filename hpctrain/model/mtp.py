@@ -33,13 +33,15 @@ loss (``hpctrain.model.aux.add_aux_loss(..., like_loss=True)``).
 
 Layouts: the modules live on the last pipeline stage, beside the head,
 which then holds the embedding too (its gradient summed with the first
-stage's, like a tied embedding). Tensor and context parallelism are refused
-for now (``mtp_problems``): the module's projection and norms would need
-tp's seams, and a target k places ahead crosses cp's chunks.
+stage's, like a tied embedding). Tensor parallelism splits each module's
+block as the model's and treats its norms as the model's; ``eh_proj`` stays
+whole, its weight through ``eh_weight_view`` (summed over tp under sequence
+parallelism). Context parallelism is refused for now (``mtp_problems``): a
+target k places ahead crosses cp's chunks.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,10 @@ from hpctrain.model.shapes import ModelShape
 
 IGNORED = -100
 """A target the loss skips (``CrossEntropy``'s ignore_index)."""
+
+
+def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
 
 
 class MTPModule(nn.Module):
@@ -63,10 +69,14 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * shape.d_model, shape.d_model, bias=False)
         self.block = block
         self.norm = norm()
+        self.eh_weight_view: Callable[[torch.Tensor], torch.Tensor] = _same
+        """The seam for ``eh_proj``'s weight as forward uses it (like ``RMSNorm.weight_view``: under sequence
+        parallelism each tp rank projects its own tokens, and the weight's gradient is summed over tp)."""
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        both = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
+        x = F.linear(both, self.eh_weight_view(self.eh_proj.weight))
         return self.norm(self.block(x, cos, sin, segments))
 
 
@@ -82,6 +92,10 @@ class MTP(nn.Module):
     @property
     def depth(self) -> int:
         return len(self.layers)
+
+    def modules_by_depth(self) -> List[MTPModule]:
+        """Module 1, 2, ... (an axis plugin reaches their blocks, norms and projection through these)."""
+        return [cast(MTPModule, m) for m in self.layers.values()]
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
                 embed: nn.Module, head: nn.Module, loss_fn: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
@@ -126,10 +140,8 @@ def mtp_problems(cfg: Any) -> List[str]:
     weight = m.mtp_loss_weight
     if not (isinstance(weight, (int, float)) and 0 <= float(weight) < float("inf")):
         out.append(f"model.mtp_loss_weight={weight}: must be a finite number >= 0 (DeepSeek-V3: 0.3, then 0.1)")
-    if depth:
-        for axis in ("tp", "cp"):
-            if int(par[axis]) > 1:
-                out.append(f"model.mtp_depth={depth} with parallel.{axis}={par[axis]}: multi-token prediction "
-                           f"is not implemented under {'tensor' if axis == 'tp' else 'context'} parallelism "
-                           "yet; use pp, ep, dp or ZeRO, or model.mtp_depth=0")
+    if depth and int(par.cp) > 1:
+        out.append(f"model.mtp_depth={depth} with parallel.cp={par.cp}: multi-token prediction is not implemented "
+                   "under context parallelism yet (a target k places ahead lies in another rank's chunk); use tp, "
+                   "pp, ep, dp or ZeRO, or model.mtp_depth=0")
     return out

@@ -78,7 +78,9 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
     attention_linears = TensorParallelLinears(regions, replicated=(1, 2), replicas=kv_replicas)
     ffn_linears = TensorParallelLinears(regions)
     norms = []
-    for block in model.layers:
+    # multi-token prediction's modules (hpctrain.model.mtp): their blocks split as the model's, their norms as its
+    mtp = model.mtp.modules_by_depth() if model.mtp is not None else []
+    for block in list(model.layers) + [m.block for m in mtp]:
         attn = block.attn
         if isinstance(attn, MLAttention):  # latent attention: heads split, latents whole (latent.py)
             parallelize_latent_attention(attn, mesh, regions)
@@ -97,9 +99,12 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
     _vocab_parallel(model, mesh, regions, padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to))
     if model.norm is not None:
         norms.append(model.norm)
+    norms += [n for m in mtp for n in (m.enorm, m.hnorm, m.norm)]
     if sequence_parallel:
         for norm in norms:
             norm.weight_view = SumOverTensorParallel(group)
+        for m in mtp:  # the projection is whole; each rank projects its shard of the sequence
+            m.eh_weight_view = SumOverTensorParallel(group)
     log_rank0("tensor parallelism: tp=%d, sequence parallelism %s, vocabulary %d padded to %d, %s", tp,
               "on" if sequence_parallel else "off", shape.vocab_size,
               padded_vocab(shape.vocab_size, tp, cfg.model.vocab_pad_to),

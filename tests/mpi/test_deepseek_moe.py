@@ -18,7 +18,11 @@ Layouts (one shared one-process reference, 2 steps):
   embedding on stage 0, block 1, the head and the MTP module (with the
   embedding it shares, whose gradient is summed with stage 0's) on stage 1;
 - dp 4 with ZeRO-3: every weight sharded, gathered per unit (the MTP
-  module's weights in the last unit, the embedding and head called twice).
+  module's weights in the last unit, the embedding and head called twice);
+- tp 2 with sequence parallelism x ep 2: attention, the dense block and the
+  shared expert split over tp (the MTP module's block too), the routed
+  experts over ep; the MTP module's norms and projection whole, their
+  gradients summed over tp.
 
 Tolerances as tests/mpi/test_moe.py (routing is discontinuous; no token
 of these runs sits near a tie).
@@ -41,6 +45,7 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 LAYOUTS = {
     "ep2-pp2": ("parallel.ep=2", "parallel.pp=2"),
     "dp4-zero3": ("parallel.zero.stage=3",),
+    "tp2-sp-ep2": ("parallel.tp=2", "parallel.ep=2"),
 }
 
 
