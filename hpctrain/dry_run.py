@@ -235,6 +235,14 @@ class _Values(TorchDispatchMode):
     CPU twin, or ones; an operation whose meta tensors are all small is run on their
     twins too, so counts and flags computed from Python numbers are exact."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: Set[int] = set()
+        """Storages of the rank's parameters (filled once they exist)."""
+        self.weight_copies: Dict[int, torch.Tensor] = {}
+        """16-bit casts of them made explicitly (not by autocast's weight cache), by storage; kept for the
+        step (meta tensors: no memory) so that no later tensor reuses a storage key."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _aten._local_scalar_dense.default and args[0].is_meta:
@@ -243,6 +251,11 @@ class _Values(TorchDispatchMode):
             device = kwargs.get("device")
             if device is not None and torch.device(device).type != "meta":
                 return func(_value_of(args[0]), **kwargs)
+        if func is _aten._to_copy.default and args[0].is_meta and _storage_key(args[0]) in self.weights:
+            out = func(*args, **kwargs)
+            if out.dtype != args[0].dtype:  # a cast of a weight made outside autocast's cache (MoE expert stacks)
+                self.weight_copies[_storage_key(out)] = out
+            return out
         if func is _aten._to_copy.default and not args[0].is_meta:
             device = kwargs.get("device")
             out = func(*args, **kwargs)
@@ -365,8 +378,9 @@ class _SavedBytes:
     """Live and peak bytes of the tensors saved for backward (storages counted once), parameters left
     out, autocast's weight copies apart."""
 
-    def __init__(self, exclude: Set[int]):
+    def __init__(self, exclude: Set[int], copies: Optional[Dict[int, torch.Tensor]] = None):
         self.exclude = exclude
+        self.copies = copies if copies is not None else {}
         self.refs: Dict[int, List[Any]] = {}  # storage -> [references, bytes, is a weight copy]
         self.live = self.peak = 0
         self.copies_live = self.copies_peak = 0
@@ -382,7 +396,7 @@ class _SavedBytes:
             entry[0] += 1
         else:
             nbytes = t.untyped_storage().nbytes()
-            copy_ = amp.is_weight_copy(t)
+            copy_ = amp.is_weight_copy(t) or key in self.copies
             self.refs[key] = [1, nbytes, copy_]
             if copy_:
                 self.copies_live += nbytes
@@ -645,7 +659,8 @@ def rank_nodes(cfg: Any, world: int) -> Optional[List[int]]:
 def play_rank(cfg: Any, world: int, rank: int, pm: Any) -> RankReport:
     """One rank's set-up and step on the meta device (``cfg`` validated, from ``dry_config``)."""
     t0 = time.perf_counter()
-    with _MetaFunctions(), _Values():
+    values = _Values()
+    with _MetaFunctions(), values:
         mesh = Mesh({a: cfg.parallel[a] for a in AXES}, rank, world, cfg.parallel.order,
                     rank_nodes=rank_nodes(cfg, world), alone_axes=alone_axes(cfg))
         mesh.attach_backends(backend_factory(cfg, pm, META))
@@ -655,7 +670,8 @@ def play_rank(cfg: Any, world: int, rank: int, pm: Any) -> RankReport:
         counted: Set[int] = set()
         param_bytes = _storages(params, counted)
         trainer.measure = lambda: _storages(_gradients(trainer, params), set(counted))
-        saved = _SavedBytes(set(counted))
+        values.weights = set(counted)
+        saved = _SavedBytes(set(counted), values.weight_copies)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             trainer.train_step()
         grad_bytes = max(trainer.grad_peak, trainer.measure())

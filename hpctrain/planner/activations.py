@@ -152,10 +152,31 @@ def saved_tensors(arch: Arch, precision: str, seq_len: int, profile: str = "hpct
         SavedTensor("silu_output", f, "act", "split"),
         SavedTensor("down_input", f, "act", "split"),
     ]
-    if arch.is_moe:  # router probabilities and the dispatched token copies (first order)
-        table += [SavedTensor("router_probs", arch.num_experts, "fp32", "rep"),
-                  SavedTensor("dispatched_tokens", h * arch.top_k, "act", "split")]
+    if arch.is_moe:
+        return table[:12] + _moe_block(arch)
     return table
+
+
+def _moe_block(arch: Arch) -> List[SavedTensor]:
+    """Our MoE feed-forward (``plugins/hpctrain_moe``), per token, after the FFN norm: the fp32 router's
+    input, logits and probabilities, the routing (k int64 choices, k fp32 weights, the log-sum-exp), and
+    per choice the dispatch's bookkeeping, the row as each expert's gate and up projection cast it, its
+    SwiGLU tensors and the expert's output the combine keeps. The experts are replicated over tp: a
+    rank's rows are its tokens' (split only by sequence parallelism, ``rep``)."""
+    h, k, n = arch.d_model, arch.top_k, arch.num_experts
+    f = arch.ffn_hidden * k
+    return [
+        SavedTensor("router_input", h, "resid", "rep"),
+        SavedTensor("router_logits_probs", 2 * n, "fp32", "rep"),
+        SavedTensor("routing", 2 * k + k + 1, "fp32", "rep"),  # int64 choices as two 4-byte elements each
+        SavedTensor("dispatch_plan", 4 * k, "fp32", "rep"),  # per row: int64 index, fp32 weight, masks
+        SavedTensor("expert_inputs", 2 * h * k, "act", "rep"),
+        SavedTensor("gate_output", f, "act", "rep"),
+        SavedTensor("up_output", f, "act", "rep"),
+        SavedTensor("silu_output", f, "act", "rep"),
+        SavedTensor("down_input", f, "act", "rep"),
+        SavedTensor("expert_outputs", h * k, "act", "rep"),
+    ]
 
 
 def _fused_block(arch: Arch, profile: str) -> List[SavedTensor]:
@@ -215,15 +236,23 @@ def _shard(entry: SavedTensor, arch: Arch, tp: int, sp: bool) -> float:
 @lru_cache(maxsize=1024)
 def layer_bytes_per_token(arch: Arch, precision: str, seq_len: int, tp: int = 1, sp: bool = False,
                           recompute: str = "none", profile: str = "hpctrain", flash: bool = False,
-                          dropout: bool = True) -> float:
+                          dropout: bool = True, ring: bool = False) -> float:
     """Bytes one block keeps per token of a micro-batch on one tensor-parallel rank (``profile``,
-    ``flash`` and ``dropout``: the code's, module docstring; the defaults are hpctrain's and the papers')."""
+    ``flash`` and ``dropout``: the code's, module docstring; the defaults are hpctrain's and the papers').
+    ``ring``: hpctrain's ring attention (context parallelism) also keeps its merged output in fp32."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if profile not in PROFILES:
         raise ValueError(f"activation profile must be one of {PROFILES}, got {profile!r}")
     d = dtypes_for(arch, precision, profile)
     table = saved_tensors(arch, precision, seq_len, profile, flash, dropout)
+    if sp and tp > 1 and profile == "hpctrain" and arch.family == "llama":
+        # the tp plugin's sequence-parallel columns save their input shard once, in its own dtype
+        # (the residual stream's), where autocast's F.linear would keep one cast per projection
+        table = [SavedTensor(e.name, arch.d_model, "resid", "rep") if e.name in ("qkv_input", "ffn_input") else e
+                 for e in table]
+    if ring and profile == "hpctrain" and arch.family == "llama":
+        table = table + [SavedTensor("ring_output_fp32", arch.d_model, "fp32", "split", True)]
     if recompute == "full":
         table = table[:1]  # the block input only
     elif recompute == "selective" and profile == "torchtitan" and arch.family == "llama":
@@ -240,7 +269,8 @@ def layer_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: 
     an expert-parallel token split (``token_split``) divide the tokens; the
     per-token attention terms keep the full sequence length."""
     tokens = micro_batch * seq_len / (cp * token_split)
-    return tokens * layer_bytes_per_token(arch, precision, seq_len, tp, sp, recompute, profile, flash, dropout)
+    return tokens * layer_bytes_per_token(arch, precision, seq_len, tp, sp, recompute, profile, flash, dropout,
+                                          cp > 1)
 
 
 LOSS_BYTES = {"hpctrain": 4.0, "megatron": 2.0 + 4.0, "torchtitan": 2.0 + 4.0 + 4.0}
@@ -248,6 +278,8 @@ LOSS_BYTES = {"hpctrain": 4.0, "megatron": 2.0 + 4.0, "torchtitan": 2.0 + 4.0 + 
 Megatron's vocab-parallel cross-entropy the 16-bit logits and their fp32 copy (turned into the softmax in
 place); torchtitan's ``cross_entropy(pred.float())`` the bf16 logits, their fp32 copy and the fp32
 log-softmax at once."""
+VOCAB_PARALLEL_LOSS_BYTES = 4.0 + 4.0
+"""Ours under tensor parallelism (``plugins/hpctrain_tp/vocab.py``): the fp32 shifted logits and their exp."""
 
 
 def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool,
@@ -272,7 +304,8 @@ def stage_extra_bytes(arch: Arch, precision: str, micro_batch: int, seq_len: int
         extra += tokens * INT64
     if last:
         norm = (h * d.resid * 2 + 4) / (tp if sp else 1) + h * d.act
-        extra += tokens * (norm + arch.padded_vocab(tp) / tp * 4 + INT64)
+        loss = VOCAB_PARALLEL_LOSS_BYTES if tp > 1 else LOSS_BYTES["hpctrain"]
+        extra += tokens * (norm + arch.padded_vocab(tp) / tp * loss + INT64)
     return extra
 
 

@@ -267,7 +267,8 @@ def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float,
     framework's (``Framework.tp_overlap``): none; Megatron-LM 2022's backward (the re-gather behind the
     input-gradient GEMM, the input-gradient reduction behind the weight-gradient GEMM); or all of them
     behind their neighbouring GEMM (TE userbuffers, torch async TP). hpctrain gathers the sub-layer input
-    in the residual stream's dtype (fp32: ``r``) and reduces its input gradient in fp32 too."""
+    cast to 16 bits, as the others do, but reduces its input gradient in the residual stream's dtype
+    (fp32: ``r``)."""
     if lay.tp == 1:
         return 0.0, 0.0, 0.0, 0.0
     entry, exit_ = tokens * h * (r if fw.ours else e), tokens * h * e
@@ -281,8 +282,8 @@ def _tp_collectives(lay: Layout, fw: Framework, tokens: float, h: int, e: float,
     bwd: List[Tuple[str, float, float, bool]] = []  # (..., overlapped under "backward")
     for col, row in zip(cols, rows):
         if lay.sp:
-            fwd += [("all_gather", entry, g(col, 0)), ("reduce_scatter", exit_, g(row, 0))]
-            bwd += [("all_gather", exit_, g(row, 1), False), ("all_gather", entry, g(col, 1), True),
+            fwd += [("all_gather", exit_, g(col, 0)), ("reduce_scatter", exit_, g(row, 0))]
+            bwd += [("all_gather", exit_, g(row, 1), False), ("all_gather", exit_, g(col, 1), True),
                     ("reduce_scatter", entry, g(col, 2), True)]
         else:
             fwd += [("all_reduce", exit_, g(row, 0))]

@@ -13,15 +13,16 @@ beside what the rank recorded (tests/unit/test_dry_run_vs_planner.py).
 Per micro-batch (m per step) on one GPU, with T its tokens (micro-batch x
 sequence / cp), h the width, e the activation and r the residual stream's
 bytes (``activations.dtypes_for``: hpctrain keeps the residual stream fp32
-under bf16 autocast, so sequence-parallel gathers of a norm's output, the
-pipeline's sends and the MoE dispatch move 4-byte elements):
+under bf16 autocast, so the input gradients tp reduces, the pipeline's sends
+and the MoE dispatch move 4-byte elements):
 
 - tp, per sub-layer (attention; dense MLP): with sequence parallelism an
-  all-gather of the input (T h r) and a reduce-scatter of the row-parallel
-  output (T h e) forward; backward the output gradient's all-gather (T h e),
-  the input's re-gather and the input gradient's reduce-scatter (T h r each:
-  the gradient is summed in the input's dtype); without it an all-reduce
-  forward (T h e) and one of the input gradient backward (T h r). Each norm
+  all-gather of the input (T h e: cast before the gather,
+  ``plugins/hpctrain_tp/columns.py``) and a reduce-scatter of the
+  row-parallel output (T h e) forward; backward the output gradient's
+  all-gather (T h e), the input's re-gather (T h e) and the input gradient's
+  reduce-scatter (T h r: summed in the input's dtype); without it an
+  all-reduce forward (T h e) and one of the input gradient backward (T h r). Each norm
   weight's gradient is all-reduced (fp32) under sequence parallelism. An MoE
   block's experts and router are replicated over tp: under sequence
   parallelism every micro-batch all-reduces their fp32 gradients and the
@@ -79,11 +80,11 @@ def stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float]:
 def _sub_layer_tp(lay: Layout, tokens: float, h: int, e: float, r: float) -> Tuple[float, float]:
     """(forward, backward) bus bytes of one tensor-parallel sub-layer for one micro-batch."""
     n = lay.tp
-    entry, exit_ = tokens * h * r, tokens * h * e
-    if lay.sp:
+    act, resid = tokens * h * e, tokens * h * r
+    if lay.sp:  # gathers of the input (cast first) and the output's gradient; the input gradient in r
         ag, rs = bus_factor("all_gather", n), bus_factor("reduce_scatter", n)
-        return entry * ag + exit_ * rs, exit_ * ag + entry * ag + entry * rs
-    return exit_ * bus_factor("all_reduce", n), entry * bus_factor("all_reduce", n)
+        return act * ag + act * rs, act * ag + act * ag + resid * rs
+    return act * bus_factor("all_reduce", n), resid * bus_factor("all_reduce", n)
 
 
 def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers: int, moe: int, first: bool,
@@ -114,7 +115,7 @@ def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers:
     if last:  # final norm's weight, the head's column projection and the loss's three reductions
         if lay.sp:
             ag, rs = bus_factor("all_gather", n), bus_factor("reduce_scatter", n)
-            total += arch.final_norm_params * FP32 * ar + tokens * h * r * (2 * ag + rs)
+            total += arch.final_norm_params * FP32 * ar + tokens * h * (2 * e * ag + r * rs)
         else:
             total += tokens * h * r * ar
         total += 3 * tokens * FP32 * ar

@@ -12,7 +12,11 @@ Forward: all-gather the sequence, one matmul per weight. Backward:
 all-gather the sequence again, weight gradients from it, and the input
 gradient (summed over the projections in fp32) reduce-scattered back to the
 shards. Under autocast the matmuls run in the autocast dtype both ways, as
-``F.linear``'s do.
+``F.linear``'s do, and the shard is cast to that dtype before it is gathered
+(both ways): the matmuls would cast the gathered input anyway, and a cast
+commutes with a gather, so the results are the same bits while the gather
+moves 16-bit elements instead of the fp32 residual stream's (Megatron-LM
+gathers its bf16 activations too). The saved shard stays the input itself.
 """
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ from hpctrain.model import amp
 SEQUENCE_DIM = 1
 
 
+def _wire(x: torch.Tensor, device: str, enabled: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the matmuls will read it: cast to the autocast dtype when autocast is on."""
+    return x.to(dtype) if enabled and x.is_floating_point() and x.dtype != dtype else x
+
+
 class _SequenceParallelColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Group, *weights: torch.Tensor):
@@ -35,13 +44,13 @@ class _SequenceParallelColumns(torch.autograd.Function):
         ctx.group = group
         ctx.autocast = (device, *amp.autocast_state(device))
         ctx.save_for_backward(x, *weights)
-        full = all_gather_along(x, group, SEQUENCE_DIM)
+        full = all_gather_along(_wire(x, *ctx.autocast), group, SEQUENCE_DIM)
         return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        full = all_gather_along(x, ctx.group, SEQUENCE_DIM)
+        full = all_gather_along(_wire(x, *ctx.autocast), ctx.group, SEQUENCE_DIM)
         device, enabled, dtype = ctx.autocast
         grad_full = None
         weight_grads: List[Any] = []

@@ -244,3 +244,19 @@ def test_a_tp_group_across_nodes_is_a_warning(world, pm):
     if warned:
         assert "2 of its 4 ranks share a node" in warned[0] and "parallel.order" in warned[0]
     assert trainer.train_step()["loss"] > 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bf16_gather_cast_first_changes_no_bit(world, pm, monkeypatch):
+    """Under bf16 autocast the sequence-parallel columns cast their input shard before gathering it
+    (half the bytes of the fp32 residual stream's): a cast commutes with a gather, so losses and
+    every gradient are the same bits as gathering fp32 and letting the matmuls cast."""
+    import hpctrain_tp.columns as columns
+
+    layout = ("trainer.precision=bf16", "parallel.tp=2")
+    cast_first = record(_trainer(pm, *layout), STEPS)
+    monkeypatch.setattr(columns, "_wire", lambda x, *autocast: x)  # the old fp32 gather
+    gathered_fp32 = record(_trainer(pm, *layout), STEPS)
+    for step, (a, b) in enumerate(zip(cast_first, gathered_fp32), start=1):
+        assert a.loss == b.loss, step
+        assert all(torch.equal(a.grads[k], b.grads[k]) for k in a.grads), step
