@@ -97,6 +97,12 @@ class Checkpointer(Protocol):
         until that copy is done. Optional: the coordinator skips a checkpointer
         without it, which must then finish copying inside ``save``."""
 
+    def failed(self) -> bool:
+        """Whether a background save has failed and its error waits for the next
+        ``wait``, answered without waiting: the coordinator asks at every step
+        boundary and agrees on it over the ranks (``hpctrain.train.save_failures``).
+        Optional: without it a background failure is found by the next save."""
+
     def save_seconds(self) -> Optional[float]:
         """The longest of the recent saves, from its start to its commit (the
         background part included), or None before the first: how long a stop's

@@ -249,6 +249,16 @@ class LocalTier:
         store.remove_partial(self.root, step)
         return f"{type(e).__name__}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
 
+    @property
+    def failed(self) -> bool:
+        """This rank's save failed and has not been reported yet (``agree_failures``); without waiting."""
+        return self._failed is not None
+
+    def newest_saved(self) -> Optional[int]:
+        """The newest step this rank's saves completed (written, replicated), or None."""
+        done = [int(r["step"]) for r in self.stats if "write_s" in r]
+        return max(done) if done else None
+
     def agree_failures(self) -> Dict[int, str]:
         """Every rank's save failure since the last call, by rank (collective; empty when none failed). Waits
         for the save in flight first."""

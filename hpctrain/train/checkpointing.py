@@ -37,10 +37,11 @@ The resume rule (``checkpoint.resume``), the same on every rank:
    fresh start), so a later failure never mixes two histories.
 
 The local tier is a cache: a local save that fails (a full or broken
-node-local disk) leaves no temporary files and is reported once, on every
-rank, before the next local save and at the end of the run; training goes
-on when the persistent tier saves periodically (``checkpoint.every``), and
-stops with exit status 6 (``LocalSaveFailed``) when it does not.
+node-local disk) leaves no temporary files. It, and a background persistent
+save that fails, is reported in one line at the next step boundary (or by
+the next save of its tier, whichever comes first); training goes on when the
+other tier holds a recent state, and otherwise stops after a save attempt
+with exit status 6 (``hpctrain.train.save_failures``; ``LocalSaveFailed``).
 
 A resumed checkpoint saved by another optimizer is refused before training
 (``refuse_another_optimizer``), not by ``hpctrain-eval``, which takes no
@@ -51,25 +52,32 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence
 
 from hpctrain.bootstrap import get_runtime
 from hpctrain.checkpoint import Checkpointer, Restored
-from hpctrain.errors import ConfigError, HpctrainError, PluginError
+from hpctrain.errors import ConfigError, PluginError
 from hpctrain.localckpt import LocalTier
 from hpctrain.localckpt.tier import DamagedCopies, Found
 from hpctrain.log import log_rank0
 from hpctrain.provenance import software, stack_changes
 from hpctrain.train.faults import FaultInjector
+from hpctrain.train.save_failures import (
+    LOCAL,
+    PERSISTENT,
+    SaveFailedStop,
+    after_local,
+    after_persistent,
+    first_failure,
+    stop_message,
+    who,
+)
 from hpctrain.train.state import TrainState
 
 
-class LocalSaveFailed(HpctrainError):
+class LocalSaveFailed(SaveFailedStop):
     """A local save failed on some rank and no persistent checkpoint is configured to fall back on: every
-    rank stops (exit status 6, as a failed persistent save)."""
-
-    exit_code = 6
-    on_every_rank = True
+    rank stops after a save attempt (exit status 6, as a failed persistent save)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,8 @@ class Checkpointing:
         save when ``checkpoint.every`` is due (collective). Its path, or None."""
         every = int(self.state.cfg.checkpoint.every)
         if self.persistent is not None and every and step % every == 0:
+            if self.state.cfg.checkpoint.async_save and getattr(self.persistent, "failed", None) is not None:
+                self._persistent_failures()  # the previous background save's, agreed before this one starts
             return self.save()
         return None
 
@@ -298,25 +308,83 @@ class Checkpointing:
             self._local_failures()
             self.local.close()
 
+    # -- saves that failed out of sight (hpctrain.train.save_failures) -------------------------
+    def failure_flags(self) -> List[int]:
+        """This rank's failed background saves not yet reported, without waiting: 1 at ``PERSISTENT`` and
+        ``LOCAL`` where one failed (for the stop agreement, which ORs them over the ranks)."""
+        flags = [0, 0]
+        failed = getattr(self.persistent, "failed", None)
+        flags[PERSISTENT] = int(bool(failed is not None and failed()))
+        flags[LOCAL] = int(self.local is not None and self.local.failed)
+        return flags
+
+    def after_failures(self, flags: Sequence[int]) -> None:
+        """The agreed flags of ``failure_flags`` at a step boundary: report each failure in one line and go on
+        when the other tier holds a recent state; else stop after a save attempt (``SaveFailedStop``).
+        Collective when a flag is set (the same on every rank)."""
+        if flags and flags[LOCAL]:
+            self._local_failures()
+        if flags and flags[PERSISTENT]:
+            self._persistent_failures()
+
+    def _allgather(self, mine: Any, what: str) -> List[Any]:
+        mesh = self.state.mesh
+        if mesh.world_size == 1:
+            return [mine]
+        with mesh.board.collective(what, "checkpoint", tuple(range(mesh.world_size))):
+            return get_runtime().mpi_comm.allgather(mine)
+
+    def _persistent_failures(self) -> None:
+        """Wait for the background persistent save and agree on its failure (collective); report it and go
+        on with the local tier, or stop after a save attempt."""
+        assert self.persistent is not None
+        mine = None
+        try:
+            self.persistent.wait()
+        except Exception as e:  # noqa: BLE001 - the background save's error, whatever it is: agreed below
+            mine = str(e).splitlines()[0] if str(e) else type(e).__name__
+        held = self.local.newest_saved() if self.local is not None else None
+        everyone = self._allgather((mine, held), "checkpoint failures")
+        failed = first_failure([m for m, _ in everyone])
+        if not failed:
+            return
+        nodes = self.local.rank_nodes if self.local is not None else get_runtime().rank_nodes
+        ranks, first = who(failed, nodes)
+        local_every = int(self.state.cfg.checkpoint.local.every) if self.local is not None else 0
+        verdict = after_persistent(f"a background checkpoint save failed on rank(s) {ranks}: {first}",
+                                   [h for _, h in everyone], local_every)
+        if verdict.go_on:
+            log_rank0("%s", verdict.line)
+            return
+        self._stop_after_attempt(verdict.line, SaveFailedStop)
+
     def _local_failures(self) -> None:
-        """Report the local tier's failed save, agreed over the ranks (collective); stop with
-        ``LocalSaveFailed`` when no persistent checkpoint is configured to fall back on."""
+        """Report the local tier's failed save, agreed over the ranks (collective); stop after a save
+        attempt with ``LocalSaveFailed`` when no persistent checkpoint is configured to fall back on."""
         assert self.local is not None
         failed = self.local.agree_failures()
         if not failed:
             return
-        nodes = self.local.rank_nodes
-        ranks = ", ".join(f"{r} (node {nodes[r]})" for r in sorted(failed))
-        first = failed[min(failed)]
-        what = f"a local checkpoint save failed on rank(s) {ranks}: {first}"
-        every = int(self.state.cfg.checkpoint.every)
-        if every:
-            log_rank0("%s; the local tier is a cache: its temporary files are removed and training goes on with "
-                      "the persistent checkpoints (checkpoint.every=%d); give checkpoint.local.dir a disk with room",
-                      what, every)
+        ranks, first = who(failed, self.local.rank_nodes)
+        verdict = after_local(f"a local checkpoint save failed on rank(s) {ranks}: {first}",
+                              int(self.state.cfg.checkpoint.every))
+        if verdict.go_on:
+            log_rank0("%s", verdict.line)
             return
-        raise LocalSaveFailed(f"{what}; no persistent checkpoint is configured to fall back on (checkpoint.every=0): "
-                              "stopping; give checkpoint.local.dir a disk with room, or set checkpoint.every")
+        self._stop_after_attempt(verdict.line, LocalSaveFailed)
+
+    def _stop_after_attempt(self, line: str, error: type) -> None:
+        """Save the persistent tier now and wait for its commit (collective), then stop with ``error``
+        saying what the attempt did."""
+        saved: Optional[str] = None
+        failed: Optional[str] = None
+        try:
+            saved = self.save(for_stop=True)
+            if self.persistent is not None:
+                self.persistent.wait()
+        except Exception as e:  # noqa: BLE001 - the attempt's outcome goes into the stop's message
+            failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise error(stop_message(line, saved, failed))
 
     def close(self) -> None:
         """The run is over: wait for a background save and let go of the checkpoint directory (collective)."""

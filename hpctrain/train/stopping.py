@@ -42,7 +42,7 @@ import shutil
 import signal
 import subprocess
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -177,6 +177,8 @@ class StopRequests:
         self.clock = Clock()
         """Rank 0's loop timing (``hpctrain.train.deadline``), from now."""
         self.clock.boundary(time.monotonic())
+        self.flags: List[int] = []
+        """The flags ``agree`` carried, as agreed (any rank's)."""
         self.decision: Optional[Decision] = None
         """The last boundary's figures against the deadline (rank 0, with a deadline)."""
         self._catch = [signal.SIGUSR1, signal.SIGTERM] + ([signal.SIGINT] if catch_sigint else [])
@@ -199,10 +201,12 @@ class StopRequests:
         self.received.append(signum)
 
     def agree(self, mesh: Mesh, device: torch.device, step_s: float, save_s: float = 0.0,
-              saving_s: float = 0.0) -> int:
+              saving_s: float = 0.0, flags: Sequence[int] = ()) -> int:
         """The reason code every rank stops for after this step (0: go on). Collective. ``step_s``: the step
         just taken; ``save_s``: the longest persistent save measured so far (start to commit); ``saving_s``:
-        the seconds saves blocked the loop since the last boundary (rank 0's are what counts)."""
+        the seconds saves blocked the loop since the last boundary (rank 0's are what counts). ``flags``
+        (0/1 each) ride along in the same all-reduce: ``self.flags`` is 1 where any rank's was
+        (``hpctrain.train.save_failures``)."""
         mine = max((_SIGNALS[s] for s in self.received), default=0)
         if self.deadline is not None:
             now = time.monotonic()
@@ -212,10 +216,13 @@ class StopRequests:
                 mine = max(mine, _CLOCK)
         world = mesh.group(AXES)
         if world.size == 1:
+            self.flags = [int(f) for f in flags]
             return mine
-        flag = torch.tensor([mine], dtype=torch.int32, device=device)
+        flag = torch.tensor([mine, *flags], dtype=torch.int32, device=device)
         world.communicator().all_reduce(flag, ReduceOp.MAX)
-        return int(flag.item())
+        agreed = flag.tolist()
+        self.flags = [int(f) for f in agreed[1:]]
+        return int(agreed[0])
 
     def describe(self, reason: int) -> str:
         if reason != _CLOCK:

@@ -430,7 +430,8 @@ class Trainer:
                 saved = self.checkpointing.maybe_save(self.step)  # collective: the same steps on every rank
                 # collective: the same on every rank; rank 0 weighs the time left (hpctrain.train.deadline)
                 reason = stops.agree(self.mesh, self.device, m["step_time_s"], self.checkpointing.save_seconds(),
-                                     self.checkpointing.take_blocked())
+                                     self.checkpointing.take_blocked(), self.checkpointing.failure_flags())
+                self.checkpointing.after_failures(stops.flags)  # a failed background save: report, go on or stop
                 leave = self._stragglers_to_leave()  # decided from gathered times: the same on every rank
                 if (reason or leave) and self.step < total:
                     why = stops.describe(reason) if reason else straggler_stop_reason(

@@ -15,9 +15,11 @@ would need the state copied again (shared memory), its own MPI world to
 write one collective file (``MPI_Comm_spawn``, which many SLURM sites do
 not allow), and twice the MPI endpoints.
 
-A failure in the background is logged at once (naming the rank) and raised
-again in the training thread at the next ``wait()``: the next save, or the
-end of training. The thread is a daemon so a crashed run can still exit;
+A failure in the background is kept (``failed`` says so without waiting)
+and raised again in the training thread at the next ``wait()``; the trainer
+asks ``failed`` at every step boundary and reports it there, agreed over the
+ranks (``hpctrain.train.save_failures``). A failure only this rank met (not
+agreed inside the save) is also logged at once, naming the rank. The thread is a daemon so a crashed run can still exit;
 the trainer waits for it in a ``finally`` on the normal path.
 
 Overlapped staging (``checkpoint.hdf5.staging=overlap``, the default): the
@@ -64,6 +66,11 @@ class BackgroundSaver:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def failed(self) -> bool:
+        """The last job has ended with an error that no ``wait()`` has raised yet (never blocks)."""
+        return self._error is not None and not self.busy
+
+    @property
     def staging(self) -> bool:
         """A submitted job has not finished copying its state to host memory yet."""
         return not self._staged.is_set()
@@ -86,12 +93,8 @@ class BackgroundSaver:
                 write(staged)
             except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait() / wait_staged()
                 self._error = e
-                if not getattr(e, "on_every_rank", False):
+                if not getattr(e, "on_every_rank", False):  # (an agreed failure is the trainer's to report)
                     log.error("rank %d: background checkpoint save (%s) failed: %s", self.rank, what, e)
-                elif self.rank == 0:  # the same agreed failure on every rank: said once
-                    log.warning("%s. This save ran in the background: training goes on until the next save or the "
-                                "end, where the run stops with this error (exit status %s)", e,
-                                getattr(e, "exit_code", 1))
 
         self._thread = threading.Thread(target=run, name=f"hpctrain-ckpt-{what}", daemon=True)
         try:

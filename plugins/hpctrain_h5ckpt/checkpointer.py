@@ -324,6 +324,10 @@ class H5Checkpointer:
         if self._bg is not None:
             self._bg.wait()
 
+    def failed(self) -> bool:
+        """A background save has failed and its error waits for the next ``wait()`` (never blocks)."""
+        return self._bg is not None and self._bg.failed
+
     @property
     def busy(self) -> bool:
         """A background save is still copying, writing or committing."""

@@ -119,7 +119,8 @@ def test_both_copies_damaged_take_the_older_step(two_nodes, caplog):
 
 def test_a_full_disk_on_one_node_is_agreed_and_training_goes_on(two_nodes, caplog):
     """Node 1's local directory is a 32 KiB tmpfs (rank 1's save fails in its background thread); node 0's has
-    room. Every rank hears of it at the next local save, and the run continues on the persistent tier."""
+    room. Every rank hears of it at the next step boundary (the stop agreement carries the flag), and the
+    run continues on the persistent tier."""
     comm = MPI.COMM_WORLD
     if os.geteuid() != 0:
         pytest.fail("mounting a tmpfs needs root (CI and the project's machines run as root)")

@@ -7,7 +7,8 @@
   losses after it are bit-identical to an uninterrupted run's;
 - a full node-local disk (a real tmpfs, mounted here) fails the local save:
   no temporary file is left, one line says so, and training goes on with
-  the persistent tier, or stops with exit status 6 when none is configured.
+  the persistent tier, or stops after a save attempt (exit status 6) when none is configured; the failure
+  is reported at the step boundary after it (hpctrain.train.save_failures).
 
 The partner copies of another node are exercised at 2 ranks in
 tests/mpi/test_local_tier_faults.py.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -131,6 +133,9 @@ def test_a_full_local_disk_is_reported_and_training_goes_on_with_the_persistent_
     assert _losses(history) == whole
     failed = [r.getMessage() for r in caplog.records if "local checkpoint save failed" in r.getMessage()]
     assert len(failed) == 3, caplog.text  # the saves at steps 2, 4 and 6: each reported once
+    said = [r.getMessage().strip() for r in caplog.records]
+    step3 = next(i for i, s in enumerate(said) if re.match(r"step +3/6", s))
+    assert said.index(failed[0]) < step3, said  # step 2's failure at step 2's boundary, before step 3 runs
     assert "rank(s) 0 (node 0): OSError: No space left on device" in failed[0]
     assert "training goes on with the persistent checkpoints (checkpoint.every=3)" in failed[0]
     assert not [p for p in full_disk.rglob("*") if p.name.endswith(".tmp")]
@@ -138,8 +143,14 @@ def test_a_full_local_disk_is_reported_and_training_goes_on_with_the_persistent_
 
 
 def test_a_full_local_disk_without_a_persistent_tier_stops_with_status_6(pm, tmp_path, full_disk):
+    """Reported at step 2's boundary; the run then saves step 2 to the persistent tier (a save attempt) and
+    stops, its message naming the checkpoint."""
     with pytest.raises(LocalSaveFailed) as stopped:
         _run(pm, 6, *_on_full_disk(full_disk, tmp_path, 0))
     assert stopped.value.exit_code == 6
     assert "no persistent checkpoint is configured to fall back on (checkpoint.every=0)" in str(stopped.value)
+    assert str(stopped.value).endswith(f"stopping after a save attempt; give checkpoint.local.dir a disk with room, "
+                                       f"or set checkpoint.every: checkpoint {tmp_path / 'ck'}/step_00000002.h5 "
+                                       "committed; relaunch with checkpoint.resume=auto to go on"), stopped.value
+    assert [p.name for p in (tmp_path / "ck").glob("*.h5")] == ["step_00000002.h5"]
     assert not [p for p in full_disk.rglob("*") if p.name.endswith(".tmp")]
