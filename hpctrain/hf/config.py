@@ -30,6 +30,13 @@ already make them dense;
 adds it only with ``output_router_logits``; the logged loss is the
 language-model loss either way).
 
+DeepseekV3 (``DeepseekV3ForCausalLM``) is read when all its layers are dense
+(``first_k_dense_replace >= num_hidden_layers``; its MoE layers are refused
+in one line until they are implemented): multi-head latent attention
+(``model.attention_kind=mla``, ``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` -> ``model.mla``)
+with yarn RoPE scaling as transformers computes it (``hpctrain.model.yarn``).
+
 RoPE parameters come in two spellings: transformers 4's top-level
 ``rope_theta`` + ``rope_scaling`` (what published checkpoints carry) and
 transformers 5's ``rope_parameters`` (what ``save_pretrained`` writes now);
@@ -44,7 +51,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
 """The Hugging Face architectures our decoder computes exactly, with their model_type."""
 
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -81,8 +89,9 @@ def load_json(hf_dir: str) -> Tuple[Optional[Dict[str, Any]], List[str]]:
     return data, []
 
 
-def _rope(data: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[str]]:
-    """(rope_theta, model.rope_scaling overrides, problems)."""
+def _rope(data: Dict[str, Any], path: str, yarn: bool = False) -> Tuple[float, Dict[str, Any], List[str]]:
+    """(rope_theta, model.rope_scaling overrides, problems); ``yarn``: the architecture's yarn is implemented
+    (DeepSeek-V3's, with its softmax mscale)."""
     params = data.get("rope_parameters")
     scaling = data.get("rope_scaling")
     if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
@@ -97,9 +106,11 @@ def _rope(data: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return float(theta), {"type": None}, []
+    if kind == "yarn" and yarn:
+        return _yarn(float(theta), scaling, path)
     if kind != "llama3":
-        return float(theta), {}, [f"{path}: rope_scaling type {kind!r} is not implemented (only llama3 and the "
-                                  "default); this model cannot be trained here"]
+        return float(theta), {}, [f"{path}: rope_scaling type {kind!r} is not implemented (only llama3"
+                                  f"{', yarn' if yarn else ''} and the default); this model cannot be trained here"]
     missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                if k not in scaling]
     if missing:
@@ -108,6 +119,72 @@ def _rope(data: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[
                           "low_freq_factor": float(scaling["low_freq_factor"]),
                           "high_freq_factor": float(scaling["high_freq_factor"]),
                           "original_max_seq_len": int(scaling["original_max_position_embeddings"])}, []
+
+
+def _yarn(theta: float, scaling: Dict[str, Any], path: str) -> Tuple[float, Dict[str, Any], List[str]]:
+    """(rope_theta, model.rope_scaling overrides, problems) of yarn scaling (``hpctrain.model.yarn``)."""
+    problems = [f"{path}: rope_scaling (yarn) lacks {k}" for k in ("factor", "original_max_position_embeddings")
+                if scaling.get(k) is None]
+    if scaling.get("attention_factor") is not None:
+        problems.append(f"{path}: rope_scaling attention_factor={scaling['attention_factor']} is not implemented "
+                        "(yarn's factor here comes from factor, mscale and mscale_all_dim); remove it")
+    if scaling.get("truncate", True) is False:
+        problems.append(f"{path}: rope_scaling truncate=false is not implemented (yarn's ramp is rounded "
+                        "outwards, as DeepSeek-V3's); remove it")
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        problems.append(f"{path}: rope_scaling partial_rotary_factor={scaling['partial_rotary_factor']} is not "
+                        "implemented (RoPE on the whole rotary part)")
+    if problems:
+        return theta, {}, problems
+
+    def opt(key: str) -> Optional[float]:
+        return None if scaling.get(key) is None else float(scaling[key])
+
+    return theta, {"type": "yarn", "factor": float(scaling["factor"]),
+                   "original_max_seq_len": int(scaling["original_max_position_embeddings"]),
+                   "beta_fast": float(scaling.get("beta_fast") or 32),
+                   "beta_slow": float(scaling.get("beta_slow") or 1),
+                   "mscale": opt("mscale"), "mscale_all_dim": opt("mscale_all_dim")}, []
+
+
+def _deepseek_v3(data: Dict[str, Any], path: str) -> Tuple[Dict[str, Any], List[str]]:
+    """(``model`` overrides for latent attention, problems) of a DeepseekV3 config.json. Its layers from
+    ``first_k_dense_replace`` on are MoE (shared experts, sigmoid scores with the expert bias, group-limited
+    top-k: the MoE plugin's options), whose weights are not mapped yet (the expert bias is a buffer, which
+    ``checkpoint.init_from`` does not fill): only configs whose layers are all dense are read."""
+    problems = []
+    n_layers = int(data.get("num_hidden_layers") or 0)
+    first_dense = data.get("first_k_dense_replace", 3)
+    if first_dense is None or int(first_dense) < n_layers:
+        problems.append(f"{path}: first_k_dense_replace={first_dense} < num_hidden_layers={n_layers}: reading "
+                        "DeepSeek-V3's MoE layers (routed and shared experts, the expert bias) from Hugging Face is "
+                        "not implemented yet; only all-dense DeepseekV3 models (first_k_dense_replace >= "
+                        "num_hidden_layers) can be imported (model=deepseek-v3 builds the MoE model from scratch)")
+    for key, what in (("attention_bias", "biases on q_a_proj, kv_a_proj_with_mqa and o_proj"),
+                      ("qk_norm", "qk-norm"), ("mlp_bias", "biases on the MLP projections")):
+        if data.get(key):
+            problems.append(f"{path}: {key}={data[key]} ({what}) is not implemented; this model cannot be trained "
+                            "here")
+    if data.get("rope_interleave", True) is False:
+        problems.append(f"{path}: rope_interleave=false (rotate_half on the rotary dims) is not implemented; "
+                        "DeepSeek's own checkpoints interleave (true)")
+    heads, kv = data.get("num_attention_heads"), data.get("num_key_value_heads")
+    if kv is not None and kv != heads:
+        problems.append(f"{path}: num_key_value_heads={kv} != num_attention_heads={heads} is not implemented "
+                        "(latent attention expands keys and values for every head)")
+    mla: Dict[str, Any] = {}
+    for key, default in (("q_lora_rank", 1536), ("kv_lora_rank", 512), ("qk_nope_head_dim", 128),
+                         ("qk_rope_head_dim", 64), ("v_head_dim", 128)):
+        value = data.get(key, default)
+        if value is None and key == "q_lora_rank":
+            mla[key] = None
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            mla[key] = value
+        else:
+            problems.append(f"{path}: {key}={value!r} is not a positive integer")
+    if isinstance(mla.get("qk_rope_head_dim"), int) and mla["qk_rope_head_dim"] % 2:
+        problems.append(f"{path}: qk_rope_head_dim={mla['qk_rope_head_dim']} is not even (RoPE rotates pairs)")
+    return {"attention_kind": "mla", "mla": mla, "head_dim": None}, problems
 
 
 def _qwen_window_problems(data: Dict[str, Any], path: str, seq_len: Optional[int]) -> List[str]:
@@ -150,12 +227,17 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     model_type = data.get("model_type")
     if arch not in ARCHITECTURES or (model_type is not None and model_type != ARCHITECTURES[arch]):
         return {}, [f"{path}: architecture {arch or model_type!r} is not supported; hpctrain trains "
-                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE)"]
+                    f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE, "
+                    "DeepSeek-V3 with dense layers)"]
+    latent: Dict[str, Any] = {}  # latent attention's keys (DeepseekV3)
     if arch in QWEN:  # transformers' Qwen2/Qwen3 read neither mlp_bias nor qk_norm; Qwen3's attention_bias is all four
         if arch == "Qwen3ForCausalLM" and data.get("attention_bias"):
             problems.append(f"{path}: attention_bias={data['attention_bias']} (Qwen3: biases on q/k/v and on o_proj) "
                             "is not implemented (only Qwen2's q/k/v biases); this model cannot be trained here")
         problems += _qwen_window_problems(data, path, seq_len)
+    elif arch == "DeepseekV3ForCausalLM":
+        latent, latent_problems = _deepseek_v3(data, path)
+        problems += latent_problems
     elif arch == "Qwen3MoeForCausalLM":  # one window on every layer, with use_sliding_window (off by default)
         if data.get("attention_bias"):
             problems.append(f"{path}: attention_bias={data['attention_bias']} (biases on q/k/v and on o_proj) is "
@@ -201,7 +283,9 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
     out["head_dim"] = int(head_dim) if isinstance(head_dim, int) and head_dim * heads != hidden else None
     out["qkv_bias"] = arch == "Qwen2ForCausalLM"
     out["qk_norm"] = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    theta, scaling, rope_problems = _rope(data, path)
+    out["attention_kind"] = "gqa"
+    out.update(latent)  # (DeepseekV3's head_dim is qk_rope_head_dim, which model.mla holds)
+    theta, scaling, rope_problems = _rope(data, path, yarn=arch == "DeepseekV3ForCausalLM")
     problems += rope_problems
     out["rope_theta"] = theta
     out["rope_scaling"] = scaling
@@ -265,7 +349,8 @@ def _qwen3_moe(data: Dict[str, Any], path: str, n_layers: int) -> Tuple[Dict[str
 WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
                "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts",
                "moe.top_k", "moe.router", "moe.shared_experts", "moe.every", "moe.ffn_hidden", "moe.norm_topk_prob",
-               "moe.first_dense_blocks")
+               "moe.first_dense_blocks",
+               "attention_kind", "mla")
 """``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
 directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE
 loss coefficients and capacity) an explicit override sets instead: training choices, not the model's shape."""

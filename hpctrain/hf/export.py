@@ -79,6 +79,11 @@ class Entry:
 
 def _architecture(model: Any) -> str:
     s = ModelShape.from_config(model)
+    if s.mla is not None:
+        if model.ffn == "moe":  # DeepSeek-V3's routing (shared experts, expert bias, groups) is not mapped yet
+            raise ConfigError("this model has no Hugging Face architecture: model.attention_kind=mla with "
+                              "model.ffn=moe (DeepseekV3ForCausalLM's MoE layers are not exported yet; dense only)")
+        return "DeepseekV3ForCausalLM"
     if model.ffn != "moe":
         if s.qkv_bias and s.qk_norm:
             raise ConfigError("this model has no Hugging Face architecture: model.qkv_bias=true with "
@@ -118,7 +123,7 @@ def _qwen3_moe_architecture(s: ModelShape, moe: Any) -> str:
 
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral", "Qwen2ForCausalLM": "qwen2",
-               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+               "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 """config.json's model_type of each architecture an export writes."""
 
 
@@ -139,7 +144,12 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
         "pad_token_id": _plain(model.get("pad_token_id")),
     }
     rs = model.get("rope_scaling")
-    if rs is not None and rs.type is not None:
+    if rs is not None and rs.type == "yarn":
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": float(rs.factor),
+                               "original_max_position_embeddings": int(rs.original_max_seq_len),
+                               "beta_fast": float(rs.beta_fast), "beta_slow": float(rs.beta_slow)}
+        out["rope_scaling"].update({k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k) is not None})
+    elif rs is not None and rs.type is not None:
         out["rope_scaling"] = {"rope_type": str(rs.type), "factor": float(rs.factor),
                                "low_freq_factor": float(rs.low_freq_factor),
                                "high_freq_factor": float(rs.high_freq_factor),
@@ -161,6 +171,9 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
                    norm_topk_prob=bool(moe.get("norm_topk_prob", True)) and int(moe.top_k) > 1,
                    router_aux_loss_coef=float(moe.aux_loss_coef), output_router_logits=False,
                    use_sliding_window=False, sliding_window=None, attention_bias=False)
+    elif arch == "DeepseekV3ForCausalLM":
+        out.update(_deepseek_v3_fields(s))
+        del out["head_dim"]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         del out["attention_bias"]  # Qwen2 has no such field (q/k/v biases always); Qwen3's is written below
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=s.n_layers)
@@ -169,6 +182,18 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
     else:
         out["mlp_bias"] = False
     return out
+
+
+def _deepseek_v3_fields(s: ModelShape) -> Dict[str, Any]:
+    """DeepseekV3's own fields for a model with latent attention whose layers are all dense (its MoE fields keep
+    transformers' defaults, which no layer reads: first_k_dense_replace covers every layer). head_dim is dropped:
+    DeepseekV3Config sets it to qk_rope_head_dim."""
+    mla = s.mla
+    assert mla is not None
+    return {"num_key_value_heads": s.n_heads, "q_lora_rank": mla.q_lora_rank,
+            "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
+            "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "rope_interleave": True,
+            "first_k_dense_replace": s.n_layers}
 
 
 def _plain(value: Any) -> Any:
@@ -186,7 +211,7 @@ def _expert(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda t: t[e]
 
 
-def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int, num_experts: int,
+def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: Optional[int], num_experts: int,
                family: str = "mixtral") -> List[Tuple[str, Tuple[int, ...], Callable[[torch.Tensor], torch.Tensor]]]:
     """(Hugging Face name, shape, how to take it from the logical tensor) for one entry (``family``: the MoE
     architecture's names)."""
@@ -196,6 +221,7 @@ def hf_tensors(entry: Entry, n_heads: int, n_kv_heads: int, head_dim: int, num_e
     if len(found.names) > 1:
         return [(name, tuple(entry.shape[1:]), _expert(e)) for e, name in enumerate(found.names)]
     if found.rope_heads is not None:
+        assert head_dim is not None  # (written for every architecture with q/k rows to permute)
         perm = torch.from_numpy(rope_row_permutation(found.rope_heads, head_dim))
         if entry.shape[0] != found.rope_heads * head_dim:
             raise ConfigError(f"{entry.logical}: {entry.shape[0]} rows is not {found.rope_heads} heads x {head_dim}")
@@ -319,7 +345,7 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
     for key, value in (token_ids or {}).items():
         if config.get(key) is None and value is not None:
             config[key] = value
-    n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config.get("head_dim")
     experts = config.get("num_local_experts", config.get("num_experts", 0))
     family = moe_family(model)
     torch_dtype = DTYPES[dtype]

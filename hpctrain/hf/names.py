@@ -50,6 +50,18 @@ MOE_FAMILIES = {
     "qwen3_moe": ("mlp", {"ffn.experts.w1": "gate_proj", "ffn.experts.w3": "up_proj", "ffn.experts.w2": "down_proj"}),
 }
 """Where each MoE architecture keeps a block's router and experts: (module, our expert tensor -> its name)."""
+MLA_FAMILY = "deepseek_v3"
+"""The family of a model with latent attention (``model.attention_kind=mla``): DeepseekV3ForCausalLM's names.
+Its MoE layers (shared experts, the expert bias) are not mapped yet; its dense layers use ``_PER_LAYER``'s."""
+_MLA_PER_LAYER = {
+    "attn.wq.weight": "self_attn.q_proj.weight", "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_a_layernorm.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attn.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn.wkv_b.weight": "self_attn.kv_b_proj.weight", "attn.wo.weight": "self_attn.o_proj.weight",
+}
+"""Latent attention's tensors (``hpctrain.model.mla``) <-> DeepseekV3Attention's. No row permutation: DeepSeek
+lays its rotary dims out in interleaved pairs (``rope_interleave``), as our ``apply_rope`` rotates them."""
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
@@ -68,6 +80,8 @@ class HfTensor:
 def moe_family(model: Any) -> str:
     """The MoE architecture of a model config section (its ``MOE_FAMILIES`` key): Qwen3-MoE, the one
     with qk-norm, or Mixtral (what ``hpctrain.hf.export`` writes, and what an import reads)."""
+    if model.get("attention_kind", "gqa") == "mla":
+        return MLA_FAMILY
     return "qwen3_moe" if bool(model.get("qk_norm", False)) else "mixtral"
 
 
@@ -81,6 +95,8 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
     if m is None:
         return None
     prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if family == MLA_FAMILY:
+        return _mla_tensor(prefix, rest)
     module, experts = MOE_FAMILIES[family]
     if rest == "ffn.router.weight":
         return HfTensor([f"{prefix}{module}.gate.weight"])
@@ -90,6 +106,15 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
         return None
     heads = n_heads if rest in _QUERY_ROWS else n_kv_heads if rest in _KEY_ROWS else 1 if rest in _ONE_HEAD else None
     return HfTensor([prefix + _PER_LAYER[rest]], heads)
+
+
+def _mla_tensor(prefix: str, rest: str) -> Optional[HfTensor]:
+    """A DeepseekV3 layer's tensor: latent attention's, or a dense layer's norms and MLP."""
+    if rest in _MLA_PER_LAYER:
+        return HfTensor([prefix + _MLA_PER_LAYER[rest]])
+    if rest.startswith("attn.") or rest not in _PER_LAYER:
+        return None
+    return HfTensor([prefix + _PER_LAYER[rest]])
 
 
 def hf_name(logical: str) -> Optional[str]:

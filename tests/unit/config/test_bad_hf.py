@@ -13,6 +13,7 @@ import os
 import shutil
 
 import pytest
+from deepseek_models import YARN, deepseek_config
 from qwen_models import qwen2_config, qwen3_config, qwen3_moe_config
 
 from hpctrain.config.validate import validate
@@ -26,7 +27,7 @@ def models(tmp_path_factory):
     return {"llama": save(llama_config(), d / "llama"), "mixtral": save(mixtral_config(), d / "mixtral"),
             "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB"),
             "qwen2": save(qwen2_config(), d / "qwen2"), "qwen3": save(qwen3_config(), d / "qwen3"),
-            "qwen3_moe": save(qwen3_moe_config(), d / "qwen3_moe")}
+            "qwen3_moe": save(qwen3_moe_config(), d / "qwen3_moe"), "deepseek_v3": save(deepseek_config(), d / "ds")}
 
 
 def _copy(models, tmp_path, which="llama"):
@@ -93,6 +94,21 @@ def _rows():
          ["attention_bias=True (biases on q/k/v and on o_proj) is not implemented"]),
         ("qwen3_moe_sliding_window", field("qwen3_moe", use_sliding_window=True, sliding_window=16),
          ["use_sliding_window=true with sliding_window=16 is not implemented", "trainer.seq_len <= 16"]),
+        ("deepseek_v3_moe_layers", field("deepseek_v3", first_k_dense_replace=1),
+         ["first_k_dense_replace=1 < num_hidden_layers=2: reading DeepSeek-V3's MoE layers", "not implemented"]),
+        ("deepseek_v3_rope_type", field("deepseek_v3", rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                        "rope_theta": 1e4}),
+         ["rope_scaling type 'linear' is not implemented (only llama3, yarn and the default)"]),
+        ("deepseek_v3_yarn_attention_factor", field("deepseek_v3", rope_parameters={**YARN, "attention_factor": 1.5}),
+         ["rope_scaling attention_factor=1.5 is not implemented"]),
+        ("deepseek_v3_yarn_truncate", field("deepseek_v3", rope_parameters={**YARN, "truncate": False}),
+         ["rope_scaling truncate=false is not implemented"]),
+        ("deepseek_v3_rope_interleave", field("deepseek_v3", rope_interleave=False),
+         ["rope_interleave=false (rotate_half on the rotary dims) is not implemented"]),
+        ("deepseek_v3_attention_bias", field("deepseek_v3", attention_bias=True),
+         ["attention_bias=True (biases on q_a_proj, kv_a_proj_with_mqa and o_proj) is not implemented"]),
+        ("deepseek_v3_kv_heads", field("deepseek_v3", num_key_value_heads=2),
+         ["num_key_value_heads=2 != num_attention_heads=4 is not implemented"]),
         ("no_config_json", lambda models, tmp_path: _unlink(_copy(models, tmp_path), "config.json"),
          ["has no config.json"]),
         ("missing_shard", lambda models, tmp_path: _unlink(_copy(models, tmp_path, "sharded"),
@@ -167,7 +183,7 @@ def test_a_bad_model_is_one_line_naming_it(make_config, pm, models, tmp_path, na
         assert fragment in line, (fragment, line)
 
 
-@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_a_good_model_passes(make_config, pm, models, which):
     assert _problems(make_config, pm, models[which]) == []
 
