@@ -23,7 +23,7 @@ from hpctrain.config.ranges import range_problems
 from hpctrain.data.sequence import valid_seq_lens
 from hpctrain.data.sources import check_data_config, data_vocab_size
 from hpctrain.errors import ConfigError, PluginError
-from hpctrain.finetune.lora import lora_problems
+from hpctrain.finetune.checks import lora_problems
 from hpctrain.hf.config import hf_model_problems
 from hpctrain.hf.weights import init_from_problems
 from hpctrain.lustre import problems as lustre_problems

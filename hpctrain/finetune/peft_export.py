@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from hpctrain.errors import ConfigError
-from hpctrain.finetune.lora import ADAPTER, is_adapter_name
+from hpctrain.finetune.adapter import ADAPTER, is_adapter_name
 from hpctrain.hf.export import Entry, _replace_dir, _staging_dir, check_target, hf_tensors
 from hpctrain.hf.names import hf_tensor
 from hpctrain.model.shapes import ModelShape
@@ -83,7 +83,7 @@ def peft_config(lora: Any, target_modules: List[str], base: Optional[str]) -> Di
 def write_adapter_dir(out: str, cfg: Any, entries: Sequence[Entry], overwrite: bool = False) -> List[str]:
     """Write the PEFT adapter of a LoRA run's checkpoint (``cfg``: its resolved config) to ``out``, beside it
     first and then renamed into place (``hpctrain.hf.export.write_hf_dir``'s way); returns the files."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional: the hf extra
 
     lora = _lora(cfg)
     check_target(out, overwrite)

@@ -31,7 +31,7 @@ import torch
 
 from hpctrain.checkpoint import weight_mismatches
 from hpctrain.errors import ConfigError
-from hpctrain.finetune.lora import is_adapter_name
+from hpctrain.finetune.adapter import is_adapter_name
 from hpctrain.hf import PREFIX
 from hpctrain.hf.names import HfTensor, hf_tensor, moe_family, rope_row_permutation
 from hpctrain.model.build import build_model

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.finetune.lora import adapted
+from hpctrain.finetune.adapter import adapted
 from hpctrain.model.mtp import MTP
 from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
@@ -71,7 +71,7 @@ class Linears:
     object with one that enters and leaves its region. The one-process
     version calls the modules, so whatever wraps or hooks them (torch's own
     tensor parallelism in the benchmark) still applies, and a projection's LoRA adapter
-    (``hpctrain.finetune.lora``) adds its update."""
+    (``hpctrain.finetune.adapter``) adds its update."""
 
     def columns(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
         return [adapted(linear, x) for linear in linears]

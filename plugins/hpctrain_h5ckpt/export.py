@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.data.tokenize import TokenizerError, tokenizer_vocab_size
 from hpctrain.errors import ConfigError
-from hpctrain.finetune.lora import is_adapter_name
+from hpctrain.finetune.adapter import is_adapter_name
 from hpctrain.finetune.peft_export import merged_entries, write_adapter_dir
 from hpctrain.hf.export import Entry, check_target, data_tokenizer, write_hf_dir
 

@@ -16,7 +16,7 @@ import h5py
 import torch
 
 from hpctrain.checkpoint import weight_mismatches
-from hpctrain.finetune.lora import is_adapter_name
+from hpctrain.finetune.adapter import is_adapter_name
 from hpctrain.model.build import build_model
 from hpctrain.plugins import get_manager
 from hpctrain.shard import get_spec

@@ -16,7 +16,7 @@ one-process names and checkpoints hold logical tensors:
   summed over tp through the norm's weight seam (``SumOverTensorParallel``),
   with or without sequence parallelism;
 - SwiGLU: ``w1`` (gate) and ``w3`` (up) column-parallel, ``w2`` row-parallel;
-- LoRA adapters (``hpctrain.finetune.lora``) with their base: a column-parallel
+- LoRA adapters (``hpctrain.finetune.adapter``) with their base: a column-parallel
   projection's B cut by rows (replicated with them), its A whole with the
   gradient summed over tp; a row-parallel projection's A cut by columns, its
   B whole with the gradient summed over tp;
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import copy_to_region
-from hpctrain.finetune.lora import adapter_of
+from hpctrain.finetune.adapter import adapter_of
 from hpctrain.mesh import Group, Mesh
 from hpctrain.model.build import narrow_param
 from hpctrain.model.transformer import Linears
