@@ -7,7 +7,7 @@ session, each layout against one shared one-process run:
 - tp 2 x dp 2, ZeRO-1 (column-parallel bases: B cut by rows, A whole with its
   gradient summed over tp; row-parallel: A cut by columns, B whole),
 - pp 2 x dp 2, ZeRO-3 (frozen base weights sharded, never reduced),
-- cp 2 x dp 2,
+- cp 2 x dp 2, ZeRO-2, full recomputation,
 - and an MoE model's attention adapters (its experts, router and the rest
   frozen) at ep 2 x tp 2 against its own one-process run,
 
@@ -33,7 +33,7 @@ BASE = ("finetune=lora", "finetune.lora.rank=4", "finetune.lora.targets=[q,k,v,o
 LAYOUTS = {
     "tp2xdp2-zero1": ("parallel.tp=2", "parallel.zero.stage=1"),
     "pp2xdp2-zero3": ("parallel.pp=2", "parallel.zero.stage=3"),
-    "cp2xdp2": ("parallel.cp=2",),
+    "cp2xdp2-zero2-recompute": ("parallel.cp=2", "parallel.zero.stage=2", "model.recompute=full"),
 }
 
 
