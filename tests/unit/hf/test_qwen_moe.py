@@ -161,3 +161,14 @@ def test_a_model_without_an_architecture_is_refused_on_export(make_config):
         hf_config(make_config("model=qwen3-30b-a3b", "model.moe.router=sigmoid").model, "float32")
     with pytest.raises(ConfigError, match=r"norm_topk_prob=false \(Mixtral: softmax, top_k >= 2, renormalised\)"):
         hf_config(make_config("model=tiny-moe", "model.moe.norm_topk_prob=false").model, "float32")
+
+
+@pytest.mark.parametrize("override,given", [("model.moe.norm_topk_prob=true", "False"),
+                                            ("model.moe.ffn_hidden=64", "32"),
+                                            ("model.moe.first_dense_blocks=1", "0")])
+def test_an_override_the_weights_contradict_is_refused(dirs, pm, override, given):
+    cfg = compose_resolved(["model=hf", f"model.hf_dir={dirs['raw']}", override], pm)
+    key, _, value = override.partition("=")
+    assert validate(cfg, 1, pm) == [
+        f"{key}={value.capitalize() if value in ('true', 'false') else value} disagrees with "
+        f"model.hf_dir={dirs['raw']}, whose config.json gives {given}: the weights fix it; drop the override"]
