@@ -5,10 +5,11 @@ the export reads each one whole (its checksum verified) in one process with
 the default HDF5 driver and hands it to the core's writer
 (``hpctrain.hf.export.write_hf_dir``: names, RoPE row order, experts, the
 safetensors shards and their index, config.json, generation_config.json).
-The run's tokenizer files are copied alongside: those of ``model.hf_dir``
-(an imported model), the one its hpctrain-prepare shards were made with
-(whose BOS/EOS ids also go into config.json when the model config has
-none) and any ``--tokenizer`` given.
+Persistent buffers (``/buffers``: DeepSeek-V3's expert bias) are written
+beside the weights. The run's tokenizer files are copied alongside: those
+of ``model.hf_dir`` (an imported model), the one its hpctrain-prepare
+shards were made with (whose BOS/EOS ids also go into config.json when the
+model config has none) and any ``--tokenizer`` given.
 
 A LoRA run's checkpoint (``finetune=lora``) holds the base weights and the
 adapters: ``--merge`` exports the merged model, ``--adapter DIR`` the
@@ -105,6 +106,16 @@ def _entries(path: str, f: h5py.File) -> List[Entry]:
     return [Entry(name, tuple(group[name].shape), _reader(path, group[name])) for name in sorted(group, key=_order)]
 
 
+def _with_buffers(path: str, f: h5py.File, entries: List[Entry]) -> List[Entry]:
+    """``entries`` and the checkpoint's persistent buffers (``/buffers``: a sigmoid router's selection bias,
+    DeepSeek-V3's e_score_correction_bias), in Hugging Face's order."""
+    group = f.get("buffers")
+    if group is None or not len(group):
+        return entries
+    more = [Entry(name, tuple(group[name].shape), _reader(path, group[name])) for name in group]
+    return sorted(entries + more, key=lambda e: _order(e.logical))
+
+
 def export_adapter(path: str, out: str, overwrite: bool = False) -> List[str]:
     """Write the PEFT adapter of LoRA checkpoint ``path`` to ``out`` (``write_adapter_dir``); returns the files."""
     check_target(out, overwrite)
@@ -124,7 +135,7 @@ def export_hf(path: str, out: str, dtype: str = "float32", max_shard_bytes: int 
         model = cfg.model
         if tokenizer:
             _check_tokenizer(tokenizer, model.vocab_size)
-        entries = _entries(path, f)
+        entries = _with_buffers(path, f, _entries(path, f))
         if merge:
             entries = merged_entries(cfg, entries)
         elif any(is_adapter_name(e.logical) for e in entries):

@@ -114,3 +114,26 @@ def test_given_weights_fill_the_selection_bias(make_config, pm):
     model = materialize(build_model(cfg, pm), torch.device("cpu"), 0, 0.02, 2, source=source)
     assert torch.equal(model.layers[0].ffn.router.expert_bias, given)
     assert torch.equal(model.layers[1].ffn.router.expert_bias, torch.zeros(4))
+
+
+def test_an_export_takes_the_selection_bias_from_the_checkpoint(tmp_path):
+    """``hpctrain-ckpt export`` hands the checkpoint's persistent buffers (``/buffers``) to the writer beside
+    its weights, in Hugging Face's order, checksums verified: a DeepSeek-V3 export writes its expert bias."""
+    import h5py
+    import numpy as np
+
+    from hpctrain_h5ckpt import checksum
+    from hpctrain_h5ckpt.export import _entries, _with_buffers
+
+    path = str(tmp_path / "step.h5")
+    bias = np.array([0.5, -0.25, 0.0, 1.0], dtype=np.float32)
+    with h5py.File(path, "w") as f:
+        for group, name, value in (("model", "norm.weight", np.ones(2, np.float32)),
+                                   ("model", "layers.0.ffn.router.weight", np.ones((4, 2), np.float32)),
+                                   ("buffers", "layers.0.ffn.router.expert_bias", bias)):
+            f.require_group(group).create_dataset(name, data=value).attrs["checksum"] = checksum.whole(value)
+    with h5py.File(path, "r") as f:
+        entries = _with_buffers(path, f, _entries(path, f))
+        assert [e.logical for e in entries] == ["layers.0.ffn.router.expert_bias", "layers.0.ffn.router.weight",
+                                                "norm.weight"]
+        assert torch.equal(entries[0].read(), torch.from_numpy(bias))
