@@ -19,3 +19,29 @@ def deepseek_config(q_lora_rank=24, **over):
                   tie_word_embeddings=False)
     fields.update(over)
     return DeepseekV3Config(**fields)
+
+
+def deepseek_moe_config(**over):
+    """The tiny DeepSeek-V3 with its second layer MoE: 8 routed experts of 32 in 4 groups, top-2 from the best
+    2 groups, one shared expert, the routed weights renormalised and scaled by 2.5."""
+    fields = dict(first_k_dense_replace=1, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                  n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5, norm_topk_prob=True)
+    fields.update(over)
+    return deepseek_config(**fields)
+
+
+def draw_expert_bias(path: str, seed: int = 1) -> str:
+    """Give the saved model's selection biases (``e_score_correction_bias``, buffers transformers saves as zeros)
+    random values as large as the sigmoid scores' spread, so that they change which experts are chosen."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = torch.empty(tensors[name].shape).uniform_(-0.3, 0.3, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path

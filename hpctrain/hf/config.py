@@ -30,12 +30,12 @@ already make them dense;
 adds it only with ``output_router_logits``; the logged loss is the
 language-model loss either way).
 
-DeepseekV3 (``DeepseekV3ForCausalLM``) is read when all its layers are dense
-(``first_k_dense_replace >= num_hidden_layers``; its MoE layers are refused
-in one line until they are implemented): multi-head latent attention
+DeepseekV3 (``DeepseekV3ForCausalLM``): multi-head latent attention
 (``model.attention_kind=mla``, ``q_lora_rank``, ``kv_lora_rank``,
 ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim`` -> ``model.mla``)
-with yarn RoPE scaling as transformers computes it (``hpctrain.model.yarn``).
+with yarn RoPE scaling as transformers computes it (``hpctrain.model.yarn``);
+its layers from ``first_k_dense_replace`` on are MoE blocks (``_deepseek_v3``:
+the MoE plugin's sigmoid router with the expert bias, groups and shared experts).
 
 RoPE parameters come in two spellings: transformers 4's top-level
 ``rope_theta`` + ``rope_scaling`` (what published checkpoints carry) and
@@ -148,18 +148,15 @@ def _yarn(theta: float, scaling: Dict[str, Any], path: str) -> Tuple[float, Dict
 
 
 def _deepseek_v3(data: Dict[str, Any], path: str) -> Tuple[Dict[str, Any], List[str]]:
-    """(``model`` overrides for latent attention, problems) of a DeepseekV3 config.json. Its layers from
-    ``first_k_dense_replace`` on are MoE (shared experts, sigmoid scores with the expert bias, group-limited
-    top-k: the MoE plugin's options), whose weights are not mapped yet (the expert bias is a buffer, which
-    ``checkpoint.init_from`` does not fill): only configs whose layers are all dense are read."""
+    """(``model`` overrides for latent attention and the feed-forward blocks, problems) of a DeepseekV3
+    config.json. Its layers from ``first_k_dense_replace`` on are MoE blocks as transformers' DeepseekV3MoE
+    computes them, whatever ``topk_method`` and ``scoring_func`` say: sigmoid scores, the top-k of score + the
+    expert bias (``e_score_correction_bias``, a buffer: the router's ``expert_bias``) from the ``topk_group``
+    best of ``n_group`` groups, weights renormalised with ``norm_topk_prob`` and scaled by
+    ``routed_scaling_factor``, plus ``n_shared_experts`` shared experts (``model.moe``)."""
     problems = []
     n_layers = int(data.get("num_hidden_layers") or 0)
-    first_dense = data.get("first_k_dense_replace", 3)
-    if first_dense is None or int(first_dense) < n_layers:
-        problems.append(f"{path}: first_k_dense_replace={first_dense} < num_hidden_layers={n_layers}: reading "
-                        "DeepSeek-V3's MoE layers (routed and shared experts, the expert bias) from Hugging Face is "
-                        "not implemented yet; only all-dense DeepseekV3 models (first_k_dense_replace >= "
-                        "num_hidden_layers) can be imported (model=deepseek-v3 builds the MoE model from scratch)")
+    first_dense = int(data.get("first_k_dense_replace") or 0)
     for key, what in (("attention_bias", "biases on q_a_proj, kv_a_proj_with_mqa and o_proj"),
                       ("qk_norm", "qk-norm"), ("mlp_bias", "biases on the MLP projections")):
         if data.get(key):
@@ -184,7 +181,21 @@ def _deepseek_v3(data: Dict[str, Any], path: str) -> Tuple[Dict[str, Any], List[
             problems.append(f"{path}: {key}={value!r} is not a positive integer")
     if isinstance(mla.get("qk_rope_head_dim"), int) and mla["qk_rope_head_dim"] % 2:
         problems.append(f"{path}: qk_rope_head_dim={mla['qk_rope_head_dim']} is not even (RoPE rotates pairs)")
-    return {"attention_kind": "mla", "mla": mla, "head_dim": None}, problems
+    out: Dict[str, Any] = {"attention_kind": "mla", "mla": mla, "head_dim": None, "ffn": "swiglu"}
+    if first_dense < n_layers:
+        try:
+            out.update(ffn="moe", moe={
+                "num_experts": int(data.get("n_routed_experts", 256)), "top_k": int(data.get("num_experts_per_tok", 8)),
+                "router": "sigmoid", "capacity_factor": None, "shared_experts": int(data.get("n_shared_experts") or 0),
+                "every": 1, "aux_loss_coef": 0.0, "z_loss_coef": 0.0,  # (transformers adds no balance loss)
+                "ffn_hidden": int(data.get("moe_intermediate_size", 2048)),
+                "norm_topk_prob": bool(data.get("norm_topk_prob", True)),
+                "expert_groups": int(data.get("n_group") or 1), "topk_groups": int(data.get("topk_group") or 1),
+                "routed_scaling_factor": float(data.get("routed_scaling_factor", 2.5)),
+                "first_dense_blocks": first_dense})
+        except (TypeError, ValueError) as e:
+            problems.append(f"{path}: a MoE field is not a number ({e}); download or copy it again")
+    return out, problems
 
 
 def _qwen_window_problems(data: Dict[str, Any], path: str, seq_len: Optional[int]) -> List[str]:
@@ -304,7 +315,7 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
         problems += moe_problems
         out["ffn"] = "moe"
         out["moe"] = moe
-    else:
+    elif arch != "DeepseekV3ForCausalLM":  # (its ffn and moe came with latent)
         out["ffn"] = "swiglu"
     return out, problems
 
@@ -349,7 +360,7 @@ def _qwen3_moe(data: Dict[str, Any], path: str, n_layers: int) -> Tuple[Dict[str
 WEIGHT_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "qkv_bias", "qk_norm",
                "ffn_hidden", "norm_eps", "rope_theta", "rope_scaling", "tie_embeddings", "ffn", "moe.num_experts",
                "moe.top_k", "moe.router", "moe.shared_experts", "moe.every", "moe.ffn_hidden", "moe.norm_topk_prob",
-               "moe.first_dense_blocks",
+               "moe.first_dense_blocks", "moe.expert_groups", "moe.topk_groups", "moe.routed_scaling_factor",
                "attention_kind", "mla")
 """``model`` keys the weights and the forward depend on: an explicit override of one that disagrees with the
 directory is refused (``hf_model_problems``). The others it fills (name, max_seq_len, the token ids, the MoE

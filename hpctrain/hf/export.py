@@ -80,9 +80,10 @@ class Entry:
 def _architecture(model: Any) -> str:
     s = ModelShape.from_config(model)
     if s.mla is not None:
-        if model.ffn == "moe":  # DeepSeek-V3's routing (shared experts, expert bias, groups) is not mapped yet
-            raise ConfigError("this model has no Hugging Face architecture: model.attention_kind=mla with "
-                              "model.ffn=moe (DeepseekV3ForCausalLM's MoE layers are not exported yet; dense only)")
+        if model.ffn == "moe":  # the export writes parameters: the router's selection bias (a buffer) is not one
+            raise ConfigError("model.attention_kind=mla with model.ffn=moe is not exported yet: DeepseekV3ForCausalLM "
+                              "needs the routers' e_score_correction_bias, a buffer the checkpoint's export does not "
+                              "write (all-dense latent attention models are exported)")
         return "DeepseekV3ForCausalLM"
     if model.ffn != "moe":
         if s.qkv_bias and s.qk_norm:

@@ -48,11 +48,20 @@ _ONE_HEAD = ("attn.q_norm.weight", "attn.k_norm.weight")
 MOE_FAMILIES = {
     "mixtral": ("block_sparse_moe", {"ffn.experts.w1": "w1", "ffn.experts.w3": "w3", "ffn.experts.w2": "w2"}),
     "qwen3_moe": ("mlp", {"ffn.experts.w1": "gate_proj", "ffn.experts.w3": "up_proj", "ffn.experts.w2": "down_proj"}),
+    "deepseek_v3": ("mlp", {"ffn.experts.w1": "gate_proj", "ffn.experts.w3": "up_proj", "ffn.experts.w2": "down_proj"}),
 }
 """Where each MoE architecture keeps a block's router and experts: (module, our expert tensor -> its name)."""
 MLA_FAMILY = "deepseek_v3"
 """The family of a model with latent attention (``model.attention_kind=mla``): DeepseekV3ForCausalLM's names.
-Its MoE layers (shared experts, the expert bias) are not mapped yet; its dense layers use ``_PER_LAYER``'s."""
+Its dense layers use ``_PER_LAYER``'s, its MoE layers ``MOE_FAMILIES``' experts and router, ``_DEEPSEEK_MOE``."""
+_DEEPSEEK_MOE = {
+    "ffn.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "ffn.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+"""DeepSeek-V3's MoE block beside its experts and router: the sigmoid router's selection bias (a buffer both
+sides) and the shared experts (one SwiGLU of n_shared_experts x moe_intermediate_size)."""
 _MLA_PER_LAYER = {
     "attn.wq.weight": "self_attn.q_proj.weight", "attn.wq_a.weight": "self_attn.q_a_proj.weight",
     "attn.q_norm.weight": "self_attn.q_a_layernorm.weight", "attn.wq_b.weight": "self_attn.q_b_proj.weight",
@@ -95,7 +104,7 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
     if m is None:
         return None
     prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    if family == MLA_FAMILY:
+    if family == MLA_FAMILY and (rest in _MLA_PER_LAYER or rest in _DEEPSEEK_MOE or rest.startswith("attn.")):
         return _mla_tensor(prefix, rest)
     module, experts = MOE_FAMILIES[family]
     if rest == "ffn.router.weight":
@@ -109,12 +118,9 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
 
 
 def _mla_tensor(prefix: str, rest: str) -> Optional[HfTensor]:
-    """A DeepseekV3 layer's tensor: latent attention's, or a dense layer's norms and MLP."""
-    if rest in _MLA_PER_LAYER:
-        return HfTensor([prefix + _MLA_PER_LAYER[rest]])
-    if rest.startswith("attn.") or rest not in _PER_LAYER:
-        return None
-    return HfTensor([prefix + _PER_LAYER[rest]])
+    """A DeepseekV3 layer's latent attention tensor, or its MoE block's expert bias or shared experts."""
+    name = _MLA_PER_LAYER.get(rest) or _DEEPSEEK_MOE.get(rest)
+    return HfTensor([prefix + name]) if name is not None else None
 
 
 def hf_name(logical: str) -> Optional[str]:

@@ -15,7 +15,11 @@ q/k heads of 8 + 8, and yarn RoPE with both mscale terms (cos/sin and the softma
   - at tp 2 without sequence parallelism x cp 2 (all-gather attention): every tp rank projects every
     token, the latents' gradient is all-reduced on the way out of the heads' region;
 - the plain query projection (q_lora_rank null, DeepSeek-V2-Lite's; the model's own init) at tp 2 with
-  sequence parallelism x cp 2.
+  sequence parallelism x cp 2;
+- the imported DeepseekV3 with an MoE second layer (8 experts in 4 groups, top-2 from the best 2, a shared
+  expert, random selection biases read into the routers' buffers) at ep 2 x tp 2 with sequence parallelism:
+  the routed experts split over ep, the shared expert and the latent attention over tp; the first step's
+  loss is transformers' own.
 
 Tolerances as tests/mpi/test_qwen.py (fp32: the layouts only regroup sums).
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from deepseek_models import deepseek_config
+from deepseek_models import deepseek_config, deepseek_moe_config, draw_expert_bias
 from mpi4py import MPI
 from qwen_models import hf_loss
 
@@ -46,34 +50,37 @@ CASES = {
     "deepseek-v3-tp2-cp2-allgather": ("hf", TP_CP + ("parallel.sequence_parallel=false",
                                                      "parallel.cp_impl=allgather")),
     "plain-q-tp2sp-cp2-ring": ("plain", TP_CP + ("parallel.sequence_parallel=true", "parallel.cp_impl=ring")),
+    "deepseek-v3-moe-ep2-tp2sp": ("moe", ("parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true")),
 }
 
 
 @pytest.fixture(scope="module")
-def deepseek_dir(tmp_path_factory):
+def deepseek_dirs(tmp_path_factory):
     comm = MPI.COMM_WORLD
-    path = comm.bcast(os.path.join(str(tmp_path_factory.mktemp("deepseek")), "v3") if comm.Get_rank() == 0 else None,
-                      root=0)
+    root = comm.bcast(str(tmp_path_factory.mktemp("deepseek")) if comm.Get_rank() == 0 else None, root=0)
+    dirs = {"hf": os.path.join(root, "v3"), "moe": os.path.join(root, "v3-moe")}
     if comm.Get_rank() == 0:
-        save(deepseek_config(), path)
+        save(deepseek_config(), dirs["hf"])
+        draw_expert_bias(save(deepseek_moe_config(), dirs["moe"]))
     comm.Barrier()
-    return path
+    return dirs
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("case", list(CASES))
-def test_mla_trains_like_one_process(world, pm, deepseek_dir, case):
+def test_mla_trains_like_one_process(world, pm, deepseek_dirs, case):
     which, layout = CASES[case]
-    model = BASE + (hf_model(deepseek_dir) if which == "hf" else PLAIN_Q)
+    model = BASE + (PLAIN_Q if which == "plain" else hf_model(deepseek_dirs[which]))
     trainer = world_trainer(pm, *model, *layout)
     attn = trainer.model.layers[0].attn
     assert type(attn.linears).__name__ == "TensorParallelLatentLinears"
-    assert type(attn.core).__name__ == ("AllGatherAttention" if "allgather" in case else "RingAttention")
+    assert type(attn.core).__name__ == ("AllGatherAttention" if "allgather" in case else
+                                        "RingAttention" if "cp2" in case else "SdpaAttention")
     assert attn.wkv_b.weight.shape == (2 * (8 + 12), 16) and attn.wo.weight.shape == (64, 2 * 12)
     assert attn.wkv_a.weight.shape == (16 + 8, 64)  # whole on every rank
     first_batch = trainer.orders.train[0].batch(range(4))  # step 1's global batch (samples 0-3)
     got = record(trainer, STEPS)
     assert_parity(got, shared_reference(model, STEPS), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
-    if which == "hf":
-        want = hf_loss(deepseek_dir, first_batch)  # transformers' own loss (labels=)
+    if which != "plain":
+        want = hf_loss(deepseek_dirs[which], first_batch)  # transformers' own loss (labels=)
         assert abs(got[0].loss - want) <= 1e-5 * want, (got[0].loss, want)

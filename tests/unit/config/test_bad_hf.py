@@ -13,7 +13,7 @@ import os
 import shutil
 
 import pytest
-from deepseek_models import YARN, deepseek_config
+from deepseek_models import YARN, deepseek_config, deepseek_moe_config
 from qwen_models import qwen2_config, qwen3_config, qwen3_moe_config
 
 from hpctrain.config.validate import validate
@@ -27,7 +27,8 @@ def models(tmp_path_factory):
     return {"llama": save(llama_config(), d / "llama"), "mixtral": save(mixtral_config(), d / "mixtral"),
             "sharded": save(llama_config(), d / "sharded", max_shard_size="100KB"),
             "qwen2": save(qwen2_config(), d / "qwen2"), "qwen3": save(qwen3_config(), d / "qwen3"),
-            "qwen3_moe": save(qwen3_moe_config(), d / "qwen3_moe"), "deepseek_v3": save(deepseek_config(), d / "ds")}
+            "qwen3_moe": save(qwen3_moe_config(), d / "qwen3_moe"), "deepseek_v3": save(deepseek_config(), d / "ds"),
+            "deepseek_v3_moe": save(deepseek_moe_config(), d / "ds_moe")}
 
 
 def _copy(models, tmp_path, which="llama"):
@@ -94,8 +95,6 @@ def _rows():
          ["attention_bias=True (biases on q/k/v and on o_proj) is not implemented"]),
         ("qwen3_moe_sliding_window", field("qwen3_moe", use_sliding_window=True, sliding_window=16),
          ["use_sliding_window=true with sliding_window=16 is not implemented", "trainer.seq_len <= 16"]),
-        ("deepseek_v3_moe_layers", field("deepseek_v3", first_k_dense_replace=1),
-         ["first_k_dense_replace=1 < num_hidden_layers=2: reading DeepSeek-V3's MoE layers", "not implemented"]),
         ("deepseek_v3_rope_type", field("deepseek_v3", rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                                         "rope_theta": 1e4}),
          ["rope_scaling type 'linear' is not implemented (only llama3, yarn and the default)"]),
@@ -183,7 +182,8 @@ def test_a_bad_model_is_one_line_naming_it(make_config, pm, models, tmp_path, na
         assert fragment in line, (fragment, line)
 
 
-@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("which", ["llama", "mixtral", "sharded", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3",
+                                   "deepseek_v3_moe"])
 def test_a_good_model_passes(make_config, pm, models, which):
     assert _problems(make_config, pm, models[which]) == []
 

@@ -1,20 +1,23 @@
 """DeepSeek-V3's multi-head latent attention in and out, exact against transformers (fp32, one process; tiny
-random ``DeepseekV3ForCausalLM`` models whose layers are all dense, made with transformers' own classes and
-saved in the test, yarn RoPE scaling on, with both mscale terms so that cos/sin and the softmax scale change):
+random ``DeepseekV3ForCausalLM`` models made with transformers' own classes and saved in the test, yarn RoPE
+scaling on, with both mscale terms so that cos/sin and the softmax scale change; all dense, and one whose
+second layer is MoE: 8 experts in 4 groups, top-2 from the best 2, a shared expert, random selection biases):
 
 - yarn's inverse frequencies and factors are transformers' own (``_compute_yarn_parameters``,
   ``yarn_apply_mscale``);
 - imported, with the low-rank query (q_lora_rank, DeepSeek-V3's) and with the plain query projection
-  (q_lora_rank null, DeepSeek-V2-Lite's), the logits equal transformers' within 1e-5 relative;
+  (q_lora_rank null, DeepSeek-V2-Lite's), and with the MoE layer (read as the MoE plugin's DeepSeek routing,
+  the selection bias into the router's buffer), the logits equal transformers' within 1e-5 relative;
 - the first training step's loss is transformers' own loss (``labels=``) on that step's batch;
-- after 2 training steps, ``hpctrain-ckpt export`` writes a DeepseekV3ForCausalLM that transformers loads
-  with no missing or unexpected keys, with the trained model's logits, and that reads back as the same model;
+- after 2 training steps, ``hpctrain-ckpt export`` of the dense model writes a DeepseekV3ForCausalLM that
+  transformers loads with no missing or unexpected keys, with the trained model's logits, and that reads back as
+  the same model;
 - the presets deepseek-v3 and deepseek-v2-lite have the parameter count transformers builds from the
   published config.json (671,026,404,352 and 15,706,484,224; their MoE layers are the MoE plugin's), and one
   layer's latent attention too.
 
 The multi-rank proofs (tp with and without sequence parallelism x cp, ring and all-gather) are
-tests/mpi/test_mla.py; what is refused (MoE layers, another RoPE type, rope_interleave=false, attention_bias,
+tests/mpi/test_mla.py; what is refused (another RoPE type, rope_interleave=false, attention_bias,
 fewer key/value heads, yarn's attention_factor or truncate=false), one line each, rows of
 tests/unit/config/test_bad_hf.py.
 """
@@ -25,7 +28,7 @@ import os
 
 import pytest
 import torch
-from deepseek_models import deepseek_config
+from deepseek_models import deepseek_config, deepseek_moe_config, draw_expert_bias
 from qwen_models import hf_loss
 
 from hpctrain.config import compose_resolved
@@ -37,13 +40,20 @@ from hf_models import SEQ, batch, hf_logits, hf_model, save
 
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"trainer.seq_len={SEQ}", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "reliability.hang_timeout_s=0")
-MODELS = {"q-lora": lambda: deepseek_config(), "plain-q": lambda: deepseek_config(q_lora_rank=None)}
+MODELS = {"q-lora": lambda: deepseek_config(), "plain-q": lambda: deepseek_config(q_lora_rank=None),
+          "moe": lambda: deepseek_moe_config()}
 
 
 def _imported(path, pm, *more):
     cfg = compose_resolved(BASE + hf_model(path) + more, pm)
     assert validate(cfg, 1, pm) == []
     return cfg
+
+
+def hf_buffer(path, name):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))[name]
 
 
 def assert_close(ours, theirs, rtol=1e-5):
@@ -55,7 +65,9 @@ def assert_close(ours, theirs, rtol=1e-5):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
-    return {name: save(make(), root / name) for name, make in MODELS.items()}
+    out = {name: save(make(), root / name) for name, make in MODELS.items()}
+    draw_expert_bias(out["moe"])
+    return out
 
 
 def test_yarn_is_transformers_own():
@@ -83,6 +95,15 @@ def test_the_config_reads_as_latent_attention(dirs, pm):
     assert plain.mla.q_lora_rank is None
 
 
+def test_the_moe_layers_read_as_deepseek_routing(dirs, pm):
+    m = compose_resolved(["model=hf", f"model.hf_dir={dirs['moe']}"], pm).model
+    assert (m.ffn, m.ffn_hidden) == ("moe", 96)
+    moe = m.moe
+    assert (moe.router, moe.num_experts, moe.top_k, moe.expert_groups, moe.topk_groups, moe.shared_experts,
+            moe.ffn_hidden, moe.first_dense_blocks, moe.routed_scaling_factor, moe.norm_topk_prob) == \
+        ("sigmoid", 8, 2, 4, 2, 1, 32, 1, 2.5, True)
+
+
 @pytest.mark.parametrize("which", list(MODELS))
 def test_logits_equal_transformers(dirs, pm, which):
     ids = batch()
@@ -95,11 +116,15 @@ def test_logits_equal_transformers(dirs, pm, which):
     assert_close(ours, theirs)
 
 
-def test_the_first_step_loss_is_transformers_own(dirs, pm):
-    trainer = reference_trainer(_imported(dirs["q-lora"], pm), pm)
+@pytest.mark.parametrize("which", ["q-lora", "moe"])
+def test_the_first_step_loss_is_transformers_own(dirs, pm, which):
+    trainer = reference_trainer(_imported(dirs[which], pm), pm)
+    if which == "moe":  # the selection bias came in (a buffer)
+        bias = trainer.model.layers[1].ffn.router.expert_bias
+        assert torch.equal(bias, hf_buffer(dirs[which], "model.layers.1.mlp.gate.e_score_correction_bias"))
     first = trainer.orders.train[0].batch(range(4))  # step 1's global batch: 4 samples of seq_len + 1 tokens
     got = trainer.train_step()["loss"]
-    want = hf_loss(dirs["q-lora"], first)
+    want = hf_loss(dirs[which], first)
     assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
