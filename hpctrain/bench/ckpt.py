@@ -385,11 +385,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if hinted_ck is not None:
         hinted_size = comm.bcast(_dir_size(hinted_path) if rank == 0 else None, root=0)
         size_t.add("with --hints: hpctrain .h5", hinted_size, hinted_size / (12 * params), hinted_size / (14 * params))
-        hin = Table([Column("--hints " + " ".join(args.hints), align="<"), Column("default s", "{:.3f}"),
-                     Column("with hints s", "{:.3f}"), Column("speed x default", "{:.2f}x")])
+        hin = Table([Column("operation (sync)", align="<"), Column("default s", "{:.3f}"),
+                     Column("with --hints s", "{:.3f}"), Column("speed x default", "{:.2f}x")])
         for op in ("save", "load"):
             hin.add(f"hints {op}", med[f"h5 {op}"], med[f"hinted {op}"], paired_ratio(t[f"h5 {op}"], t[f"hinted {op}"]))
-        hinted_lines = ["", hin.render(args.markdown), "", HINTS_CANNOT_SHOW]
+        hinted_lines = ["", "--hints " + " ".join(args.hints), hin.render(args.markdown), "", HINTS_CANNOT_SHOW]
     print_rank0(comm, f"# hpctrain-bench ckpt: {params / 1e6:.1f}M fp32 parameters + AdamW state = {mb:.0f} MB, "
                 f"sharded on dim 0 over {size} ranks; median of {args.iters} (slowest rank); hpctrain "
                 f"{io}, collective I/O for datasets >= {cfg.checkpoint.hdf5.collective_min_mb} MiB",
