@@ -78,7 +78,7 @@ def expected(setup: Any) -> ZeroMemory:
     ``zero_in_flight``, the module docstring) for ``setup`` (the plugin's
     handle, ``Zero``), padding included."""
     z = setup.cfg
-    flats = setup.flats
+    flats = getattr(setup, "trained", setup.flats)  # frozen weights (LoRA's base) have no gradient or state
     first = next((p for fg in flats for p in fg.params), None)
     own = first.dtype if first is not None and setup.stage != 3 else torch.float32
     p_size = _size(dtype_of(z.param_dtype) or own)
@@ -101,7 +101,16 @@ def expected(setup: Any) -> ZeroMemory:
     optim = getattr(setup, "optim", None)
     if optim is not None and optim.name != "adamw":  # LAMB, LARS, Muon: their state per element held
         optimizer += _state_bytes(setup, optim) - 8.0 * (C + U)
-    return ZeroMemory(int(states.weights), int(states.grads), int(optimizer), int(in_flight))
+    return ZeroMemory(int(states.weights + _frozen_bytes(setup)), int(states.grads), int(optimizer), int(in_flight))
+
+
+def _frozen_bytes(setup: Any) -> int:
+    """Frozen weights held (LoRA's base): whole at stages 1-2, an fp32 chunk of their flat groups at stage 3."""
+    if setup.stage == 3:
+        return 4 * sum(fg.chunk for fg in setup.flats if fg not in setup.trained)
+    seen = {id(p) for fg in setup.flats for p in fg.params} | {id(p) for p in setup.unsharded}
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in setup.model.parameters()}.values()
+               if not p.requires_grad and id(p) not in seen)
 
 
 def _state_bytes(setup: Any, optim: Any) -> float:
@@ -111,7 +120,7 @@ def _state_bytes(setup: Any, optim: Any) -> float:
     def per_element(spec: Any) -> float:
         return state_bytes_per_element(optim.name, float(muon_matrix(spec, list(optim.adamw_params))))
 
-    held = [(b - a, fg.specs[i]) for fg in setup.flats for i in range(len(fg.params)) for a, b in [fg.held(i)]]
+    held = [(b - a, fg.specs[i]) for fg in setup.trained for i in range(len(fg.params)) for a, b in [fg.held(i)]]
     held += [(p.numel(), get_spec(p)) for p in setup.unsharded]
     return sum(n * per_element(spec) for n, spec in held)
 

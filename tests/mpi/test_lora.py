@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import pytest
 
+from hpctrain.shard import get_spec
+
+from hpctrain_zero.memory import measured
 from parity import assert_parity, record, shared_reference, world_trainer
 
 STEPS = 2
@@ -58,3 +61,20 @@ def test_lora_on_moe_attention_trains_like_one_process(world, pm):
     assert len(want[-1].grads) == 2 * 4 * 2
     got = record(world_trainer(pm, *MOE, "parallel.ep=2", "parallel.tp=2"), STEPS)
     assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_logs_what_a_lora_run_holds(world, pm, stage):
+    """ZeRO's memory log (frozen base whole at stage 1, in fp32 flat chunks at stage 3; gradients and
+    optimizer state of the adapters only) equals what the tensors hold after a step, and the optimizer
+    holds state for adapters alone."""
+    trainer = world_trainer(pm, *BASE, f"parallel.zero.stage={stage}")
+    trainer.train_step()
+    setup = trainer.data_handle
+    got, seen = setup.memory, measured(setup, trainer.model, trainer.optimizer)
+    assert (seen.params, seen.grads, seen.optimizer) == (got.params, got.grads, got.optimizer)
+    adapters = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad) * (4 if stage == 3 else 1)
+    assert 0 < got.optimizer <= 8 * adapters  # two fp32 moments per adapter element held, none for the base
+    assert {get_spec(p).logical_name for p in trainer.optimizer.state} <= {
+        get_spec(p).logical_name for p in trainer.model.parameters() if ".lora." in get_spec(p).logical_name}
