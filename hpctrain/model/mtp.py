@@ -36,8 +36,9 @@ which then holds the embedding too (its gradient summed with the first
 stage's, like a tied embedding). Tensor parallelism splits each module's
 block as the model's and treats its norms as the model's; ``eh_proj`` stays
 whole, its weight through ``eh_weight_view`` (summed over tp under sequence
-parallelism). Context parallelism is refused for now (``mtp_problems``): a
-target k places ahead crosses cp's chunks.
+parallelism). Under context parallelism the modules' attention is cp's,
+like the model's, and the ids and targets k places ahead come from the
+whole sequence (``MTP.ahead``: gathered over cp, a few integers per token).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.comm.differentiable import all_gather_along
+from hpctrain.data.sequence import cp_positions
+from hpctrain.mesh import Group
 from hpctrain.model.aux import add_aux_loss, collecting
 from hpctrain.model.shapes import ModelShape
 
@@ -56,6 +60,12 @@ IGNORED = -100
 
 def _same(weight: torch.Tensor) -> torch.Tensor:
     return weight
+
+
+def _positions(rank: int, size: int, seq_len: int) -> torch.Tensor:
+    positions = cp_positions(rank, size, seq_len)
+    assert positions is not None  # a sequence group has several ranks
+    return positions
 
 
 class MTPModule(nn.Module):
@@ -88,6 +98,24 @@ class MTP(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): m for i, m in modules.items()})
         self.loss_weight = loss_weight
+        self.sequence: Optional[Group] = None
+        """The cp group when context parallelism splits each sequence over it in zigzag chunks (set by its
+        plugin): the ids and targets k places ahead are taken from the whole sequence (``ahead``)."""
+
+    def ahead(self, t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+        """``t`` (batch, tokens: this rank's) moved k positions earlier along each sample's sequence, the
+        last k positions ``fill``: what lies k places ahead of each token. Under context parallelism the
+        rank's zigzag chunks are joined with the others' in position order first (integers, no gradient)."""
+        seq = self.sequence
+        if seq is None or seq.size == 1:
+            return F.pad(t[:, k:], (0, k), value=fill)
+        n = t.shape[1] * seq.size
+        order = torch.cat([_positions(r, seq.size, n) for r in range(seq.size)]).to(t.device)
+        gathered = all_gather_along(t, seq, dim=1)
+        whole = torch.empty_like(gathered)
+        whole[:, order] = gathered  # rank-major -> position order
+        moved = F.pad(whole[:, k:], (0, k), value=fill)
+        return moved[:, _positions(seq.rank, seq.size, n).to(t.device)]
 
     @property
     def depth(self) -> int:
@@ -108,8 +136,8 @@ class MTP(nn.Module):
         counted = (targets >= 0).sum().clamp(min=1)
         total: Optional[torch.Tensor] = None
         for k, module in enumerate(self.layers.values(), start=1):
-            ids = F.pad(tokens[:, k:], (0, k), value=0)  # t_{i+k}; the padded positions have no target
-            ahead = F.pad(targets[:, k:], (0, k), value=IGNORED)  # t_{i+k+1}
+            ids = self.ahead(tokens, k, 0)  # t_{i+k}; the padded positions have no target
+            ahead = self.ahead(targets, k, IGNORED)  # t_{i+k+1}
             hidden = module(embed(ids), hidden, cos, sin, segments)
             # loss_fn gives the mean over its own counted targets: rescale to the main loss's count (eq. 24)
             part = loss_fn(head(hidden), ahead) * ((ahead >= 0).sum() / counted)
@@ -131,8 +159,8 @@ def build_mtp(shape: ModelShape, eps: float, depth: int, loss_weight: float,
 
 
 def mtp_problems(cfg: Any) -> List[str]:
-    """Bad ``model.mtp_*`` values and the layouts not implemented yet, one line each."""
-    m, par = cfg.model, cfg.parallel
+    """Bad ``model.mtp_*`` values, one line each."""
+    m = cfg.model
     depth = m.get("mtp_depth", 0) if hasattr(m, "get") else getattr(m, "mtp_depth", 0)
     out: List[str] = []
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -140,8 +168,4 @@ def mtp_problems(cfg: Any) -> List[str]:
     weight = m.mtp_loss_weight
     if not (isinstance(weight, (int, float)) and 0 <= float(weight) < float("inf")):
         out.append(f"model.mtp_loss_weight={weight}: must be a finite number >= 0 (DeepSeek-V3: 0.3, then 0.1)")
-    if depth and int(par.cp) > 1:
-        out.append(f"model.mtp_depth={depth} with parallel.cp={par.cp}: multi-token prediction is not implemented "
-                   "under context parallelism yet (a target k places ahead lies in another rank's chunk); use tp, "
-                   "pp, ep, dp or ZeRO, or model.mtp_depth=0")
     return out

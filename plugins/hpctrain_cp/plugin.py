@@ -56,6 +56,8 @@ def hpctrain_validate(cfg: Any, world_size: int) -> Optional[List[str]]:
 def _attention_modules(model: Transformer):
     for block in model.layers:
         yield block.attn
+    for module in model.mtp.modules_by_depth() if model.mtp is not None else []:  # multi-token prediction's
+        yield module.block.attn
 
 
 @hookimpl
@@ -68,6 +70,8 @@ def hpctrain_parallelize(model: nn.Module, mesh: Mesh, cfg: Any) -> Optional[Axi
     assert isinstance(model, Transformer)  # the core model (tp changes it in place)
     for attn in _attention_modules(model):
         attn.core = RingAttention(group, layout) if impl == "ring" else AllGatherAttention(group, layout)
+    if model.mtp is not None:  # its ids and targets k places ahead come from the whole sequence
+        model.mtp.sequence = group
     log_rank0("context parallelism: cp=%d (%s), %d tokens per rank in chunks %s of %d", cp, impl, seq // cp,
               list(layout.chunks[rank]), chunk)
     return AxisHandle(model)

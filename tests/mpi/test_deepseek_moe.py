@@ -24,6 +24,9 @@ Layouts (one shared one-process reference, 2 steps):
   experts over ep; the MTP module's norms and projection whole, their
   gradients summed over tp.
 
+And cp 2 x dp 2 with document masking, against its own one-process run on
+the same document-masked micro-batches.
+
 Tolerances as tests/mpi/test_moe.py (routing is discontinuous; no token
 of these runs sits near a tie).
 """
@@ -47,6 +50,30 @@ LAYOUTS = {
     "dp4-zero3": ("parallel.zero.stage=3",),
     "tp2-sp-ep2": ("parallel.tp=2", "parallel.ep=2"),
 }
+
+
+@pytest.mark.mpi(min_size=4)
+def test_cp2_dp2_with_document_masking_trains_like_one_process(world, pm):
+    """cp 2 x dp 2 with document masking (the micro-batches of tests/mpi/documents.py): the model's and the
+    MTP module's attention split over cp (ring), each rank's ids and targets one place ahead taken from the
+    whole sequence; against the one-process run with the same documents."""
+    from documents import with_documents
+    from mpi4py import MPI
+
+    from hpctrain.config import compose_resolved
+    from hpctrain.parity import on_rank0
+    from hpctrain.run import reference_trainer
+
+    def one_process():
+        trainer = with_documents(reference_trainer(compose_resolved(BASE, pm), pm))
+        records = record(trainer, STEPS, MPI.COMM_SELF)
+        assert max(int(mb.segments.max()) for mb in trainer.step_runner.seen) >= 2  # several documents
+        return records
+
+    want = on_rank0(MPI.COMM_WORLD, one_process)
+    trainer = with_documents(world_trainer(pm, *BASE, "parallel.cp=2"))
+    assert trainer.model.mtp.sequence is not None
+    assert_parity(record(trainer, STEPS), want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 
 @pytest.mark.mpi(min_size=4)
