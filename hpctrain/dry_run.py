@@ -343,7 +343,7 @@ class _MetaFunctions(TorchFunctionMode):
     ``torch.as_tensor``), which reach no dispatch mode, is made on the CPU and moved, so the meta
     tensor keeps the numbers as its twin (``_Values``); ``F.scaled_dot_product_attention``, which
     on meta tensors takes the math fallback and saves the s x s scores, runs as the flash kernel
-    of a GPU (``_flash_attention``)."""
+    of a GPU (``_flash_attention``), in backward's recomputations too (``_run_backward``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -353,7 +353,28 @@ class _MetaFunctions(TorchFunctionMode):
                 return func(*args, **{**kwargs, "device": "cpu"}).to("meta")
         elif func is F.scaled_dot_product_attention and _FLASH is not None and args and args[0].is_meta:
             return _flash_attention(*args, **kwargs)
+        elif func in (torch.autograd.backward, torch.Tensor.backward):
+            # a mode is off while its own handler runs, and the backward recomputes (model.recompute):
+            # run the engine with this mode on again, so a recomputed block's attention is the flash kernel too
+            with self:
+                return _run_backward(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _run_backward(tensors: Any, grad_tensors: Any = None, retain_graph: Optional[bool] = None,
+                  create_graph: bool = False, inputs: Any = None, gradient: Any = None) -> None:
+    """``torch.autograd.backward`` (or ``Tensor.backward``, whose ``gradient`` it takes) as torch runs it
+    after its torch-function check: the engine, on this thread, under the modes now on (torch 2.13's own
+    helpers)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # torch's own backward's helpers
+    from torch.autograd.graph import _engine_run_backward
+
+    outs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grads = _tensor_or_tensors_to_tuple(gradient if grad_tensors is None else grad_tensors, len(outs))
+    grads = _make_grads(outs, grads, is_grads_batched=False)
+    wrt = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    _engine_run_backward(outs, grads, create_graph if retain_graph is None else retain_graph, create_graph, wrt,
+                         allow_unreachable=True, accumulate_grad=True)
 
 
 # -- what a step saves for backward ----------------------------------------------------------------------------------

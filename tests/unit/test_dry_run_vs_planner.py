@@ -1,9 +1,10 @@
 """The dry run against the planner, rank by rank (``hpctrain-train --dry-run`` prints both columns).
 
-For three small but representative 16-rank layouts under bf16 autocast (where
-the residual stream's fp32 and autocast's copies make the dtypes matter) --
-tp 2 x interleaved pp 4 (vpp 2) x dp 2; an MoE with tp 2 x ep 2 x pp 2 x dp 2;
-and a 4D tp 2 x cp 2 x pp 2 x dp 2 -- the first, a middle and the last
+For small but representative 16-rank layouts under bf16 autocast (where the
+residual stream's fp32 and autocast's copies make the dtypes matter) --
+tp 2 x interleaved pp 4 (vpp 2) x dp 2, without and with full
+recomputation; an MoE with tp 2 x ep 2 x pp 2 x dp 2; and a 4D
+tp 2 x cp 2 x pp 2 x dp 2 -- the first, a middle and the last
 pipeline rank's report must agree with the planner's prediction for the same
 rank (``hpctrain.planner.estimate.stage_memory`` and
 ``hpctrain.planner.traffic.stage_bytes``):
@@ -41,6 +42,11 @@ LAYOUTS = {
                                  "parallel.pipeline.schedule=interleaved", "parallel.pipeline.vpp=2",
                                  "trainer.global_batch_size=16", "trainer.micro_batch_size=1",
                                  "trainer.seq_len=64"), (0, 4, 15)),
+    # full recomputation: the recomputed forward's collectives (and its attention, the flash kernel again)
+    "tp2-pp4-interleaved-dp2-recompute": (("model=tiny", "model.n_layers=8", "parallel.tp=2", "parallel.pp=4",
+                                           "parallel.pipeline.schedule=interleaved", "parallel.pipeline.vpp=2",
+                                           "model.recompute=full", "trainer.global_batch_size=16",
+                                           "trainer.micro_batch_size=1", "trainer.seq_len=64"), (0, 15)),
     "moe-tp2-ep2-pp2-dp2": (("model=tiny-moe", "parallel.tp=2", "parallel.ep=2", "parallel.pp=2",
                              "trainer.global_batch_size=32", "trainer.micro_batch_size=2", "trainer.seq_len=128"),
                             (0, 15)),
