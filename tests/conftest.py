@@ -17,12 +17,20 @@ runs every test at every size.
 """
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
 import tempfile
 
 import pytest
+
+# One compute thread per test process. The unit tests run two pytest workers on two cores and the
+# multi-rank sessions up to 8 ranks on them; with torch's default of a thread per core every tiny
+# op waits for a second thread whose core another process holds (the one-process references built
+# before a layout's configure_torch ran 10-25x slower in CPU time). Jobs the tests launch inherit
+# it; hpctrain's configure_torch leaves a set OMP_NUM_THREADS alone.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _world():
@@ -97,6 +105,14 @@ def pytest_ignore_collect(collection_path, config):
         return None
     text = collection_path.read_text()
     return None if "every_size" in text or re.search(rf"min_size={size}\b", text) else True
+
+
+def pytest_collection_finish(session):
+    """Everything imported while collecting (torch, transformers, the test modules) lives to the
+    end of the session: frozen out of the garbage collector, so that each collection in a test
+    (its own ``gc.collect()`` or one the allocator triggers) scans only what the tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
