@@ -19,7 +19,10 @@ experts: what Mixtral computes), or with qk-norm Qwen3MoeForCausalLM (a
 softmax router, its ``norm_topk_prob``, MoE every ``decoder_sparse_step``-th
 block with dense ones of ``intermediate_size`` between and the first
 ``model.moe.first_dense_blocks`` dense (``mlp_only_layers``), experts of
-``moe_intermediate_size``, no shared experts); q/k/v biases (``model.qkv_bias``) -> Qwen2ForCausalLM;
+``moe_intermediate_size``, no shared experts); latent attention -> DeepseekV3ForCausalLM (with MoE blocks:
+the sigmoid router, its selection bias written as ``e_score_correction_bias`` from the checkpoint's buffers,
+groups, scaling and shared experts; multi-token prediction modules are refused); q/k/v biases
+(``model.qkv_bias``) -> Qwen2ForCausalLM;
 qk-norm (``model.qk_norm``) -> Qwen3ForCausalLM (without biases: its
 ``attention_bias`` would put one on o_proj too); otherwise LlamaForCausalLM
 (a Mistral without a sliding window is a Llama). Both options together, or
@@ -79,11 +82,12 @@ class Entry:
 
 def _architecture(model: Any) -> str:
     s = ModelShape.from_config(model)
+    if int(model.get("mtp_depth", 0) or 0):
+        raise ConfigError(f"model.mtp_depth={model.mtp_depth}: multi-token prediction modules are not exported yet "
+                          "(transformers' forward does not run them); export a model trained with mtp_depth=0")
     if s.mla is not None:
-        if model.ffn == "moe":  # the export writes parameters: the router's selection bias (a buffer) is not one
-            raise ConfigError("model.attention_kind=mla with model.ffn=moe is not exported yet: DeepseekV3ForCausalLM "
-                              "needs the routers' e_score_correction_bias, a buffer the checkpoint's export does not "
-                              "write (all-dense latent attention models are exported)")
+        if model.ffn == "moe":
+            _deepseek_v3_moe_problems(model.moe)
         return "DeepseekV3ForCausalLM"
     if model.ffn != "moe":
         if s.qkv_bias and s.qk_norm:
@@ -108,6 +112,20 @@ def _architecture(model: Any) -> str:
     if problems:
         raise ConfigError(f"this model has no Hugging Face architecture: {'; '.join(problems)}")
     return "MixtralForCausalLM"
+
+
+def _deepseek_v3_moe_problems(moe: Any) -> None:
+    """Refuse (one line) MoE blocks DeepseekV3ForCausalLM does not compute: it routes with sigmoid scores and
+    the expert bias over n_group groups (``hpctrain_moe.router.route``), MoE in every block after the dense ones."""
+    problems = []
+    if moe.router != "sigmoid":
+        problems.append(f"model.moe.router={moe.router} (DeepSeek-V3's is sigmoid)")
+    if int(moe.every) != 1:
+        problems.append(f"model.moe.every={moe.every} (DeepSeek-V3 has experts in every block after "
+                        "first_dense_blocks)")
+    if problems:
+        raise ConfigError("this model has no Hugging Face architecture: latent attention with MoE blocks is "
+                          f"DeepseekV3ForCausalLM, which cannot hold {'; '.join(problems)}")
 
 
 def _qwen3_moe_architecture(s: ModelShape, moe: Any) -> str:
@@ -174,6 +192,8 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
                    use_sliding_window=False, sliding_window=None, attention_bias=False)
     elif arch == "DeepseekV3ForCausalLM":
         out.update(_deepseek_v3_fields(s))
+        if model.ffn == "moe":
+            out.update(_deepseek_v3_moe_fields(s, model.moe))
         del out["head_dim"]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         del out["attention_bias"]  # Qwen2 has no such field (q/k/v biases always); Qwen3's is written below
@@ -195,6 +215,17 @@ def _deepseek_v3_fields(s: ModelShape) -> Dict[str, Any]:
             "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
             "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "rope_interleave": True,
             "first_k_dense_replace": s.n_layers}
+
+
+def _deepseek_v3_moe_fields(s: ModelShape, moe: Any) -> Dict[str, Any]:
+    """DeepseekV3's MoE fields (``hpctrain.hf.config`` reads them back into the same ``model.moe``); its
+    multi-token prediction layers are not exported (num_nextn_predict_layers 0)."""
+    return {"first_k_dense_replace": int(moe.get("first_dense_blocks", 0)), "n_routed_experts": int(moe.num_experts),
+            "num_experts_per_tok": int(moe.top_k), "n_group": int(moe.get("expert_groups", 1)),
+            "topk_group": int(moe.get("topk_groups", 1)), "norm_topk_prob": bool(moe.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(moe.get("routed_scaling_factor", 1.0)),
+            "n_shared_experts": int(moe.shared_experts),
+            "moe_intermediate_size": int(moe.get("ffn_hidden") or s.ffn_hidden), "num_nextn_predict_layers": 0}
 
 
 def _plain(value: Any) -> Any:
@@ -347,7 +378,7 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
         if config.get(key) is None and value is not None:
             config[key] = value
     n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config.get("head_dim")
-    experts = config.get("num_local_experts", config.get("num_experts", 0))
+    experts = config.get("num_local_experts", config.get("num_experts", config.get("n_routed_experts", 0)))
     family = moe_family(model)
     torch_dtype = DTYPES[dtype]
     # the plan: (entry, [(name, shape, take)]) in shards, from the shapes alone
