@@ -140,6 +140,11 @@ existed (a relaunch after an upgrade finds its checkpoints). A new key of
 those sections joins this table (tests/unit/test_checkpoint_dir_names.py). A section
 added later (``LATER_SECTIONS``) is left out whole when all its keys are."""
 
+NOT_EXPERIMENT_KEYS = ("data.stage",)
+"""Keys inside ``EXPERIMENT_KEYS`` sections that never name another experiment: where the shards are read from
+(node-local copies, ``hpctrain.data.stage``) is not what they hold; a run that starts staging finds its
+checkpoints."""
+
 LATER_SECTIONS = ("finetune",)
 """``EXPERIMENT_KEYS`` sections added after directories were first named."""
 
@@ -161,6 +166,11 @@ def default_checkpoint_dir(cfg: Any, launch_dir: str) -> str:
         for part in inner:  # a plugin's section inside one (model.moe)
             values = values.get(part) if isinstance(values, dict) else None
         if isinstance(values, dict) and values.get(name, default) == default:
+            values.pop(name, None)
+    for key in NOT_EXPERIMENT_KEYS:
+        section, name = key.split(".")
+        values = chosen.get(section)
+        if isinstance(values, dict):
             values.pop(name, None)
     for section in LATER_SECTIONS:
         if chosen.get(section) == {}:

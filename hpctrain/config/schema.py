@@ -220,6 +220,19 @@ class ValidationDataConfig:
 
 
 @dataclass
+class StageConfig:
+    """Staging of the shards to node-local disk before step 1 (``hpctrain.data.stage``)."""
+
+    dir: Optional[str] = None
+    """A node-local directory (e.g. /local/scratch) that must exist on each node; hpctrain copies into
+    <dir>/<node>/ the shards that node's ranks read (checksummed, reused by the next launch) and training reads
+    them there. A node where it is missing, unwritable or too small reads the shared paths (one line says
+    so). None: no staging. data.source=indexed only."""
+    all: bool = False
+    """Copy every shard to every node, not only those the node's ranks read during trainer.steps."""
+
+
+@dataclass
 class DataConfig:
     """Training data source."""
 
@@ -248,6 +261,9 @@ class DataConfig:
     """Seed of the sample order (and of the embedded corpus and the held-out documents)."""
     embedded_bytes: int = 262144
     """Size of the embedded corpus in bytes."""
+    stage: StageConfig = field(default_factory=StageConfig)
+    """Copy the shards to node-local disk first (data.stage.dir); not part of the experiment (the checkpoint
+    directory's name ignores it)."""
 
 
 @dataclass

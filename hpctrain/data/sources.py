@@ -138,6 +138,11 @@ def check_data_config(data: Any, seq_len: int, model_vocab: int) -> list:
                         f"set data.source=indexed (data=indexed), not {data.source}")
     if data.document_mask and data.source != "indexed":
         problems.append(unknown_documents(f"data.source={data.source}"))
+    if data.stage.dir and data.source != "indexed":
+        problems.append(f"data.stage.dir={data.stage.dir} stages Megatron shards (data.source=indexed); "
+                        f"data.source={data.source} has none: leave data.stage.dir unset (null)")
+    if data.stage.all and not data.stage.dir:
+        problems.append("data.stage.all=true needs data.stage.dir=<a node-local directory> to copy the shards to")
     return problems
 
 

@@ -52,6 +52,7 @@ from hpctrain.data import DataCursor, SampleOrder
 from hpctrain.data.orders import Orders, sample_orders
 from hpctrain.data.prefetch import Prefetcher
 from hpctrain.data.sequence import cp_positions
+from hpctrain.data.stage import StageReport, stage, stageable
 from hpctrain.errors import PluginError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.mesh import AXES, Mesh
@@ -125,6 +126,8 @@ class Trainer:
         """(this rank's replica, replicas training alone) for the gradient norm (``hpctrain.train.outer``)."""
         self.orders = self._sample_orders()
         """The training and validation sample orders (``hpctrain.data.orders``)."""
+        self.stage_report: Optional[StageReport] = None
+        """What data staging did (``data.stage.dir``), else None."""
         self.cursor = self.cursor_over(self.orders.train, self.orders.weights)
         self.cursor.defer_short_reads = True  # agreed in reduce_totals (hpctrain.data.tokenfile)
         self.cursor.allow_batch_change = bool(cfg.checkpoint.allow_batch_change)  # the rule: DataCursor.load_state_dict
@@ -199,8 +202,13 @@ class Trainer:
         alone = mesh.world_size == 1
         comm = None if alone else get_runtime().mpi_comm
         with mesh.board.collective("data index", "data", tuple(range(mesh.world_size))):
-            return sample_orders(cfg.data, cfg.trainer.seq_len, int(cfg.model.vocab_size), comm,
-                                 alone or mesh.world_rank == 0)
+            orders = sample_orders(cfg.data, cfg.trainer.seq_len, int(cfg.model.vocab_size), comm,
+                                   alone or mesh.world_rank == 0)
+        if stageable(cfg.data):  # node-local copies of the shards (hpctrain.data.stage; collective)
+            with mesh.board.collective("data staging", "data", tuple(range(mesh.world_size))):
+                self.stage_report = stage(orders, cfg.data, cfg.trainer.steps, cfg.trainer.global_batch_size,
+                                          mesh.sample_size, mesh.sample_rank, get_runtime())
+        return orders
 
     def cursor_over(self, orders: List[SampleOrder], weights: Optional[List[float]] = None) -> DataCursor:
         """A cursor over ``orders`` at this rank's place (samples over dp x ep, tokens over cp)."""
@@ -390,9 +398,12 @@ class Trainer:
         loggers = self.loggers
         backends = [n for n in cfg.logging.backends if n != "jsonl"]
         where = ", ".join(([loggers.jsonl_path] if loggers.jsonl_path else []) + backends) if loggers.loggers else ""
-        log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s",
+        staged = self.stage_report
+        log_rank0("model %s: %s parameters | layout %s | %d micro-batches of %d per step | %s%s",
                   cfg.model.name, f"{self.logical_params:,}", self.mesh.describe(),
-                  self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device)
+                  self.cursor.num_microbatches, cfg.trainer.micro_batch_size, self.device,
+                  f" | data staged in {staged.seconds:.2f} s ({staged.copied_bytes / 2**20:.1f} MiB copied)"
+                  if staged is not None else "")
         if is_main and self.run_dir:
             write_layout(self.run_dir, self.mesh, self.logical_params, str(self.device))
         if self.step == 0 and cfg.checkpoint.resume:  # said here, not by hpctrain-eval, which trains nothing
@@ -424,6 +435,8 @@ class Trainer:
                 progress.update(self.step, m)
                 if self.step % cfg.trainer.log_every == 0 or self.step == total:
                     log_step(self.step, total, m)
+                    if self.stage_report is not None:
+                        m.update(self.stage_report.metrics())
                     loggers.flush()
                 self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(state=self.state, step=self.step, metrics=m)
