@@ -152,6 +152,7 @@ RULES: Tuple[Rule, ...] = (
     Rule("cluster.peak_tflops", at_least(0), "a finite number >= 0"),
     Rule("cluster.intra_bw_gbs", at_least(0), "a finite number >= 0"),
     Rule("cluster.inter_bw_gbs", at_least(0), "a finite number >= 0"),
+    Rule("report.target_tokens", at_least(0), "an integer >= 0 (tokens to project the usage for)", "0: none"),
 )
 
 

@@ -585,6 +585,15 @@ class LoggingConfig:
 
 
 @dataclass
+class ReportConfig:
+    """What the run's usage figures are projected for (metrics usage.*, hpctrain-report)."""
+
+    target_tokens: int = 0
+    """A token budget: the rank-hours (GPU-hours) and energy to train that many tokens at the measured rate
+    (usage.target_*); 0: none."""
+
+
+@dataclass
 class ClusterConfig:
     """The machine the run targets (used by the planner and the launch templates)."""
 
@@ -656,6 +665,7 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     run_dir: Optional[str] = None
     """Not read or written by hpctrain: the run directory is passed to the hooks that need it (``run_dir``
     arguments). Kept so configs saved by older runs (checkpoints' ``/meta/config``) still load."""

@@ -52,6 +52,7 @@ GROUPS: Dict[str, type] = {
     "debug": S.DebugConfig,
     "logging": S.LoggingConfig,
     "finetune": S.FinetuneConfig,
+    "report": S.ReportConfig,
 }
 
 

@@ -60,6 +60,50 @@ def _mean_after_first(run: Run, key: str) -> Optional[float]:
     return statistics.fmean(vals) if vals else None
 
 
+def _kwh(joules: float) -> str:
+    return f"{_num(joules / 3.6e6)} kWh ({_num(joules / 1e3)} kJ)"
+
+
+def usage_rows(run: Run) -> List[tuple]:
+    """The newest ``usage.*`` figures (``hpctrain.train.usage``): hours used and projected, energy."""
+    m = next((r for r in reversed(run.metrics) if "usage.rank_hours" in r), None)
+    if m is None:
+        return []
+    cfg = run.config
+    unit = "GPU-hours" if "usage.gpu_hours" in m else "rank-hours"
+    rows = [(f"{unit} used (ranks x {_num(m['usage.wall_s'])} s wall)", _num(m["usage.rank_hours"])),
+            ("CPU-hours used (measured)", _num(m["usage.cpu_hours"]))]
+    energy = m.get("usage.energy_j")
+    if energy is not None:
+        sources = [n for n, k in (("RAPL", "usage.energy_rapl_j"), ("NVML", "usage.energy_nvml_j")) if k in m]
+        rows.append((f"energy used ({', '.join(sources)})", _kwh(energy)))
+    else:
+        rows.append(("energy used", "- (no RAPL or NVML counter readable where it ran)"))
+    for prefix, what in (("projected", f"trainer.steps={cfg.trainer.steps if cfg is not None else '?'}"),
+                         ("target", f"report.target_tokens={cfg.report.target_tokens if cfg is not None else '?'} "
+                                    f"({int(m.get('usage.target_steps', 0))} steps)")):
+        if f"usage.{prefix}_rank_hours" not in m:
+            continue
+        rows.append((f"{unit} for {what}", _num(m[f"usage.{prefix}_rank_hours"])))
+        rows.append((f"CPU-hours for {what}", _num(m[f"usage.{prefix}_cpu_hours"])))
+        if f"usage.{prefix}_energy_j" in m:
+            rows.append((f"energy for {what}", _kwh(m[f"usage.{prefix}_energy_j"])))
+    return rows
+
+
+def data_rows(run: Run) -> List[tuple]:
+    """Data staging (``data.stage.dir``: the first step's metrics) and the wait for data per step."""
+    rows = []
+    staged = next((r for r in run.metrics if "data_stage_s" in r), None)
+    if staged is not None:
+        rows.append(("data staged to node-local disk", f"{_num(staged['data_stage_s'])} s, "
+                     f"{_bytes(staged['data_stage_copied_bytes'])} copied of {_bytes(staged['data_stage_bytes'])}"))
+    wait = _mean_after_first(run, "data_wait_s")
+    if wait is not None:
+        rows.append(("data wait per step (mean after step 1)", _num(wait, " s")))
+    return rows
+
+
 def summary(run: Run) -> str:
     lay, last, cfg = run.layout, run.last, run.config
     rows = [("model", cfg.model.name if cfg is not None else "-"),
@@ -74,6 +118,7 @@ def summary(run: Run) -> str:
             ("model TFLOP/s per device", _num(_mean_after_first(run, "model_tflops_per_device"))),
             ("MFU", _num(100 * m, "%", 3) if (m := _mean_after_first(run, "mfu")) is not None else
              "- (set cluster.peak_tflops)")]
+    rows += usage_rows(run) + data_rows(run)
     rows += [("note", note) for note in run.notes]  # e.g. an incomplete last line of metrics.jsonl, skipped
     return _section("summary", "Summary", _table(("", "value"), rows))
 

@@ -88,6 +88,7 @@ from hpctrain.train.stopping import (
     why_no_stop_save,
 )
 from hpctrain.train.throughput import flops_per_token, throughput
+from hpctrain.train.usage import Usage, usage_line
 
 log = get_logger(__name__)
 
@@ -101,6 +102,7 @@ __all__ = ["Trainer", "peak_rss_bytes"]
 class Trainer:
     def __init__(self, cfg: Any, mesh: Mesh, pm, device: torch.device, run_dir: Optional[str] = None,
                  loggers: Optional[Loggers] = None):
+        t0, cpu0 = time.perf_counter(), time.process_time()  # the set-up counts in the run's usage
         self.cfg, self.mesh, self.pm, self.device = cfg, mesh, pm, device
         self.loggers = loggers
         """Rank 0's logger backends (``hpctrain.train.loggers``); None: opened by ``fit``."""
@@ -124,10 +126,10 @@ class Trainer:
         alone = mesh.alone_axes  # DiLoCo's replicas: each clips with its own gradient norm
         self.replicas = (mesh.index_on(alone), math.prod(mesh.size(a) for a in alone)) if alone else (0, 1)
         """(this rank's replica, replicas training alone) for the gradient norm (``hpctrain.train.outer``)."""
-        self.orders = self._sample_orders()
-        """The training and validation sample orders (``hpctrain.data.orders``)."""
         self.stage_report: Optional[StageReport] = None
         """What data staging did (``data.stage.dir``), else None."""
+        self.orders = self._sample_orders()
+        """The training and validation sample orders (``hpctrain.data.orders``)."""
         self.cursor = self.cursor_over(self.orders.train, self.orders.weights)
         self.cursor.defer_short_reads = True  # agreed in reduce_totals (hpctrain.data.tokenfile)
         self.cursor.allow_batch_change = bool(cfg.checkpoint.allow_batch_change)  # the rule: DataCursor.load_state_dict
@@ -156,6 +158,8 @@ class Trainer:
         self.checkpointing = Checkpointing(self.state, pm, self.faults)
         """The persistent and node-local checkpoint tiers and the resume rule."""
         mesh.seal()
+        self.usage = Usage(cfg, get_runtime().mpi_comm, mesh.world_size, device, t0, cpu0)
+        """Rank-hours, CPU-hours and energy (``hpctrain.train.usage``; usage.* metrics every log_every steps)."""
         self._comm_seen = self._comm_totals()
         self._comm_logged: set = set()
         self.checkpointing.resume()
@@ -326,6 +330,7 @@ class Trainer:
                  local_wait: float, scale: Optional[float]) -> Dict[str, float]:
         """The step's metrics: the core's, then the axis handles' and plugins' (collectives on every rank)."""
         cfg, mesh = self.cfg, self.mesh
+        self.usage.tick()
         tokens = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         metrics: Dict[str, float] = {
             "step": step,
@@ -370,6 +375,7 @@ class Trainer:
             # are logging's, not training's, so they stay out of comm_bytes
             self.peaks_per_rank = gather_peaks(mesh, self.device)
             metrics.update(summarise(self.peaks_per_rank))
+            metrics.update(self.usage.measure())  # one all-reduce, the same steps
             self._comm_seen = self._comm_totals()
         for axis in AXES:
             handle = self.parallel.handles.get(axis)
@@ -416,6 +422,7 @@ class Trainer:
         stopped = None  # (reason, checkpoint, stragglers to leave) when a signal, the clock or stragglers end the run
         recovery = Recovery(self.run_dir, is_main)
         first, resumed_at = True, self.step
+        self.usage.training_started()
         try:
             while self.step < total:
                 try:
@@ -428,6 +435,8 @@ class Trainer:
                 m.update(self.checkpointing.maybe_save_local(self.step))  # collective: the same steps everywhere
                 if first:
                     first = False
+                    if self.stage_report is not None:
+                        m.update(self.stage_report.metrics())
                     recovery.after_first_step(m, resumed_at, self.checkpointing.resumed.tier)
                 self.history.append(m)
                 t_log = time.perf_counter()
@@ -435,8 +444,6 @@ class Trainer:
                 progress.update(self.step, m)
                 if self.step % cfg.trainer.log_every == 0 or self.step == total:
                     log_step(self.step, total, m)
-                    if self.stage_report is not None:
-                        m.update(self.stage_report.metrics())
                     loggers.flush()
                 self.logging_s += time.perf_counter() - t_log
                 hook.hpctrain_on_step_end(state=self.state, step=self.step, metrics=m)
@@ -474,6 +481,8 @@ class Trainer:
         if self.history and where:
             log_rank0("done: %d steps, loss %.4f -> %.4f; metrics in %s", len(self.history),
                       self.history[0]["loss"], self.history[-1]["loss"], where)
+        if "usage.rank_hours" in self.metrics:
+            log_rank0("%s", usage_line(self.metrics, cfg))
         return self.history
 
     def _raise_stop(self, reason: int, saved: Optional[str], leave: List[int], stops: StopRequests,
