@@ -49,12 +49,15 @@ key/value gradients, on the same counts.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.comm_model import bus_factor
 from hpctrain.planner.layouts import Layout, planned_layers
+
+if TYPE_CHECKING:  # pragma: no cover - estimate imports this module
+    from hpctrain.planner.estimate import Workload
 
 AXES = ("tp", "cp", "ep", "pp", "dp")
 FP32 = 4
@@ -162,7 +165,7 @@ def pp_bytes(arch: Arch, lay: Layout, tokens: float, r: float, m: int, rank: int
     return total
 
 
-def dp_bytes(arch: Arch, lay: Layout, work, m: int, rank: int) -> float:
+def dp_bytes(arch: Arch, lay: Layout, work: "Workload", m: int, rank: int) -> float:
     """The data axes' bus bytes per step for this stage's parameters: dense ones over cp x ep x dp, routed
     experts over cp x dp. ZeRO 0 all-reduces the gradients; 1 (and 2 under a pipeline) reduce-scatters
     them once and all-gathers the parameters; 2 reduce-scatters every micro-batch; 3 gathers every
@@ -189,7 +192,7 @@ def dp_bytes(arch: Arch, lay: Layout, work, m: int, rank: int) -> float:
     return total
 
 
-def stage_bytes(arch: Arch, lay: Layout, work, rank: int) -> Dict[str, float]:
+def stage_bytes(arch: Arch, lay: Layout, work: "Workload", rank: int) -> Dict[str, float]:
     """Bus bytes one GPU of pipeline rank ``rank`` puts on the wire per step, per axis (module docstring)."""
     d = act.dtypes_for(arch, work.precision, work.framework.activations)
     e, r = float(d.act), float(d.resid)
