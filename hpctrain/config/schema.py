@@ -529,7 +529,8 @@ class ReliabilityConfig:
     (exit status 5) within twice this; 0 turns it off. Keep it above the slowest checkpoint save."""
 
 
-FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow", "oom")
+FAULTS = ("none", "die", "stall", "freeze", "nan", "slow", "corrupt", "overflow", "oom", "save_error",
+          "local_save_error")
 
 
 @dataclass
@@ -541,7 +542,9 @@ class DebugConfig:
     stays alive), freeze (the whole process stops: SIGSTOP), nan (its loss becomes NaN), slow (sleeps
     slow_s in every step's compute from then on), corrupt (one of its weights changes), overflow (one of its
     gradients becomes inf after that step's reduction, as an fp16 overflow on one rank), oom (its step raises
-    CUDA's out-of-memory error, on any device: the error line and the memory snapshot); none."""
+    CUDA's out-of-memory error, on any device: the error line and the memory snapshot), save_error (its part of
+    the persistent save after that step fails with an I/O error, in the background with checkpoint.async_save),
+    local_save_error (its node-local save after that step fails with an I/O error); none."""
     fault_rank: int = 0
     """The world rank the fault happens on; -1: every rank at once (hpctrain-tune's test of a layout that runs
     out of memory everywhere)."""

@@ -211,6 +211,10 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
                         "set debug.comm_delay_ms (e.g. 50) or debug.comm_delay_axis=none")
     if d.fault != "none" and d.fault_at == "checkpoint" and not cfg.checkpoint.every:
         problems.append("debug.fault_at=checkpoint needs checkpoints: set checkpoint.every")
+    if d.fault == "save_error" and not cfg.checkpoint.every:
+        problems.append("debug.fault=save_error fails a periodic persistent save: set checkpoint.every")
+    if d.fault == "local_save_error" and not cfg.checkpoint.local.every:
+        problems.append("debug.fault=local_save_error fails a node-local save: set checkpoint.local.every")
 
     caps = plugins.capabilities(pm) if pm is not None else {}
     per_axis = [(f"comm.per_axis.{a}", b) for a, b in cfg.comm.per_axis.items()]

@@ -43,13 +43,14 @@ the run does next (``hpctrain.train.checkpointing``).
 """
 from __future__ import annotations
 
+import errno
 import getpass
 import hashlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -175,6 +176,9 @@ class LocalTier:
         """What ``agree`` decided from (every rank's listing, the signature, the reshard), for ``without``."""
         self._failed: Optional[str] = None
         """This rank's failed save, not yet reported (``agree_failures``)."""
+        self.inject: Optional[Callable[[int], bool]] = None
+        """``debug.fault=local_save_error``: whether this rank's save of a step is to fail (the trainer's
+        ``FaultInjector.save_error``); None: never."""
         os.makedirs(self.root, exist_ok=True)
 
     # -- saving --------------------------------------------------------------------
@@ -272,7 +276,10 @@ class LocalTier:
         data = encode(saved)
         failed: Optional[OSError] = None
         try:
-            store.write_atomic(store.rank_file(self.root, step, self.rank), data)
+            path = store.rank_file(self.root, step, self.rank)
+            if self.inject is not None and self.inject(step):
+                raise OSError(errno.EIO, "debug.fault=local_save_error: injected I/O error", path)
+            store.write_atomic(path, data)
         except OSError as e:  # the exchange still runs: the partners wait for this rank's copy
             failed = e
         t1 = time.perf_counter()

@@ -176,7 +176,11 @@ class Checkpointing:
         rt = get_runtime()
         if rt.world_size != mesh.world_size:
             return None
-        return LocalTier(cfg, mesh, rt)
+        tier = LocalTier(cfg, mesh, rt)
+        faults = self.faults
+        if faults is not None:
+            tier.inject = lambda step: faults.save_error(step, "local")  # debug.fault=local_save_error
+        return tier
 
     # -- resuming --------------------------------------------------------------------
     def resume(self) -> Resumed:
@@ -350,9 +354,11 @@ class Checkpointing:
             return
         nodes = self.local.rank_nodes if self.local is not None else get_runtime().rank_nodes
         ranks, first = who(failed, nodes)
+        agreed = len(failed) == len(everyone) and len(set(failed.values())) == 1  # (it names the ranks itself)
+        what = f"a background checkpoint save failed: {first}" if agreed else \
+            f"a background checkpoint save failed on rank(s) {ranks}: {first}"
         local_every = int(self.state.cfg.checkpoint.local.every) if self.local is not None else 0
-        verdict = after_persistent(f"a background checkpoint save failed on rank(s) {ranks}: {first}",
-                                   [h for _, h in everyone], local_every)
+        verdict = after_persistent(what, [h for _, h in everyone], local_every)
         if verdict.go_on:
             log_rank0("%s", verdict.line)
             return

@@ -20,6 +20,13 @@ Kinds (``debug.fault``):
 - ``oom``: its step raises ``torch.cuda.OutOfMemoryError`` before the
   forward (on any device), so the out-of-memory path (the snapshot and the
   error line naming it, ``hpctrain.train.profile``) runs where no GPU is.
+- ``save_error``: its part of the persistent save after that step fails
+  with an I/O error while it is copied (in the background with
+  ``checkpoint.async_save``), as on a broken file system; the ranks agree on
+  it inside the save, as on a real failure (the checkpoint format asks
+  ``save_error``; ``hpctrain.train.save_failures`` does the rest);
+- ``local_save_error``: its node-local save after that step fails with an
+  I/O error as it writes its file (``hpctrain.localckpt``).
 
 ``debug.fault_at=checkpoint`` fires die, stall and freeze just before the
 checkpoint save after the step instead, so the other ranks are waiting
@@ -97,6 +104,11 @@ class FaultInjector:
         if self.mine and self.kind == "corrupt" and step == self.step and params:
             with torch.no_grad():
                 params[0].view(-1)[0] += 1e-3
+
+    def save_error(self, step: int, tier: str) -> bool:
+        """Whether this rank's save of ``tier`` (``persistent`` or ``local``) after ``step`` is to fail."""
+        kind = {"persistent": "save_error", "local": "local_save_error"}[tier]
+        return self.mine and self.kind == kind and step == self.step
 
     def before_checkpoint(self, step: int) -> None:
         if self.mine and self.at == "checkpoint" and step == self.step and self.kind in ("die", "stall", "freeze"):

@@ -27,13 +27,14 @@ world communicator, passed in by the plugin.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Deque, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple
 
 from hpctrain import provenance
 from hpctrain.checkpoint import Restored
@@ -111,6 +112,9 @@ class H5Checkpointer:
         self._hooked: List[Any] = []
         self.stats: Deque[SaveStats] = deque(maxlen=1000)
         """The most recent saves' timings (blocking, write, bytes)."""
+        self.inject: Optional[Callable[[int], bool]] = None
+        """``debug.fault=save_error``: whether this rank's part of the save of a step is to fail (set by the
+        plugin from the core's ``FaultInjector.save_error``); None: never."""
         if lock_now:
             self._ensure_lock()
 
@@ -191,6 +195,8 @@ class H5Checkpointer:
 
         def stage() -> Tuple[Optional[writer.Owned], Optional[str]]:
             try:
+                if self.inject is not None and self.inject(step):
+                    raise OSError(errno.EIO, "debug.fault=save_error: injected I/O error")
                 return stager.copy(), None
             except Exception as e:  # noqa: BLE001 - agreed in write(), so no rank is left alone in a collective
                 return None, f"{type(e).__name__}: {e}"

@@ -13,6 +13,7 @@ from hpctrain import hookimpl
 from hpctrain.bootstrap import get_runtime
 from hpctrain.log import get_logger
 from hpctrain.lustre import stripe_directory
+from hpctrain.train.faults import FaultInjector
 
 from hpctrain_h5ckpt import options, store
 
@@ -94,9 +95,14 @@ def hpctrain_make_checkpointer(name: str, mesh: Optional[Mesh], cfg: Any,
         said = stripe_directory(directory, lustre)  # before the first file is made in it
         if said:
             log.info("%s", said)
-    return H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), directory, int(ck.keep),
+    made = H5Checkpointer(comm, options.resolve(ck.hdf5, comm.Get_rank()), directory, int(ck.keep),
                           bool(ck.async_save), str(ck.hdf5.staging), lock_now=bool(ck.every or ck.resume),
                           run_dir=run_dir, read_only=read_only)
+    debug = cfg.get("debug")
+    if debug is not None and debug.get("fault") == "save_error":  # (the core's fault injection, for tests)
+        faults = FaultInjector(debug, comm.Get_rank())
+        made.inject = lambda step: faults.save_error(step, "persistent")
+    return made
 
 
 @hookimpl

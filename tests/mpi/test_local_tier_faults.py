@@ -144,3 +144,46 @@ def test_a_full_disk_on_one_node_is_agreed_and_training_goes_on(two_nodes, caplo
         comm.Barrier()
         if comm.Get_rank() == 1:
             subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+
+def test_a_background_save_failing_on_one_rank_is_agreed_at_the_boundary_by_debug_fault(two_nodes, caplog):
+    """debug.fault=save_error on rank 1: its part of step 2's background persistent save fails; both ranks
+    agree at a later step boundary, one line names rank 1, and the run goes on (the local tier, saving every
+    step, holds a complete step) and commits step 4."""
+    import re
+
+    where = two_nodes / "persistent"
+    with caplog.at_level(logging.INFO):
+        losses = _train(4, f"checkpoint.local.dir={where / 'local'}", "checkpoint.local.every=1",
+                        "checkpoint.local.replicas=1", f"checkpoint.dir={where / 'ck'}", "checkpoint.every=2",
+                        "checkpoint.async_save=true", "debug.fault=save_error", "debug.fault_rank=1",
+                        "debug.fault_step=2")
+    assert len(losses) == 4
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        lines = [r.getMessage() for r in caplog.records if "background checkpoint save failed" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        assert re.fullmatch(r"a background checkpoint save failed: checkpoint step 2 not saved: copying to host "
+                            r"memory failed: rank 1: OSError: \[Errno 5\] debug.fault=save_error: injected I/O error; "
+                            r"training goes on: the local tier holds step \d on every rank "
+                            r"\(checkpoint.local.every=1\) and the next persistent save tries again",
+                            lines[0]), lines[0]
+        assert sorted(p.name for p in (where / "ck").glob("*.h5")) == ["step_00000004.h5"]
+
+
+def test_a_local_save_failing_on_one_rank_stops_both_after_a_save_attempt_by_debug_fault(two_nodes):
+    """debug.fault=local_save_error on rank 1 without checkpoint.every: the failed local save of step 2 stops
+    both ranks after a persistent save attempt (exit status 6), the checkpoint named."""
+    import re
+
+    from hpctrain.train.checkpointing import LocalSaveFailed
+
+    where = two_nodes / "local"
+    with pytest.raises(LocalSaveFailed) as stopped:
+        _train(6, f"checkpoint.local.dir={where / 'local'}", "checkpoint.local.every=2", "checkpoint.local.replicas=1",
+               f"checkpoint.dir={where / 'ck'}", "debug.fault=local_save_error", "debug.fault_rank=1",
+               "debug.fault_step=2")
+    message = str(stopped.value)
+    m = re.search(r"a local checkpoint save failed on rank\(s\) 1 \(node 1\): OSError: debug.fault=local_save_error: "
+                  r"injected I/O error .*stopping after a save attempt.*: checkpoint (\S+) committed", message)
+    assert m and os.path.isfile(m.group(1)), message

@@ -104,7 +104,7 @@ def test_a_failed_background_save_without_another_tier_stops_after_a_save_attemp
     d, said, ended = _failing_run(tmp_path)
     assert isinstance(ended, SaveFailedStop) and ended.exit_code == 6, (ended, said)
     message = str(ended)
-    m = re.fullmatch(r"a background checkpoint save failed on rank\(s\) 0 \(node 0\): checkpoint step 2 not saved: "
+    m = re.fullmatch(r"a background checkpoint save failed: checkpoint step 2 not saved: "
                      r".*; no other checkpoint tier is configured \(checkpoint.local.every=0\): stopping after a save "
                      r"attempt: checkpoint (\S+/step_0000000(3).h5) committed; relaunch with checkpoint.resume=auto "
                      r"to go on", message)

@@ -160,6 +160,9 @@ BAD = [
     ("debug.fault=explode", "debug.fault='explode': must be one of none, die, stall"),
     ("debug.fault_at=lunch", "debug.fault_at='lunch': must be step or checkpoint"),
     ("debug.fault_step=0", "debug.fault_step=0: must be an integer >= 1"),
+    ("debug.fault=save_error", "debug.fault=save_error fails a periodic persistent save: set checkpoint.every"),
+    ("debug.fault=local_save_error", "debug.fault=local_save_error fails a node-local save: set "
+     "checkpoint.local.every"),
     ("debug.comm_delay_axis=xy", "debug.comm_delay_axis='xy': must be one of none, tp, cp, ep, dp, pp"),
     ("debug.comm_delay_ms=-5", "debug.comm_delay_ms=-5.0: must be a finite number of milliseconds >= 0"),
     ("debug.comm_delay_axis=dp", "debug.comm_delay_axis=dp with debug.comm_delay_ms=0 delays nothing"),
