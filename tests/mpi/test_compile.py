@@ -4,13 +4,14 @@ the one-process *eager* run (the axes' own references, shared with their
 test modules), with the compiled regions really run (their call count) and
 compiled code on the block (dynamo's cache entries of ``Block._forward``).
 
-Backends. dp and tp (with sequence parallelism and selective recomputation)
-run inductor, the backend a user gets: generated C++ kernels, fused
-differently from eager. pp (with full recomputation), cp, ep, ZeRO-3 and
-tp 2 x pp 2 at 4 ranks (tp's collectives inside pipeline stages) run aot_eager
-(dynamo's tracing, the graph breaks at our collectives and AOTAutograd's
+Backends. tp (with sequence parallelism and selective recomputation) runs
+inductor, the backend a user gets: generated C++ kernels, fused differently
+from eager, between tp's collectives. dp, pp (with full recomputation), cp, ep,
+ZeRO-3 and tp 2 x pp 2 at 4 ranks (tp's collectives inside pipeline stages)
+run aot_eager (dynamo's tracing, the graph breaks at our collectives and AOTAutograd's
 joint graph, without code generation): what these axes add to compilation
-is where the graphs break and how backward is replayed, not the kernels,
+is where the graphs break and how backward is replayed, not the kernels (dp
+adds nothing inside a block's graph: its gradient hooks fire on the leaves),
 and inductor's C++ compilation of each axis's graphs (tens of seconds per
 graph on a loaded 2-core machine, cold) would multiply the suite's time.
 The tests share one inductor cache (tests/conftest.py sets
@@ -35,7 +36,7 @@ FOUR = ("model.n_layers=4",)
 
 # name: (model overrides, layout overrides, backend); 2 ranks, 2 steps (the axes' own tests' references)
 TWO_RANKS = {
-    "dp2": ((), ("parallel.dp=2",), "inductor"),
+    "dp2": ((), ("parallel.dp=2",), "aot_eager"),
     "tp2-sp-selective": (("model.recompute=selective",), ("parallel.tp=2", "parallel.sequence_parallel=true"),
                          "inductor"),
     "pp2-1f1b-full": (FOUR + ("model.recompute=full",), ("parallel.pp=2", "parallel.pipeline.schedule=1f1b"),
