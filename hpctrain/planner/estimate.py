@@ -344,7 +344,10 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     kv_bytes = 2 * tokens * arch.kv_dim_per_rank(lay.tp) * e
     n_in, n_out = group_span(sizes, ("cp",), G)
     t_kv = _time(cluster, "cp", "p2p", kv_bytes, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2) * (lay.cp - 1)
-    cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, 2 * t_kv - attn_b)
+    # backward: the blocks again, and their gradient accumulators (hpctrain's: fp32, cp hand-overs; traffic.cp_bytes)
+    t_dkv = (_time(cluster, "cp", "p2p", kv_bytes * 4 / e, 2 if n_out == 1 else 1, 1 if n_out == 1 else 2) * lay.cp
+             if fw.ours and lay.cp > 1 else t_kv)
+    cp_f, cp_b = max(0.0, t_kv - attn_f), max(0.0, t_kv + t_dkv - attn_b)
 
     # per micro-batch, per parameter on the GPU: casts and gradient accumulation outside the GEMMs
     shards = lay.dp * lay.cp * lay.ep if lay.zero >= 1 else 1
@@ -394,7 +397,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
 
     exposed = {"tp": m * layers * (tp_f + tp_b + tp_re), "cp": m * layers * (cp_f + cp_b),
                "ep": m * layers * 4 * t_a2a, "pp": t_pp, "dp": t_dp}
-    wire_time = dict(exposed, tp=m * layers * tp_seconds, cp=m * layers * 3 * t_kv, pp=transfers * one_p2p,
+    wire_time = dict(exposed, tp=m * layers * tp_seconds, cp=m * layers * (2 * t_kv + t_dkv), pp=transfers * one_p2p,
                      dp=wire_dp)
     # tp/cp/ep are inside t_f/t_b; report them separately and keep compute pure
     compute -= exposed["tp"] + exposed["cp"] + exposed["ep"]
