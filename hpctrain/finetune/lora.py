@@ -12,6 +12,11 @@ Frozen weights have ``requires_grad`` False from the meta model on, so backward 
 the data axes' gradient reduction and ZeRO attach only what trains, and the optimizer is given only the
 adapters (``parallelize`` passes ``requires_grad`` parameters only).
 
+Dropout (``finetune.lora.dropout`` > 0) masks the adapter's input as PEFT does, one mask per adapter; under
+tensor parallelism with sequence parallelism each token is masked once (on its shard, before the gather),
+without it each tp rank draws its own mask of the replicated input, so the rows of a column-parallel B see
+different masks (a valid dropout, not one process's draw). Parity tests use 0.
+
 Init as PEFT's default: A kaiming-uniform (a = sqrt(5): uniform in +-1/sqrt(in)), B zeros, so a fresh
 adapter changes nothing. A is drawn from its logical tensor's name and tiles like every weight
 (``hpctrain.model.build.init_box``), so it does not depend on the layout.

@@ -123,7 +123,8 @@ def tied_parameters(model: nn.Module, mesh: Mesh) -> List[nn.Parameter]:
         return []
     seen, out = set(), []
     for p in model.parameters():
-        if id(p) not in seen and len(dict(get_spec(p).held_on).get("pp", ())) > 1:
+        # (a frozen table, LoRA's base, has no gradient to sum: both ends leave it out alike)
+        if id(p) not in seen and p.requires_grad and len(dict(get_spec(p).held_on).get("pp", ())) > 1:
             seen.add(id(p))
             out.append(p)
     return out

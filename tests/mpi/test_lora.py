@@ -47,8 +47,11 @@ def test_lora_trains_like_one_process(world, pm, layout):
     adapters = {n for n in want[-1].grads if ".lora." in n}
     assert adapters == set(want[-1].grads) and len(adapters) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
     assert all(float(want[-1].grads[n].abs().max()) > 0 for n in adapters)  # B moved: A's gradients too
-    got = record(world_trainer(pm, *BASE, *layout), STEPS)
+    trainer = world_trainer(pm, *BASE, *layout)
+    got = record(trainer, STEPS)
     assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    # no gradient for the base on any rank
+    assert all(p.grad is None for p in trainer.model.parameters() if not p.requires_grad)
 
 
 MOE = BASE[:2] + ("finetune.lora.targets=[q,k,v,o]", "model=tiny-moe") + BASE[3:]
