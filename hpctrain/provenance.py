@@ -33,6 +33,8 @@ import sys
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
+import torch
 from omegaconf import OmegaConf
 
 import hpctrain
@@ -63,20 +65,17 @@ def git_commit() -> Optional[str]:
 
 def software() -> Dict[str, str]:
     """The versions of what this process runs on (see the module docstring)."""
-    import numpy as np
-    import torch
-
     out = {"hpctrain": str(hpctrain.__version__), "python": sys.version.split()[0], "torch": torch.__version__,
            "numpy": np.__version__}
     commit = git_commit()
     if commit:
         out["hpctrain_git"] = commit
-    if "mpi4py" in sys.modules:  # (MPI starts at import: never started here)
-        import mpi4py
-        from mpi4py import MPI
+    if "mpi4py" in sys.modules:
+        # already imported where MPI runs; importing it here would start MPI in a process that has none
+        import mpi4py.MPI
 
         out["mpi4py"] = mpi4py.__version__
-        out["mpi"] = MPI.Get_library_version().split("\x00")[0].splitlines()[0].strip()
+        out["mpi"] = mpi4py.MPI.Get_library_version().split("\x00")[0].splitlines()[0].strip()
     h5py = sys.modules.get("h5py")
     if h5py is not None:
         out["h5py"], out["hdf5"] = h5py.version.version, h5py.version.hdf5_version

@@ -38,7 +38,7 @@ from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.comm_model import flat_time, group_time
 from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
-from hpctrain.planner.frameworks import HPCTRAIN_FW, Framework
+from hpctrain.planner.frameworks import Framework
 from hpctrain.planner.kernels import (
     block_cost,
     embedding_cost,
@@ -48,23 +48,10 @@ from hpctrain.planner.kernels import (
     pass_time,
 )
 from hpctrain.planner.layouts import Layout, per_rank_layers
-from hpctrain.planner.memory import ModelStates, StateBytes, model_states
-from hpctrain.planner.traffic import rank_blocks, stage_bytes
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What is trained: batch, sequence, precision and the state-byte profile."""
-
-    global_batch: int
-    seq_len: int
-    precision: str
-    state_bytes: StateBytes
-    bucket_bytes: float = 25 * 2 ** 20
-    framework: Framework = HPCTRAIN_FW
-    """The code that runs it (``frameworks``): hpctrain's own unless validating a published run."""
-    fp8: bool = False
-    """The block's projections run as float8 GEMMs (torchtitan's float8 linears; ``kernels.block_cost``)."""
+from hpctrain.planner.memory import ModelStates, model_states
+from hpctrain.planner.stages import rank_blocks, stage_params
+from hpctrain.planner.traffic import stage_bytes
+from hpctrain.planner.workload import Workload
 
 
 @dataclass
@@ -137,40 +124,11 @@ def group_span(sizes: Tuple[Tuple[str, int], ...], axes: Tuple[str, ...], gpus_p
     return len(members) // len(nodes), len(nodes)
 
 
-def _stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float, int]:
-    """(dense, expert, tensors) parameters on one GPU of pipeline rank ``rank``."""
-    blocks = tuple((b.start, b.stop) for b in rank_blocks(arch, lay, rank))
-    return _stage_params_cached(arch, lay.tp, lay.ep, lay.pp, blocks, rank == 0, rank == lay.pp - 1)
-
-
-@lru_cache(maxsize=4096)
-def _stage_params_cached(arch: Arch, tp: int, ep: int, pp: int, blocks: Tuple[Tuple[int, int], ...], first: bool,
-                         last: bool) -> Tuple[float, float, int]:
-    h = arch.d_model
-    layers = sum(stop - start for start, stop in blocks)
-    moe = sum(arch.moe_layers_in(start, stop) for start, stop in blocks)
-    expert = moe * arch.expert_params_per_rank(ep)
-    dense = (moe * arch.layer_params_per_rank(tp, ep) + (layers - moe) * arch.layer_params_per_rank(tp, ep, moe=False)
-             - expert)
-    tensors = moe * arch.param_tensors_per_layer(ep) + (layers - moe) * arch.param_tensors_per_layer(ep, moe=False)
-    vocab_shard = arch.padded_vocab(tp) // tp * h
-    if first:
-        dense += vocab_shard + arch.positions * h
-        tensors += 1 + (1 if arch.positions else 0)
-    if last:
-        dense += arch.final_norm_params
-        tensors += 1 if arch.final_norm_params else 0
-        if not arch.tie_embeddings or pp > 1:  # a tied table is copied to the last stage
-            dense += vocab_shard
-            tensors += 1
-    return dense, expert, tensors
-
-
 def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     """Bytes per GPU on pipeline stage ``stage`` (0 .. pp - 1)."""
     m = lay.microbatches(work.global_batch)
     first, last = stage == 0, stage == lay.pp - 1
-    dense, expert, tensors = _stage_params(arch, lay, stage)
+    dense, expert, tensors = stage_params(arch, lay, stage)
     sb = work.state_bytes
     states: ModelStates = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
     if expert:
@@ -353,7 +311,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     shards = lay.dp * lay.cp * lay.ep if lay.zero >= 1 else 1
 
     def params_of(rank: int) -> float:
-        dense, expert, _ = _stage_params(arch, lay, rank)
+        dense, expert, _ = stage_params(arch, lay, rank)
         return dense + expert
 
     param_pass = param_pass_bytes(fw, work.precision, shards) if kernels else 0.0
@@ -426,7 +384,7 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
     after it). Stage 1/2's parameter all-gather runs after the optimizer step
     with nothing to hide behind."""
     G = cluster.gpus_per_node
-    dense, expert, _ = max(_stage_params(arch, lay, r) for r in memory_stages(arch, lay))
+    dense, expert, _ = max(stage_params(arch, lay, r) for r in memory_stages(arch, lay))
     sb = work.state_bytes
     groups: List[Tuple[float, Tuple[str, ...], int]] = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:

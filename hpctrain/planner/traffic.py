@@ -49,35 +49,18 @@ key/value gradients, on the same counts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, Tuple
 
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.comm_model import bus_factor
-from hpctrain.planner.layouts import Layout, planned_layers
-
-if TYPE_CHECKING:  # pragma: no cover - estimate imports this module
-    from hpctrain.planner.estimate import Workload
+from hpctrain.planner.layouts import Layout
+from hpctrain.planner.stages import rank_blocks, stage_params
+from hpctrain.planner.workload import Workload
 
 AXES = ("tp", "cp", "ep", "pp", "dp")
 FP32 = 4
 INT64 = 8
-
-
-def rank_blocks(arch: Arch, lay: Layout, rank: int) -> List[range]:
-    """The block indices pipeline rank ``rank`` holds, one range per virtual stage (chunk)."""
-    starts = [0]
-    for c in planned_layers(arch, lay):
-        starts.append(starts[-1] + c)
-    return [range(starts[s], starts[s + 1]) for s in range(rank, len(starts) - 1, lay.pp)]
-
-
-def stage_params(arch: Arch, lay: Layout, rank: int) -> Tuple[float, float]:
-    """(dense, expert) parameters on one GPU of pipeline rank ``rank`` (``estimate``'s count)."""
-    from hpctrain.planner.estimate import _stage_params  # the one count of a stage's parameters
-
-    dense, expert, _ = _stage_params(arch, lay, rank)
-    return dense, expert
 
 
 def _sub_layer_tp(lay: Layout, tokens: float, h: int, e: float, r: float) -> Tuple[float, float]:
@@ -165,13 +148,13 @@ def pp_bytes(arch: Arch, lay: Layout, tokens: float, r: float, m: int, rank: int
     return total
 
 
-def dp_bytes(arch: Arch, lay: Layout, work: "Workload", m: int, rank: int) -> float:
+def dp_bytes(arch: Arch, lay: Layout, work: Workload, m: int, rank: int) -> float:
     """The data axes' bus bytes per step for this stage's parameters: dense ones over cp x ep x dp, routed
     experts over cp x dp. ZeRO 0 all-reduces the gradients; 1 (and 2 under a pipeline) reduce-scatters
     them once and all-gathers the parameters; 2 reduce-scatters every micro-batch; 3 gathers every
     forward and backward (under a pipeline the reduce-scatter once). hpctrain gathers its fp32
     parameters, FSDP2 and Megatron's distributed optimizer 16-bit ones."""
-    dense, expert = stage_params(arch, lay, rank)
+    dense, expert, _ = stage_params(arch, lay, rank)
     sb, fw = work.state_bytes, work.framework
     total = 0.0
     for params, n in ((dense, lay.cp * lay.ep * lay.dp), (expert, lay.cp * lay.dp)):
@@ -192,7 +175,7 @@ def dp_bytes(arch: Arch, lay: Layout, work: "Workload", m: int, rank: int) -> fl
     return total
 
 
-def stage_bytes(arch: Arch, lay: Layout, work: "Workload", rank: int) -> Dict[str, float]:
+def stage_bytes(arch: Arch, lay: Layout, work: Workload, rank: int) -> Dict[str, float]:
     """Bus bytes one GPU of pipeline rank ``rank`` puts on the wire per step, per axis (module docstring)."""
     d = act.dtypes_for(arch, work.precision, work.framework.activations)
     e, r = float(d.act), float(d.resid)
