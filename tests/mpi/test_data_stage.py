@@ -88,6 +88,12 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _check(ok: bool, what: object = "") -> None:
+    """Assert on every rank alike (a check failing on one rank must not leave the others in a collective)."""
+    bad = [(r, w) for r, (o, w) in enumerate(MPI.COMM_WORLD.allgather((bool(ok), "" if ok else str(what)))) if not o]
+    assert not bad, bad
+
+
 def _lines(caplog, text: str) -> List[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
@@ -113,16 +119,16 @@ def test_shards_are_staged_per_node_reused_checked_and_a_missing_dir_falls_back(
     root = nodes / "local" / f"node_{node}"
     read = set(opened)
     # every shard this rank read came from its node's copies, and each node holds exactly what its ranks read
-    assert read and all(p.startswith(str(root) + os.sep) for p in read), read
+    _check(read and all(p.startswith(str(root) + os.sep) for p in read), read)
     per_node = comm.allgather({os.path.basename(p) for p in read})
     wanted = [per_node[0] | per_node[1], per_node[2] | per_node[3]]
-    assert _staged(root) == wanted[node]
+    _check(_staged(root) == wanted[node], (_staged(root), wanted))
     assert all(len(w) < SHARDS for w in wanted) and wanted[0] != wanted[1]  # only the shards its ranks read
-    assert history[0]["data_stage_s"] > 0 and history[0]["data_stage_copied_bytes"] > 0
+    _check(history[0]["data_stage_s"] > 0 and history[0]["data_stage_copied_bytes"] > 0, history[0])
     if rank == 0:
         line = _lines(caplog, "data.stage: 2 of 2 node(s) staged")
-        assert len(line) == 1 and ", 0 reused, 0 recopied" in line[0], caplog.text
-        assert "data staged in" in caplog.text  # the start-up line
+    _check(rank or (len(line) == 1 and ", 0 reused, 0 recopied" in line[0] and "data staged in" in caplog.text),
+           caplog.text)  # the summary, and the start-up line
     caplog.clear()
 
     # the next launch reuses every staged file (checksums read again, nothing copied)
@@ -130,12 +136,11 @@ def test_shards_are_staged_per_node_reused_checked_and_a_missing_dir_falls_back(
     opened.clear()
     with caplog.at_level(logging.INFO):
         again, _, history = _train(nodes, *stage)
-    assert again == first
-    assert {p: p.stat().st_mtime_ns for p in root.glob("*/*.bin")} == mtimes
-    assert history[0]["data_stage_copied_bytes"] == 0
-    if rank == 0:
-        staged = sum(len(w) for w in wanted)
-        assert f": 0 copied, {staged} reused, 0 recopied" in _lines(caplog, "data.stage:")[0], caplog.text
+    _check(again == first, again)
+    _check({p: p.stat().st_mtime_ns for p in root.glob("*/*.bin")} == mtimes, "a reused file was written")
+    _check(history[0]["data_stage_copied_bytes"] == 0, history[0])
+    staged = sum(len(w) for w in wanted)
+    _check(rank or f": 0 copied, {staged} reused, 0 recopied" in _lines(caplog, "data.stage:")[0], caplog.text)
     caplog.clear()
 
     # a damaged copy on node 1 is found by its checksum and copied again
@@ -146,25 +151,22 @@ def test_shards_are_staged_per_node_reused_checked_and_a_missing_dir_falls_back(
     comm.Barrier()
     with caplog.at_level(logging.INFO):
         fixed, _, _ = _train(nodes, *stage)
-    assert fixed == first
-    if rank == 0:
-        assert ", 1 recopied (checksum mismatch)" in _lines(caplog, "data.stage:")[0], caplog.text
-        assert victim.read_bytes() == (nodes / "shared" / victim.name).read_bytes()
+    _check(fixed == first, fixed)
+    _check(rank or (", 1 recopied (checksum mismatch)" in _lines(caplog, "data.stage:")[0]
+                    and victim.read_bytes() == (nodes / "shared" / victim.name).read_bytes()), caplog.text)
     caplog.clear()
 
     # data.stage.all: every shard on every node (those staged already reused)
     all_, _, _ = _train(nodes, *stage, "data.stage.all=true")
-    assert all_ == first and len(_staged(root)) == SHARDS
+    _check(all_ == first and len(_staged(root)) == SHARDS, _staged(root))
     caplog.clear()
 
     # a local directory that is not there: one line, and the shared paths are read
     opened.clear()
     with caplog.at_level(logging.INFO):
         shared, _, _ = _train(nodes, f"data.stage.dir={nodes / 'missing'}")
-    assert shared == first
-    assert opened and all(p.startswith(str(nodes / "shared") + os.sep) for p in opened)
-    assert not (nodes / "missing").exists()
-    if rank == 0:
-        lines = _lines(caplog, "read the shared paths")
-        assert lines == [f"data.stage.dir={nodes / 'missing'} does not exist on this node: node(s) 0, 1 read the "
-                         "shared paths"], caplog.text
+    _check(shared == first and not (nodes / "missing").exists(), shared)
+    _check(opened and all(p.startswith(str(nodes / "shared") + os.sep) for p in opened), opened)
+    _check(rank or _lines(caplog, "read the shared paths") == [
+        f"data.stage.dir={nodes / 'missing'} does not exist on this node: node(s) 0, 1 read the shared paths"],
+        caplog.text)
