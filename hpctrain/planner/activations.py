@@ -132,7 +132,7 @@ def saved_tensors(arch: Arch, precision: str, seq_len: int, profile: str = "hpct
             SavedTensor("mlp_dropout_mask", h, "mask", "rep"),
         ]
     d = dtypes_for(arch, precision)
-    kv, f = arch.kv_dim, arch.ffn_hidden * arch.top_k
+    kv, f = arch.kv_dim, (arch.moe_token_ffn if arch.is_moe else arch.ffn_hidden)
     table = [
         SavedTensor("block_input", h, "resid", "rep"),
         SavedTensor("attn_norm_rsqrt", 1, "fp32", "rep"),
@@ -164,7 +164,7 @@ def _moe_block(arch: Arch) -> List[SavedTensor]:
     SwiGLU tensors and the expert's output the combine keeps. The experts are replicated over tp: a
     rank's rows are its tokens' (split only by sequence parallelism, ``rep``)."""
     h, k, n = arch.d_model, arch.top_k, arch.num_experts
-    f = arch.ffn_hidden * k
+    f = arch.moe_token_ffn  # the routed experts' and the shared ones' SwiGLU tensors
     return [
         SavedTensor("router_input", h, "resid", "rep"),
         SavedTensor("router_logits_probs", 2 * n, "fp32", "rep"),
@@ -181,7 +181,7 @@ def _moe_block(arch: Arch) -> List[SavedTensor]:
 
 def _fused_block(arch: Arch, profile: str) -> List[SavedTensor]:
     """A Llama-style or Nemotron block in 16-bit with fused kernels (module docstring)."""
-    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, arch.ffn_hidden * arch.top_k
+    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, (arch.moe_token_ffn if arch.is_moe else arch.ffn_hidden)
     # torchtitan's tensor parallelism (DTensor) saves the all-gathered input of a column-parallel matmul
     gathered = "full" if profile == "torchtitan" else "rep"
     table = [
@@ -207,7 +207,7 @@ def _fused_block(arch: Arch, profile: str) -> List[SavedTensor]:
 
 def torchtitan_op_sac(arch: Arch, tp: int) -> List[SavedTensor]:
     """What torchtitan's per-op selective checkpointing keeps of one block (module docstring)."""
-    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, arch.ffn_hidden * arch.top_k
+    h, a, kv, f = arch.d_model, arch.n_heads, arch.kv_dim, (arch.moe_token_ffn if arch.is_moe else arch.ffn_hidden)
     table = [
         SavedTensor("block_input", h, "resid", "rep"),
         SavedTensor("wq_output", h, "act", "split"),

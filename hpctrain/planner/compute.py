@@ -52,8 +52,11 @@ def gemm_flops_per_iteration(arch: Arch, batch: int, seq_len: int, recompute: st
 
 
 def model_flops_per_token(arch: Arch, seq_len: int) -> float:
-    """PaLM appendix B: 6N + 12 l h s (N: parameters in matrix multiplies, active ones for MoE)."""
-    return 6.0 * arch.matmul_params + 12.0 * arch.n_layers * arch.d_model * seq_len
+    """PaLM appendix B: 6N + 12 l h s (N: parameters in matrix multiplies, active ones for MoE); the
+    attention term is 3 x the QK^T and AV FLOPs of every block (MTP modules' included), 12 l h s when
+    n_heads x head_dim = h."""
+    blocks = arch.n_layers + arch.mtp_depth
+    return 6.0 * arch.matmul_params + 3.0 * blocks * arch.attention_core_flops_per_token(seq_len)
 
 
 def mfu(model_flops_per_s_per_gpu: float, peak_flops: float) -> float:

@@ -117,7 +117,7 @@ class Dims:
 
 def dims(arch: Arch, tokens: float, seq: int, tp: int, sp: bool, cp: int) -> Dims:
     heads = max(1, arch.n_heads // tp)
-    f = arch.ffn_hidden * arch.top_k if arch.is_moe else arch.ffn_hidden // tp
+    f = arch.moe_token_ffn if arch.is_moe else arch.ffn_hidden // tp
     return Dims(tokens, tokens / tp if sp else tokens, seq, cp, arch.d_model, heads * arch.head_dim,
                 arch.kv_dim_per_rank(tp), f, heads, arch.head_dim)
 
