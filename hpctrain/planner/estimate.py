@@ -180,7 +180,7 @@ def _autocast_saved_per_layer(arch: Arch, lay: Layout) -> float:
     autograd function, which saves the fp32 weight), otherwise every projection (``F.linear``)."""
     h, hq, kv, f = arch.d_model, arch.d_model // lay.tp, arch.kv_dim_per_rank(lay.tp), arch.ffn_hidden // lay.tp
     matrices = 3 if arch.family == "llama" else 2
-    rows = h * hq + h * f * (arch.top_k if arch.is_moe else 1)
+    rows = h * hq + h * (arch.moe_token_ffn if arch.is_moe else f)
     if lay.sp:
         return rows
     return rows + h * (hq + 2 * kv) + (matrices - 1) * h * f

@@ -44,4 +44,14 @@ def _stage_params(arch: Arch, tp: int, ep: int, pp: int, blocks: Tuple[Tuple[int
         if not arch.tie_embeddings or pp > 1:  # a tied table is copied to the last stage
             dense += vocab_shard
             tensors += 1
+        if arch.mtp_depth:  # the MTP modules sit beside the head, which then holds the embedding too
+            moe_mtp = arch.mtp_depth if arch.mtp_is_moe else 0
+            mtp_expert = moe_mtp * arch.expert_params_per_rank(ep)
+            dense += arch.mtp_depth * (arch.layer_params_per_rank(tp, ep, moe=arch.mtp_is_moe) + 2 * h * h + 3 * h) \
+                - mtp_expert
+            expert += mtp_expert
+            tensors += arch.mtp_depth * (arch.param_tensors_per_layer(ep, moe=arch.mtp_is_moe) + 4)
+            if pp > 1 and not first:
+                dense += vocab_shard
+                tensors += 1
     return dense, expert, tensors

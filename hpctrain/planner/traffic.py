@@ -87,7 +87,7 @@ def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers:
     if lay.sp:
         bwd += layers * arch.norm_params * FP32 * ar  # the norms' weight gradients, partial over the shards
         # MoE under sequence parallelism: experts and router replicated over tp, gradients summed every micro-batch
-        replicated = arch.expert_params_per_rank(lay.ep) + arch.shared_experts * 3 * h * arch.ffn_hidden \
+        replicated = arch.expert_params_per_rank(lay.ep) + arch.shared_experts * arch.expert_params \
             + arch.router_params
         stats = (2 * arch.num_experts + 1) * FP32  # assignment counts, probability sums, z-loss term
         bwd += moe * (replicated * FP32 * ar)

@@ -92,3 +92,8 @@ def test_multi_token_prediction_is_counted_as_hpctrain_builds_it(make_config, pm
     assert arch.total_params == logical_param_count(build_model(make_config(*overrides), pm))
     assert arch.total_params - plain.total_params == 2 * arch.mtp_module_params
     assert arch.mtp_is_moe and arch.active_params - plain.active_params < arch.mtp_module_params
+    # memory: one GPU holds the modules with the head
+    from hpctrain.planner.stages import _stage_params
+
+    dense, expert, _ = _stage_params(arch, 1, 1, 1, ((0, arch.n_layers),), True, True)
+    assert dense + expert == arch.total_params
