@@ -24,6 +24,11 @@ CHECKS = {
 
 def main(argv: List[str]) -> int:
     xml_path: Optional[str] = argv[0] if argv else None
+    if xml_path is not None and (len(argv) > 1 or not xml_path.endswith(".xml")):
+        # it checks the whole repository; a file named here would be overwritten with the report
+        print(f"lint: error: {' '.join(argv)}: the only argument is the JUnit report to write (a .xml file); "
+              "ruff and mypy check what pyproject.toml names", file=sys.stderr)
+        return 2
     suite = ET.Element("testsuite", name="lint")
     failed = 0
     for name, cmd in CHECKS.items():
