@@ -158,7 +158,9 @@ class Trainer:
         self.checkpointing = Checkpointing(self.state, pm, self.faults)
         """The persistent and node-local checkpoint tiers and the resume rule."""
         mesh.seal()
-        self.usage = Usage(cfg, get_runtime().mpi_comm, mesh.world_size, device, t0, cpu0)
+        # a one-process trainer inside an MPI job (the parity tests' reference) gathers with no one
+        self.usage = Usage(cfg, None if mesh.world_size == 1 else get_runtime().mpi_comm, mesh.world_size, device,
+                           t0, cpu0)
         """Rank-hours, CPU-hours and energy (``hpctrain.train.usage``; usage.* metrics every log_every steps)."""
         self._comm_seen = self._comm_totals()
         self._comm_logged: set = set()
