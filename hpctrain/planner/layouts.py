@@ -218,7 +218,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
             for p in problems:
                 reject(p)
             continue
-        m = global_batch // (dp * mb)
+        m = global_batch // (dp * ep * mb)  # the pipeline plugin counts micro-batches over dp x ep (the sample axes)
         wanted = choices("schedule", [s for s in allowed["schedule"] if s != "gpipe"])
         even = allowed["even_chunks"][0]
         vpps = [v for v in choices("vpp", vpp_choices(arch.n_layers, pp))
@@ -238,8 +238,7 @@ def _knobs(arch: Arch, model_cfg: Any, global_batch: int, seq_len: int, gpus: in
                 if "vpp" in pins and schedule != "interleaved":
                     reject(f"vpp={pins['vpp']} needs the interleaved schedule (got {schedule})")
                 continue
-            # the pipeline plugin counts micro-batches over dp x ep (the sample axes)
-            why = check_schedule(schedule, pp, vpp, m) or check_busy(pp, global_batch // (dp * ep * mb))
+            why = check_schedule(schedule, pp, vpp, m) or check_busy(pp, m)
             if why:
                 reject(why)
                 continue

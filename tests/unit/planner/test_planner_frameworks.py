@@ -138,3 +138,18 @@ def test_a_schedule_pin_or_a_code_without_interleaving_is_kept():
     assert one and {lay.schedule for lay in one} == {"1f1b"}
     code, _ = enumerate_layouts(GPT3, cfg, 64, 2048, 64, 8, pins, schedules=("1f1b",))
     assert code and {lay.schedule for lay in code} == {"1f1b"}
+
+
+def test_interleaved_layouts_count_micro_batches_over_dp_and_ep():
+    """The pipeline plugin splits samples over dp x ep: an interleaved layout is offered only where
+    those micro-batches are a multiple of pp (counting them over dp alone let ep8 dp16 pp2 through
+    with 15 micro-batches, and the memory estimate raised on it)."""
+    shape = ModelShape(256, 64, 8, 4, 4, 128, False)
+    moe = Arch.from_shape(shape, num_experts=8, top_k=2)
+    cfg = model_config_for(moe, 64)
+    # 1,920 samples on 256 GPUs at ep8 pp2: dp 16, 120 micro-batches per dp rank but 15 per dp x ep rank
+    layouts, _ = enumerate_layouts(moe, cfg, 1920, 64, 256, 8, {"tp": 1, "cp": 1, "ep": 8, "pp": 2, "micro_batch": 1})
+    assert layouts and not [lay for lay in layouts if lay.schedule == "interleaved"]
+    layouts, _ = enumerate_layouts(moe, cfg, 512, 64, 64, 8, {"tp": 1, "cp": 1, "ep": 8, "pp": 2, "micro_batch": 1})
+    interleaved = [lay for lay in layouts if lay.schedule == "interleaved"]
+    assert interleaved and all(lay.microbatches(512) % lay.pp == 0 for lay in interleaved)
