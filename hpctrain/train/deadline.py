@@ -76,9 +76,15 @@ class Decision:
         return stop_due(self.left_s, self.step_s, self.save_s, self.margin_s)
 
     def describe(self) -> str:
-        save = f"save {self.save_s:.1f} s (measured)" if self.save_s else "no save measured yet"
-        return (f"{self.left_s:.1f} s left < next step {self.step_s:.1f} s + {save} + trainer.max_time_margin_s "
-                f"{self.margin_s:g} s")
+        save = f"save {_seconds(self.save_s)} s (measured)" if self.save_s else "no save measured yet"
+        return (f"{self.left_s:.1f} s left < next step {_seconds(self.step_s)} s + {save} + "
+                f"trainer.max_time_margin_s {self.margin_s:g} s")
+
+
+def _seconds(s: float) -> str:
+    """A duration as the stop line shows it: tenths from a second up, three figures below (a small
+    model's 20 ms save must not read as 0.0 s)."""
+    return f"{s:.1f}" if s >= 1 else f"{s:.3g}"
 
 
 class Clock:

@@ -29,6 +29,9 @@ def test_stop_when_the_next_step_the_save_and_the_margin_do_not_fit():
     assert d.stop and d.describe() == ("65.0 s left < next step 1.0 s + save 5.0 s (measured) + "
                                        "trainer.max_time_margin_s 60 s")
     assert "no save measured yet" in Decision(65, 1, 0, 60).describe()
+    # a tiny model's save and step are milliseconds: still shown as measured, never as 0.0 s
+    assert Decision(95.2, 0.0123, 0.0234, 95).describe() == (
+        "95.2 s left < next step 0.0123 s + save 0.0234 s (measured) + trainer.max_time_margin_s 95 s")
 
 
 def test_the_next_step_is_the_longest_recent_iteration_without_its_saves():
