@@ -75,3 +75,34 @@ def batch(vocab: int = VOCAB, n: int = 2, seq: int = SEQ, seed: int = 3) -> torc
 def hf_model(path) -> tuple:
     """The overrides that train the Hugging Face model in ``path``: its shape and its weights."""
     return ("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}")
+
+
+def imported_config(base: tuple, path, pm, *more: str):
+    """The one-process config that trains the model in ``path`` (``hf_model``) on top of ``base``, validated."""
+    from hpctrain.config import compose_resolved
+    from hpctrain.config.validate import validate
+
+    cfg = compose_resolved(base + hf_model(path) + more, pm)
+    assert validate(cfg, 1, pm) == []
+    return cfg
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Elementwise within ``rtol`` of the largest reference element."""
+    scale = theirs.abs().max()
+    err = (ours - theirs).abs().max()
+    assert err <= rtol * scale, f"max abs difference {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def assert_logits_equal_transformers(cfg, pm, path) -> None:
+    """Our one-process model of ``cfg`` gives transformers' logits for the model in ``path`` (within 1e-5)."""
+    from hpctrain.run import reference_trainer
+
+    ids = batch()
+    model = reference_trainer(cfg, pm).model
+    model.eval()
+    with torch.no_grad():
+        ours = model(ids)
+    theirs = hf_logits(path, ids)
+    assert ours.shape == theirs.shape
+    assert_close(ours, theirs)

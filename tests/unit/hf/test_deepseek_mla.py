@@ -32,11 +32,18 @@ from deepseek_models import deepseek_config, deepseek_moe_config, draw_expert_bi
 from qwen_models import hf_loss
 
 from hpctrain.config import compose_resolved
-from hpctrain.config.validate import validate
 from hpctrain.hf.config import read_hf_config
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, batch, hf_logits, hf_model, save
+from hf_models import (
+    SEQ,
+    assert_close,
+    assert_logits_equal_transformers,
+    batch,
+    hf_logits,
+    imported_config,
+    save,
+)
 
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"trainer.seq_len={SEQ}", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "reliability.hang_timeout_s=0")
@@ -45,21 +52,13 @@ MODELS = {"q-lora": lambda: deepseek_config(), "plain-q": lambda: deepseek_confi
 
 
 def _imported(path, pm, *more):
-    cfg = compose_resolved(BASE + hf_model(path) + more, pm)
-    assert validate(cfg, 1, pm) == []
-    return cfg
+    return imported_config(BASE, path, pm, *more)
 
 
 def hf_buffer(path, name):
     from safetensors.torch import load_file
 
     return load_file(os.path.join(path, "model.safetensors"))[name]
-
-
-def assert_close(ours, theirs, rtol=1e-5):
-    scale = theirs.abs().max()
-    err = (ours - theirs).abs().max()
-    assert err <= rtol * scale, f"max abs difference {err:.3g} > {rtol} x {scale:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +105,7 @@ def test_the_moe_layers_read_as_deepseek_routing(dirs, pm):
 
 @pytest.mark.parametrize("which", list(MODELS))
 def test_logits_equal_transformers(dirs, pm, which):
-    ids = batch()
-    model = reference_trainer(_imported(dirs[which], pm), pm).model
-    model.eval()
-    with torch.no_grad():
-        ours = model(ids)
-    theirs = hf_logits(dirs[which], ids)
-    assert ours.shape == theirs.shape
-    assert_close(ours, theirs)
+    assert_logits_equal_transformers(_imported(dirs[which], pm), pm, dirs[which])
 
 
 @pytest.mark.parametrize("which", ["q-lora", "moe"])

@@ -30,7 +30,7 @@ from hpctrain.config import compose_resolved
 from hpctrain.config.validate import validate
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, batch, hf_logits
+from hf_models import SEQ, assert_close, assert_logits_equal_transformers, batch, hf_logits, imported_config
 
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"trainer.seq_len={SEQ}", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "reliability.hang_timeout_s=0")
@@ -43,15 +43,7 @@ MODELS = {
 
 
 def _imported(path, pm, *more):
-    cfg = compose_resolved(BASE + ("model=hf", f"model.hf_dir={path}", f"checkpoint.init_from=hf:{path}") + more, pm)
-    assert validate(cfg, 1, pm) == []
-    return cfg
-
-
-def assert_close(ours, theirs, rtol=1e-5):
-    scale = theirs.abs().max()
-    err = (ours - theirs).abs().max()
-    assert err <= rtol * scale, f"max abs difference {err:.3g} > {rtol} x {scale:.3g}"
+    return imported_config(BASE, path, pm, *more)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +67,7 @@ def test_the_config_reads_as_qwen3_moe(dirs, pm):
 
 @pytest.mark.parametrize("which", list(MODELS))
 def test_logits_equal_transformers(dirs, pm, which):
-    ids = batch()
-    model = reference_trainer(_imported(dirs[which], pm), pm).model
-    model.eval()
-    with torch.no_grad():
-        ours = model(ids)
-    theirs = hf_logits(dirs[which], ids)
-    assert ours.shape == theirs.shape
-    assert_close(ours, theirs)
+    assert_logits_equal_transformers(_imported(dirs[which], pm), pm, dirs[which])
 
 
 @pytest.mark.parametrize("which", ["norm", "raw-step2"])
