@@ -304,6 +304,9 @@ def read_hf_config(hf_dir: str, seq_len: Optional[int] = None) -> Tuple[Dict[str
         if data.get("router_jitter_noise"):
             problems.append(f"{path}: router_jitter_noise={data['router_jitter_noise']} is not implemented; "
                             "set it to 0.0")
+        if int(data.get("num_experts_per_tok", 2)) == 1:  # transformers renormalises its one weight to 1.0
+            problems.append(f"{path}: num_experts_per_tok=1 (Mixtral renormalises the one expert's weight to 1.0) "
+                            "is not implemented; one expert per token keeps its probability here")
         out["ffn"] = "moe"
         out["moe"] = {"num_experts": int(data.get("num_local_experts", 8)),
                       "top_k": int(data.get("num_experts_per_tok", 2)), "router": "softmax",

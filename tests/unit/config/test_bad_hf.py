@@ -82,6 +82,8 @@ def _rows():
                                                              "original_max_position_embeddings": 32}),
          ["rope_scaling type 'yarn' is not implemented"]),
         ("router_jitter", field("mixtral", router_jitter_noise=0.1), ["router_jitter_noise=0.1 is not implemented"]),
+        ("mixtral_one_expert", field("mixtral", num_experts_per_tok=1),
+         ["num_experts_per_tok=1 (Mixtral renormalises the one expert's weight to 1.0) is not implemented"]),
         ("qwen3_moe_mlp_only_layers", field("qwen3_moe", mlp_only_layers=[1]),
          ["mlp_only_layers=[1] makes layers [1] dense after MoE layer 0, which is not implemented",
           "model.moe.first_dense_blocks", "decoder_sparse_step=1"]),
