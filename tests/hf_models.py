@@ -106,3 +106,20 @@ def assert_logits_equal_transformers(cfg, pm, path) -> None:
     theirs = hf_logits(path, ids)
     assert ours.shape == theirs.shape
     assert_close(ours, theirs)
+
+
+def assert_export_loads_with_our_logits(out, model: torch.nn.Module, source) -> None:
+    """transformers loads the export in ``out`` with no missing or unexpected keys and gives the logits of our
+    trained ``model``, which training moved away from the Hugging Face model it started from (``source``)."""
+    from transformers import AutoModelForCausalLM
+
+    hf, info = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager",
+                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = batch()
+    model.eval()
+    with torch.no_grad():
+        want = model(ids)
+        got = hf.eval()(ids).logits
+    assert_close(got, want)
+    assert (got - hf_logits(source, ids)).abs().max() > 1e-3  # two steps changed the model

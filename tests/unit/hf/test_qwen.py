@@ -23,7 +23,12 @@ from qwen_models import hf_loss, qwen2_config, qwen3_config, save
 from hpctrain.config import compose_resolved
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, assert_close, assert_logits_equal_transformers, batch, hf_logits, imported_config
+from hf_models import (
+    SEQ,
+    assert_export_loads_with_our_logits,
+    assert_logits_equal_transformers,
+    imported_config,
+)
 
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"trainer.seq_len={SEQ}", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "reliability.hang_timeout_s=0")
@@ -68,7 +73,6 @@ def test_the_first_step_loss_is_transformers_own(dirs, pm, which):
 
 @pytest.mark.parametrize("which,arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3-head16", "Qwen3ForCausalLM")])
 def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, tmp_path, which, arch):
-    from transformers import AutoModelForCausalLM
 
     from hpctrain_h5ckpt import cli
 
@@ -79,17 +83,7 @@ def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, t
     assert cli.main(["export", ckpt, "--to", out]) == 0
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["architectures"] == [arch] and config["use_sliding_window"] is False
-    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
-                                                    output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ids = batch()
-    model = trainer.model
-    model.eval()
-    with torch.no_grad():
-        want = model(ids)
-        got = hf.eval()(ids).logits
-    assert_close(got, want)
-    assert (got - hf_logits(dirs[which], ids)).abs().max() > 1e-3  # two steps changed the model
+    assert_export_loads_with_our_logits(out, trainer.model, dirs[which])
 
 
 def test_both_options_have_no_architecture_to_export(make_config):

@@ -30,7 +30,12 @@ from hpctrain.config import compose_resolved
 from hpctrain.config.validate import validate
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, assert_close, assert_logits_equal_transformers, batch, hf_logits, imported_config
+from hf_models import (
+    SEQ,
+    assert_export_loads_with_our_logits,
+    assert_logits_equal_transformers,
+    imported_config,
+)
 
 BASE = ("trainer.global_batch_size=4", "trainer.micro_batch_size=1", f"trainer.seq_len={SEQ}", "trainer.device=cpu",
         "trainer.progress=off", "trainer.log_every=100", "reliability.hang_timeout_s=0")
@@ -81,7 +86,6 @@ def test_the_first_step_loss_is_transformers_own(dirs, pm, which):
 
 @pytest.mark.parametrize("which", ["norm-dense0", "raw-step2"])
 def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, tmp_path, which):
-    from transformers import AutoModelForCausalLM
 
     from hpctrain_h5ckpt import cli
 
@@ -100,17 +104,7 @@ def test_export_after_training_loads_in_transformers_with_our_logits(dirs, pm, t
     assert config["num_experts"] == source["num_local_experts"] == 4  # transformers 5 writes the other name
     again = compose_resolved(["model=hf", f"model.hf_dir={out}"], pm).model  # and it reads back as it was
     assert again.moe == _imported(dirs[which], pm).model.moe and again.ffn_hidden == trainer.cfg.model.ffn_hidden
-    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
-                                                    output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ids = batch()
-    model = trainer.model
-    model.eval()
-    with torch.no_grad():
-        want = model(ids)
-        got = hf.eval()(ids).logits
-    assert_close(got, want)
-    assert (got - hf_logits(dirs[which], ids)).abs().max() > 1e-3  # two steps changed the model
+    assert_export_loads_with_our_logits(out, trainer.model, dirs[which])
 
 
 @pytest.mark.parametrize("preset,layers,fields", [
