@@ -7,6 +7,11 @@ a typo in an override fails before any rank starts work.
 
 Plugins add their own typed sections through the ``hpctrain_config_sections``
 hook; ``build_schema`` folds them in (see ``store.py``).
+
+One module on purpose, though long: it is the whole schema a user reads top to
+bottom (every group and field with its docstring, as ``--help`` and docs quote
+them). What is not a field lives elsewhere: ranges in ``ranges.py``, checks in
+``validate.py``; a group that grows logic of its own moves to its own module.
 """
 from __future__ import annotations
 
