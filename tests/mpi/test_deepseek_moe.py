@@ -7,9 +7,11 @@ MoE with the sigmoid router, its selection bias moving after every step
 set), group-limited routing (8 experts in 4 groups, top-2 from the best 2
 groups), a routed scaling factor, one shared expert and experts narrower
 than the dense feed-forward; multi-token prediction of depth 1 (its block
-an MoE block too), weighted 0.3. Attention is the standard one: the
-multi-head latent attention of issue 56 had not landed when this was
-written.
+an MoE block too), weighted 0.3; every block's attention (the MTP
+module's too) DeepSeek-V3's multi-head latent attention (``model.attention_kind=mla``):
+the low-rank query (q_lora_rank 24) and key/value latent (16) with their norms, a
+shared rotary key of 8 dims, q/k heads of 8 + 8 dims against value heads of 12,
+and yarn RoPE with both mscale terms (as tests/mpi/test_mla.py's model).
 
 Layouts (one shared one-process reference, 2 steps):
 
@@ -19,13 +21,16 @@ Layouts (one shared one-process reference, 2 steps):
   embedding it shares, whose gradient is summed with stage 0's) on stage 1;
 - dp 4 with ZeRO-3: every weight sharded, gathered per unit (the MTP
   module's weights in the last unit, the embedding and head called twice);
-- tp 2 with sequence parallelism x ep 2: attention, the dense block and the
+- tp 2 with sequence parallelism x ep 2: the latent attention's heads (wq_b
+  and wkv_b column-parallel, wo row-parallel; the down-projections and latent
+  norms whole, their gradients summed over tp), the dense block and the
   shared expert split over tp (the MTP module's block too), the routed
   experts over ep; the MTP module's norms and projection whole, their
   gradients summed over tp.
 
 And cp 2 x dp 2 with document masking, against its own one-process run on
-the same document-masked micro-batches.
+the same document-masked micro-batches: ring attention with value heads
+narrower than the q/k heads, each document's tokens attending only within it.
 
 Tolerances as tests/mpi/test_moe.py (routing is discontinuous; no token
 of these runs sits near a tie).
@@ -43,6 +48,11 @@ BASE = ("trainer.global_batch_size=8", "trainer.micro_batch_size=1", "trainer.se
         "model.moe.top_k=2", "model.moe.expert_groups=4", "model.moe.topk_groups=2",
         "model.moe.routed_scaling_factor=2.5", "model.moe.shared_experts=1", "model.moe.ffn_hidden=32",
         "model.mtp_depth=1", "model.mtp_loss_weight=0.3")
+MLA = ("model.attention_kind=mla", "model.n_kv_heads=null", "model.mla.q_lora_rank=24", "model.mla.kv_lora_rank=16",
+       "model.mla.qk_nope_head_dim=8", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=12",
+       "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_seq_len=16",
+       "model.rope_scaling.mscale=1.0", "model.rope_scaling.mscale_all_dim=0.8")
+BASE = BASE + MLA
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-6, 1e-5, 1e-6
 
 LAYOUTS = {
@@ -73,6 +83,8 @@ def test_cp2_dp2_with_document_masking_trains_like_one_process(world, pm):
     want = on_rank0(MPI.COMM_WORLD, one_process)
     trainer = with_documents(world_trainer(pm, *BASE, "parallel.cp=2"))
     assert trainer.model.mtp.sequence is not None
+    assert type(trainer.model.layers[0].attn).__name__ == "MLAttention"
+    assert type(trainer.model.layers[0].attn.core).__name__ == "RingAttention"
     assert_parity(record(trainer, STEPS), want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
 
 
@@ -84,4 +96,5 @@ def test_deepseek_style_model_trains_like_one_process(world, pm, layout):
     want = shared_reference(BASE, STEPS)
     assert any(name.startswith("mtp.") for name in want[0].grads)  # the MTP module trains
     assert "layers.0.ffn.w1.weight" in want[0].grads and "layers.1.ffn.experts.w1" in want[0].grads
+    assert {"layers.1.attn.wq_b.weight", "mtp.layers.2.block.attn.wkv_a.weight"} <= set(want[0].grads)  # MLA
     assert_parity(got, want, LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
