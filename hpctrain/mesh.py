@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from hpctrain.comm.counting import CountingCommunicator
+from hpctrain.comm.ops import group_key
 from hpctrain.comm.watch import OpBoard
 from hpctrain.errors import ConfigError
 
@@ -379,6 +380,7 @@ class Mesh:
 
         def counted(group: Group) -> "Communicator":
             comm = factory(group)
+            group_key(group)  # registered for the collective operators (hpctrain.comm.ops) before any tracing
             return CountingCommunicator(comm, self.board, group.name, group.ranks) if group.size > 1 else comm
 
         self._backend_factory = counted

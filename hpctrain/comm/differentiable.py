@@ -15,8 +15,12 @@ are in group-rank order and equal in size (``scatter_*`` and
 Reductions are sums (a mean is the caller's division: the gradient of a
 mean over ranks is not a collective's business).
 
-Under ``trainer.compile`` every public function here is an eager island
-(``hpctrain.eager``): a graph break, its Function never traced.
+Under ``trainer.compile`` (code dynamo traces: ``torch.compiler.is_compiling()``)
+the same functions call the custom operators of ``hpctrain.comm.ops`` instead
+of the Functions: one node of the graph each, the body the same as here, so
+a block compiles to one graph across its collectives. ``exchange_counts``
+returns Python integers (the host must know them), so it stays an eager
+island (``hpctrain.eager``): a graph break.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import List, Optional, Sequence, Type
 
 import torch
 
+from hpctrain.comm import ops
 from hpctrain.comm.protocol import P2POp, ReduceOp
 from hpctrain.eager import eager
 from hpctrain.errors import CommError
@@ -36,9 +41,9 @@ def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).contiguous()
 
 
-def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     out = x.contiguous().clone()
-    group.communicator().all_reduce(out, ReduceOp.SUM)
+    group.communicator().all_reduce(out, op)
     return out
 
 
@@ -153,62 +158,98 @@ class _RingShift(torch.autograd.Function):
 
 
 # -- plain collectives for plugins' own autograd Functions ---------------------------
-@eager
+def _tracing() -> bool:
+    """Whether dynamo is tracing this call (then the operators of ``hpctrain.comm.ops``)."""
+    return torch.compiler.is_compiling()
+
+
+def all_reduce_copy(x: torch.Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """The ranks' ``x`` reduced with ``op``, in a new tensor (not differentiable)."""
+    if group.size == 1:
+        return x.detach().clone()
+    if _tracing():
+        return ops.all_reduce(x.detach(), ops.group_key(group), ReduceOp(op).value)
+    return _all_reduce(x.detach(), group, op)
+
+
 def all_gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """The ranks' ``x`` joined along ``dim`` (not differentiable; contiguous)."""
-    return x.contiguous() if group.size == 1 else _all_gather(x, group, dim).contiguous()
+    if group.size == 1:
+        return x.contiguous()
+    if _tracing():
+        return ops.all_gather(x.detach(), ops.group_key(group), dim % x.dim())
+    return _all_gather(x, group, dim).contiguous()
 
 
-@eager
 def reduce_scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """This rank's chunk of ``dim`` of the ranks' summed ``x`` (not differentiable)."""
-    return x if group.size == 1 else _reduce_scatter(x, group, dim)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.reduce_scatter(x.detach(), ops.group_key(group), dim % x.dim())
+    return _reduce_scatter(x, group, dim)
 
 
 # -- the public wrappers -----------------------------------------------------------
-@eager
 def copy_to_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Enter a region where every rank computes with the same ``x``: fwd identity, bwd all-reduce (sum)."""
-    return x if group.size == 1 else _CopyToRegion.apply(x, group)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.CopyToRegion.apply(x, ops.group_key(group))
+    return _CopyToRegion.apply(x, group)
 
 
-@eager
 def reduce_from_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Leave a region of partial sums: fwd all-reduce (sum), bwd identity."""
-    return x if group.size == 1 else _ReduceFromRegion.apply(x, group)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.reduce_from_region(x, ops.group_key(group))
+    return _ReduceFromRegion.apply(x, group)
 
 
-@eager
 def scatter_to_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of ``dim``: fwd split (own chunk), bwd all-gather along ``dim``."""
-    return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.scatter_to_region(x, ops.group_key(group), dim % x.dim())
+    return _ScatterToRegion.apply(x, group, dim)
 
 
-@eager
 def gather_from_region(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """Join the ranks' chunks of ``dim``: fwd all-gather along ``dim``, bwd split (own chunk)."""
-    return x if group.size == 1 else _GatherFromRegion.apply(x, group, dim)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.gather_from_region(x, ops.group_key(group), dim % x.dim())
+    return _GatherFromRegion.apply(x, group, dim)
 
 
-@eager
 def scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Enter sequence parallelism: fwd split the sequence ``dim`` (own chunk), bwd all-gather along it."""
-    return x if group.size == 1 else _ScatterToRegion.apply(x, group, dim)
+    return scatter_to_region(x, group, dim)
 
 
-@eager
 def gather_from_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """Before a column-parallel layer: fwd all-gather the sequence ``dim``, bwd reduce-scatter (sum) along it."""
-    return x if group.size == 1 else _GatherFromSequenceRegion.apply(x, group, dim)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.gather_from_sequence_region(x, ops.group_key(group), dim % x.dim())
+    return _GatherFromSequenceRegion.apply(x, group, dim)
 
 
-@eager
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
     """After a row-parallel layer: fwd reduce-scatter (sum) along the sequence ``dim``, bwd all-gather along it."""
-    return x if group.size == 1 else _ReduceScatterToSequenceRegion.apply(x, group, dim)
+    if group.size == 1:
+        return x
+    if _tracing():
+        return ops.reduce_scatter_to_sequence_region(x, ops.group_key(group), dim % x.dim())
+    return _ReduceScatterToSequenceRegion.apply(x, group, dim)
 
 
-@eager
 def all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[int]] = None,
                input_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Exchange dim-0 rows (``input_splits[j]`` rows to rank j, ``output_splits[j]`` from it): fwd all-to-all,
@@ -219,20 +260,25 @@ def all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[i
     if input_splits is not None and output_splits is None:
         raise CommError(f"all_to_all over group {group.name}: input_splits without output_splits; "
                         "find what each rank receives with exchange_counts(input_splits, group)")
-    out = list(output_splits) if output_splits is not None else None
-    inp = list(input_splits) if input_splits is not None else None
+    out = [int(s) for s in output_splits] if output_splits is not None else None
+    inp = [int(s) for s in input_splits] if input_splits is not None else None
     if out is not None and inp is None:  # the backward needs this rank's own counts explicitly
         if x.shape[0] % group.size:
             raise CommError(f"all_to_all over group {group.name}: dim 0 of size {x.shape[0]} is not divisible by "
                             f"the group size {group.size}; pass input_splits")
         inp = [x.shape[0] // group.size] * group.size
+    if _tracing():
+        return ops.all_to_all_region(x, ops.group_key(group), out, inp)
     return _AllToAll.apply(x, group, out, inp)
 
 
-@eager
 def ring_shift(x: torch.Tensor, group: Group, shift: int = 1) -> torch.Tensor:
     """Pass ``x`` around the ring: fwd send to rank r+shift and receive from r-shift, bwd the reverse."""
-    return x if group.size == 1 or shift % group.size == 0 else _RingShift.apply(x, group, shift)
+    if group.size == 1 or shift % group.size == 0:
+        return x
+    if _tracing():
+        return ops.ring_shift_region(x, ops.group_key(group), shift)
+    return _RingShift.apply(x, group, shift)
 
 
 @eager

@@ -397,6 +397,11 @@ class TrainerConfig:
     recomputation's checkpoint), under every parallel axis; collectives run eagerly between graphs (graph
     breaks, counted in one log line after the first step). Where the backend cannot compile, the run goes on
     eagerly with one warning (hpctrain/model/compile.py)."""
+    compile_fullgraph: bool = False
+    """With trainer.compile: each region must compile to one graph; the first graph break stops the run with one
+    'hpctrain: error:' line naming the region and the operation that broke it (for a layout whose blocks are
+    meant to be break-free, e.g. tp with or without sequence parallelism). A separate key, not a group under
+    trainer.compile, so that trainer.compile=true overrides keep working."""
     compile_backend: str = "inductor"
     """torch.compile backend with trainer.compile: inductor (generated code: C++ on CPU, needs a C++ compiler;
     Triton on GPU), aot_eager (dynamo and AOTAutograd without code generation: checks tracing, no speed-up),

@@ -187,6 +187,9 @@ def _core_checks(cfg: Any, world_size: int, pm) -> List[str]:
         problems.append(f"reliability.nonfinite={cfg.reliability.nonfinite!r} is not one of stop, skip")
     if t.progress not in ("auto", "on", "off"):
         problems.append(f"trainer.progress={t.progress!r} is not one of auto, on, off")
+    if t.compile_fullgraph and not t.compile:
+        problems.append("trainer.compile_fullgraph=true needs trainer.compile=true (it says how to compile); set "
+                        "trainer.compile=true or drop trainer.compile_fullgraph")
     if t.compile_backend != "inductor":  # (the default needs no look-up: listing backends imports dynamo)
         if t.compile_backend not in backends():
             problems.append(f"trainer.compile_backend={t.compile_backend!r} is not a torch.compile backend here; "

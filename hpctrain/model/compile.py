@@ -15,11 +15,19 @@ the whole model, because
   selective recomputation of the attention core is an eager island inside
   the block's region. Recomputation then replays the compiled graph.
 
-Our collectives (``hpctrain.comm.differentiable`` and the axis plugins'
-exchanges) call MPI or torch.distributed from Python: dynamo breaks the
-graph there and runs them eagerly, in the same order on every rank. The
-graph breaks are counted (dynamo's own counters) and reported once, after
-the first step (regions are compiled when first called), in one rank-0 line.
+The differentiable collectives (``hpctrain.comm.differentiable``) are
+custom operators while dynamo traces (``hpctrain.comm.ops``): one node of the
+graph each, calling the backend at run time, so a tensor-parallel block is
+one graph. What still calls MPI or torch.distributed from Python (an axis
+plugin's own exchange, ``exchange_counts``) is a graph break, run eagerly in
+the same order on every rank. Graphs and graph breaks are counted per region
+kind (the block's class, the loss's: dynamo's own counters, read around the
+region's first calls) and reported once, after the first step (regions are
+compiled when first called), in one rank-0 line with each break's reason.
+
+``trainer.compile_fullgraph=true`` compiles each region as one graph or not
+at all: the first graph break stops the run with one ``hpctrain: error:``
+line naming the region and the operation that broke it (dynamo's reason).
 
 Fallback: when the backend cannot compile at all (inductor without a C++
 compiler) the run stays eager with one rank-0 warning; a graph whose
@@ -43,6 +51,7 @@ import torch
 from torch import nn
 
 from hpctrain import eager
+from hpctrain.errors import ConfigError
 from hpctrain.log import get_logger, log_rank0
 from hpctrain.model.transformer import Block, Transformer
 
@@ -109,16 +118,16 @@ class _Backend:
             return gm.forward
 
 
-_COMPILED: Dict[Tuple[Callable[..., Any], str], Callable[..., Any]] = {}
-"""One torch.compile wrapper per (function, backend) in the process."""
+_COMPILED: Dict[Tuple[Callable[..., Any], str, bool], Callable[..., Any]] = {}
+"""One torch.compile wrapper per (function, backend, fullgraph) in the process."""
 _STATS: Dict[str, CompileStats] = collections.defaultdict(CompileStats)
 """Per backend: graphs compiled and failures, in this process."""
 
 
-def _compiled(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
-    key = (fn, backend)
+def _compiled(fn: Callable[..., Any], backend: str, fullgraph: bool = False) -> Callable[..., Any]:
+    key = (fn, backend, fullgraph)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, backend=_Backend(backend, _STATS[backend]))
+        _COMPILED[key] = torch.compile(fn, backend=_Backend(backend, _STATS[backend]), fullgraph=fullgraph)
     return _COMPILED[key]
 
 
@@ -127,6 +136,24 @@ def graph_break_reasons() -> Dict[str, int]:
     from torch._dynamo.utils import counters  # heavy: torch.compile's stack (~2 s), only when compiling
 
     return dict(counters["graph_break"])
+
+
+@dataclass
+class RegionCount:
+    """What dynamo did while one kind of region (a block class, a loss class) ran its first calls."""
+
+    graphs: int = 0
+    breaks: Dict[str, int] = field(default_factory=dict)
+    """Graph breaks by dynamo's reason."""
+
+    @property
+    def total_breaks(self) -> int:
+        return sum(self.breaks.values())
+
+
+PROBED_CALLS = 8
+"""Calls of each region kind during which its graphs and breaks are counted (its compilation happens at
+its first calls; a recompilation later, for a new shape, is in the process-wide totals only)."""
 
 
 @dataclass
@@ -142,32 +169,81 @@ class CompiledRegions:
     graphs_before: int
     failures_before: int
     breaks_before: Dict[str, int]
+    fullgraph: bool = False
+    """``trainer.compile_fullgraph``: a graph break is an error (``hpctrain: error:``)."""
     reported: bool = False
     calls: int = 0
     """Calls of the compiled regions so far (forward and recomputation)."""
+    per_region: Dict[str, RegionCount] = field(default_factory=dict)
+    """By region kind (the class name of the block or the loss): graphs and graph breaks of its first calls."""
+    _probed: Dict[str, int] = field(default_factory=dict)
 
-    def region(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn``, counted in ``calls``."""
+    def region(self, fn: Callable[..., Any], kind: str = "region") -> Callable[..., Any]:
+        """``fn``, counted in ``calls``; its first calls counted in ``per_region[kind]``, and with
+        ``fullgraph`` a graph break raised as one ``ConfigError`` naming ``kind`` and the breaking op."""
+        count = self.per_region.setdefault(kind, RegionCount())
+
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            return fn(*args, **kwargs)
+            if self._probed.get(kind, 0) >= PROBED_CALLS:
+                return fn(*args, **kwargs)
+            self._probed[kind] = self._probed.get(kind, 0) + 1
+            graphs, breaks = self.stats.graphs, graph_break_reasons()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if self.fullgraph and _is_graph_break(e):
+                    raise ConfigError(f"trainer.compile_fullgraph=true: {kind} does not compile to one graph: "
+                                      f"{_break_message(e)}; set trainer.compile_fullgraph=false to compile it "
+                                      f"in pieces (the start-up line then counts the breaks)") from e
+                raise
+            finally:
+                count.graphs += self.stats.graphs - graphs
+                for k, v in graph_break_reasons().items():
+                    if v > breaks.get(k, 0):
+                        count.breaks[k] = count.breaks.get(k, 0) + v - breaks.get(k, 0)
         return call
 
+    def breaks_in(self, kind: str) -> int:
+        """Graph breaks counted in region kind ``kind`` (0 when it never ran)."""
+        count = self.per_region.get(kind)
+        return count.total_breaks if count is not None else 0
+
     def report(self) -> str:
-        """The start-up line: regions, graphs compiled, graph breaks and where (differences since set-up)."""
+        """The start-up line: regions, graphs compiled, graph breaks, and per region kind its graphs and
+        breaks with their reasons (differences since set-up)."""
         self.reported = True
         breaks = {k: v - self.breaks_before.get(k, 0) for k, v in graph_break_reasons().items()}
         breaks = {k: v for k, v in breaks.items() if v > 0}
         graphs = self.stats.graphs - self.graphs_before
         failed = self.stats.failures[self.failures_before:]
-        where = "; ".join(f"{n}x {_short(k)}" for k, n in sorted(breaks.items(), key=lambda kv: -kv[1]))
-        line = (f"compile ({self.backend}): {self.blocks + self.losses} regions ({self.blocks} blocks, "
-                f"{self.losses} loss), {graphs} graphs compiled, {sum(breaks.values())} graph breaks"
-                + (f": {where}" if where else ""))
+        line = (f"compile ({self.backend}{', fullgraph' if self.fullgraph else ''}): {self.blocks + self.losses} "
+                f"regions ({self.blocks} blocks, {self.losses} loss), {graphs} graphs compiled, "
+                f"{sum(breaks.values())} graph breaks")
+        kinds = []
+        for kind, count in self.per_region.items():
+            where = "; ".join(f"{n}x {_short(k)}" for k, n in sorted(count.breaks.items(), key=lambda kv: -kv[1]))
+            kinds.append(f"{kind}: {count.graphs} graph(s), {count.total_breaks} breaks" + (f" ({where})" if where
+                                                                                            else ""))
+        if kinds:
+            line += " | " + " | ".join(kinds)
         if failed:
             line += (f"; {len(failed)} graph(s) failed to compile and run eagerly ({failed[0]}); fix the cause or "
                      f"set trainer.compile_backend=aot_eager or trainer.compile=false")
         return line
+
+
+def _is_graph_break(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo refusing to trace something (what fullgraph turns a graph break into)."""
+    import torch._dynamo.exc as exc  # heavy: torch.compile's stack (~2 s), only when compiling
+
+    return isinstance(e, (exc.Unsupported, exc.UserError))
+
+
+def _break_message(e: BaseException) -> str:
+    """dynamo's reason for a graph break under fullgraph, in one line (the op it could not trace)."""
+    text = str(e)
+    return _short(text) if text.strip() else type(e).__name__
 
 
 def _short(reason: str) -> str:
@@ -185,7 +261,8 @@ def _short(reason: str) -> str:
     return first if len(first) <= 200 else first[:197] + "..."
 
 
-def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: bool) -> Optional[CompiledRegions]:
+def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: bool,
+                    fullgraph: bool = False) -> Optional[CompiledRegions]:
     """Compile every block ``model`` runs and its loss (``model`` may be a pipeline
     stage or an interleaved rank's chunks). Returns None, after one warning from
     the main rank (``main``), when ``backend`` cannot compile here: the model stays eager."""
@@ -204,17 +281,19 @@ def compile_regions(model: nn.Module, backend: str, deterministic: bool, main: b
         # trainer.deterministic: inductor picks kernels without timing them (timings differ run to run)
         inductor_config.deterministic = bool(deterministic)
     stats = _STATS[backend]
-    regions = CompiledRegions(backend, main, 0, 0, stats, stats.graphs, len(stats.failures), graph_break_reasons())
+    regions = CompiledRegions(backend, main, 0, 0, stats, stats.graphs, len(stats.failures), graph_break_reasons(),
+                              fullgraph=fullgraph)
     for module in model.modules():
         if isinstance(module, Block):
-            module.compiled_forward = MethodType(regions.region(_compiled(type(module)._forward, backend)), module)
+            module.compiled_forward = MethodType(regions.region(_compiled(type(module)._forward, backend, fullgraph),
+                                                                type(module).__name__), module)
             regions.blocks += 1
         elif isinstance(module, Transformer) and module.loss_fn is not None:
             loss = module.loss_fn
             if "forward" not in vars(loss):  # (a loss shared by two parts is compiled once)
                 # an instance attribute shadows the class's forward (nn.Module.__call__ looks it up on the instance)
-                object.__setattr__(loss, "forward", MethodType(regions.region(_compiled(type(loss).forward, backend)),
-                                                               loss))
+                object.__setattr__(loss, "forward", MethodType(
+                    regions.region(_compiled(type(loss).forward, backend, fullgraph), type(loss).__name__), loss))
                 regions.losses += 1
     return regions
 

@@ -124,7 +124,8 @@ def parallelize(cfg: Any, mesh: Mesh, pm: Any, device: torch.device, run_dir: Op
     model = apply("pp", mesh.size("pp"), model)           # 4. pipeline split
     set_recompute(model, cfg.model.recompute)             # 5. recomputation
     compiled = (compile_regions(model, str(cfg.trainer.compile_backend), bool(cfg.trainer.deterministic),
-                                mesh.world_rank == 0) if cfg.trainer.compile else None)  # and compilation
+                                mesh.world_rank == 0, bool(cfg.trainer.compile_fullgraph))
+                if cfg.trainer.compile else None)  # and compilation
     model = apply("dp", mesh.averaged_data_size, model)   # 6. data axes (less DiLoCo's replicas)
     given = given_weights(cfg, pm)
     materialize(model, device, cfg.trainer.seed, cfg.model.init_std, cfg.model.n_layers,  # 7. weights

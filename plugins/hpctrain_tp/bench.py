@@ -145,6 +145,10 @@ def run(args: Any, cfg: Any, rt: Any, pm: Any) -> None:
         compiled = compile_table(samples, {label: loss() for label, _, loss, _ in runners}, args.compile_backend)
         print_rank0(world, "", f"## trainer.compile: compiled vs eager ({rt.world_size} ranks)",
                     compiled.render(args.markdown))
+        for label, step, _, _ in runners:  # graphs and graph breaks per region (the trainers' start-up lines)
+            regions = getattr(getattr(getattr(step, "__self__", None), "parallel", None), "compiled", None)
+            if regions is not None:
+                print_rank0(world, f"# {label}: {regions.report()}")
 
 
 def _parser() -> argparse.ArgumentParser:

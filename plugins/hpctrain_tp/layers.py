@@ -84,7 +84,11 @@ class TensorParallelLinears(Linears):
             return copy_to_region(t, replicas) if replicas is not None and i in self.replicated else t
 
         weights = [view(i, m.weight) for i, m in enumerate(linears)]
-        adapters = [(i, a) for i, m in enumerate(linears) if (a := adapter_of(m)) is not None]
+        adapters = []  # (a loop: dynamo cannot trace a walrus inside a comprehension, a graph break per block)
+        for i, m in enumerate(linears):
+            a = adapter_of(m)
+            if a is not None:
+                adapters.append((i, a))
         # LoRA's A is whole on every rank, each rank's B rows giving it a partial gradient: summed over tp
         downs = [copy_to_region(a.A, self.regions.group) for _, a in adapters]
         dropped = any(not isinstance(a.dropout, nn.Identity) for _, a in adapters)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.comm.differentiable import reduce_from_region
+from hpctrain.comm.differentiable import all_reduce_copy, reduce_from_region
 from hpctrain.comm.protocol import ReduceOp
 from hpctrain.mesh import Group
 
@@ -69,12 +69,11 @@ class VocabParallelCrossEntropy(nn.Module):
         logits = logits.float().flatten(0, -2)
         targets = targets.flatten()
         cols = logits.shape[-1]
-        padding = torch.arange(self.start, self.start + cols, device=logits.device) >= self.vocab_size
-        if bool(padding.any()):
+        if self.start + cols > self.vocab_size:  # padding columns here (known on the host: no device sync)
+            padding = torch.arange(self.start, self.start + cols, device=logits.device) >= self.vocab_size
             logits = logits.masked_fill(padding, float("-inf"))
         with torch.no_grad():  # the shift cancels out of the loss: no gradient through it
-            top = logits.max(dim=-1).values.contiguous()
-            self.group.communicator().all_reduce(top, ReduceOp.MAX)
+            top = all_reduce_copy(logits.max(dim=-1).values, self.group, ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), self.group)
         local = targets - self.start

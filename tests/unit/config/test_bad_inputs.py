@@ -66,6 +66,7 @@ BAD = [
      "'down'] names no projection of this model (attention q,k,v,o; gate,up,down of dense SwiGLU blocks)"),
     ("finetune=lora finetune.lora.experts=true", "finetune.lora.experts=True: must be false: adapters on MoE "
      "experts are not implemented yet"),
+    ("trainer.compile_fullgraph=true", "trainer.compile_fullgraph=true needs trainer.compile=true"),
     ("trainer.compile_backend=tensorrtx",
      "trainer.compile_backend='tensorrtx' is not a torch.compile backend here; use inductor or aot_eager"),
     ("model.vocab_size=1", "model.vocab_size=1: must be an integer >= 2"),
