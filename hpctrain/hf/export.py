@@ -21,7 +21,10 @@ block with dense ones of ``intermediate_size`` between and the first
 ``model.moe.first_dense_blocks`` dense (``mlp_only_layers``), experts of
 ``moe_intermediate_size``, no shared experts); latent attention -> DeepseekV3ForCausalLM (with MoE blocks:
 the sigmoid router, its selection bias written as ``e_score_correction_bias`` from the checkpoint's buffers,
-groups, scaling and shared experts; multi-token prediction modules are refused); q/k/v biases
+groups, scaling and shared experts; ``model.mtp_depth`` multi-token prediction modules as DeepSeek's extra layers
+``model.layers.<num_hidden_layers + k>`` with ``num_nextn_predict_layers``, ``hpctrain.hf.names``: transformers'
+DeepseekV3ForCausalLM leaves them out of its forward, its ``MtpModel`` reads them; other architectures have no
+place for them and refuse them); q/k/v biases
 (``model.qkv_bias``) -> Qwen2ForCausalLM;
 qk-norm (``model.qk_norm``) -> Qwen3ForCausalLM (without biases: its
 ``attention_bias`` would put one on o_proj too); otherwise LlamaForCausalLM
@@ -47,7 +50,7 @@ import torch
 
 from hpctrain.data.indexed import prefix_of, read_description
 from hpctrain.errors import ConfigError
-from hpctrain.hf.names import hf_tensor, moe_family, rope_row_permutation
+from hpctrain.hf.names import hf_tensor, moe_family, mtp_copies, rope_row_permutation
 from hpctrain.hf.weights import INDEX, SINGLE
 from hpctrain.model.shapes import ModelShape
 
@@ -82,12 +85,18 @@ class Entry:
 
 def _architecture(model: Any) -> str:
     s = ModelShape.from_config(model)
-    if int(model.get("mtp_depth", 0) or 0):
-        raise ConfigError(f"model.mtp_depth={model.mtp_depth}: multi-token prediction modules are not exported yet "
-                          "(transformers' forward does not run them); export a model trained with mtp_depth=0")
+    depth = int(model.get("mtp_depth", 0) or 0)
+    if depth and s.mla is None:
+        raise ConfigError(f"model.mtp_depth={depth}: only DeepseekV3ForCausalLM (latent attention, "
+                          "model.attention_kind=mla) has multi-token prediction layers; export a model trained with "
+                          "mtp_depth=0")
     if s.mla is not None:
         if model.ffn == "moe":
             _deepseek_v3_moe_problems(model.moe)
+        elif depth:
+            raise ConfigError(f"model.mtp_depth={depth} with every block dense: DeepSeek-V3's multi-token prediction "
+                              "layers are MoE layers (transformers' MtpModel builds them so); export a model with "
+                              "MoE blocks (model.ffn=moe) or trained with mtp_depth=0")
         return "DeepseekV3ForCausalLM"
     if model.ffn != "moe":
         if s.qkv_bias and s.qk_norm:
@@ -194,6 +203,7 @@ def hf_config(model: Any, dtype: str) -> Dict[str, Any]:
         out.update(_deepseek_v3_fields(s))
         if model.ffn == "moe":
             out.update(_deepseek_v3_moe_fields(s, model.moe))
+            out["num_nextn_predict_layers"] = int(model.get("mtp_depth", 0) or 0)
         del out["head_dim"]
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         del out["attention_bias"]  # Qwen2 has no such field (q/k/v biases always); Qwen3's is written below
@@ -214,18 +224,18 @@ def _deepseek_v3_fields(s: ModelShape) -> Dict[str, Any]:
     return {"num_key_value_heads": s.n_heads, "q_lora_rank": mla.q_lora_rank,
             "kv_lora_rank": mla.kv_lora_rank, "qk_nope_head_dim": mla.qk_nope_head_dim,
             "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim, "rope_interleave": True,
-            "first_k_dense_replace": s.n_layers}
+            "first_k_dense_replace": s.n_layers, "num_nextn_predict_layers": 0}
 
 
 def _deepseek_v3_moe_fields(s: ModelShape, moe: Any) -> Dict[str, Any]:
-    """DeepseekV3's MoE fields (``hpctrain.hf.config`` reads them back into the same ``model.moe``); its
-    multi-token prediction layers are not exported (num_nextn_predict_layers 0)."""
+    """DeepseekV3's MoE fields (``hpctrain.hf.config`` reads them back into the same ``model.moe``); the number
+    of multi-token prediction layers (``num_nextn_predict_layers``) is ``hf_config``'s, from ``model.mtp_depth``."""
     return {"first_k_dense_replace": int(moe.get("first_dense_blocks", 0)), "n_routed_experts": int(moe.num_experts),
             "num_experts_per_tok": int(moe.top_k), "n_group": int(moe.get("expert_groups", 1)),
             "topk_group": int(moe.get("topk_groups", 1)), "norm_topk_prob": bool(moe.get("norm_topk_prob", True)),
             "routed_scaling_factor": float(moe.get("routed_scaling_factor", 1.0)),
             "n_shared_experts": int(moe.shared_experts),
-            "moe_intermediate_size": int(moe.get("ffn_hidden") or s.ffn_hidden), "num_nextn_predict_layers": 0}
+            "moe_intermediate_size": int(moe.get("ffn_hidden") or s.ffn_hidden)}
 
 
 def _plain(value: Any) -> Any:
@@ -237,6 +247,10 @@ def _plain(value: Any) -> Any:
 
 def generation_config(config: Dict[str, Any]) -> Dict[str, Any]:
     return {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _expert(e: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -380,12 +394,18 @@ def write_hf_dir(out: str, model: Any, entries: Iterable[Entry], dtype: str = "f
     n_heads, n_kv, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config.get("head_dim")
     experts = config.get("num_local_experts", config.get("num_experts", config.get("n_routed_experts", 0)))
     family = moe_family(model)
+    first_mtp = config["num_hidden_layers"]
+    mtp_layers = range(first_mtp, first_mtp + int(config.get("num_nextn_predict_layers", 0)))
     torch_dtype = DTYPES[dtype]
     # the plan: (entry, [(name, shape, take)]) in shards, from the shapes alone
     shards: List[List[_Planned]] = [[]]
     used, total = 0, 0
     for entry in entries:
-        for name, shape, take in hf_tensors(entry, n_heads, n_kv, head_dim, experts, family):
+        planned = hf_tensors(entry, n_heads, n_kv, head_dim, experts, family)
+        # DeepSeek-V3's MTP layers keep copies of the shared embedding and head (hpctrain.hf.names.MTP_SHARED)
+        planned += [(name, tuple(entry.shape), _same) for name in
+                    mtp_copies(entry.logical, mtp_layers, bool(config["tie_word_embeddings"]))]
+        for name, shape, take in planned:
             nbytes = int(torch.Size(shape).numel()) * torch_dtype.itemsize
             if shards[-1] and used + nbytes > max_shard_bytes:
                 shards.append([])

@@ -13,6 +13,16 @@ letters); Qwen3-MoE's (``MOE_FAMILIES``) ``mlp.gate`` and
 in memory, but writes and reads this layout); ``norm`` <-> ``model.norm``;
 ``output`` <-> ``lm_head`` (absent when the embeddings are tied). Linear weights are (out, in) in both: no transposes.
 
+DeepSeek-V3's multi-token prediction modules (``model.mtp_depth``, ``hpctrain.model.mtp``) are extra decoder
+layers after the main model's, as DeepSeek's published checkpoint stores them (``model.layers.61.*`` of the
+61-layer model, ``num_nextn_predict_layers`` in config.json) and transformers' ``MtpModel`` reads them: our
+``mtp.layers.<n_layers + k>.`` <-> ``model.layers.<n_layers + k>.``, the module's ``enorm``, ``hnorm`` and
+``eh_proj`` under their own names, its output norm ``norm`` as ``shared_head.norm``, its block's tensors as a
+decoder layer's (``block.attn.wq_a.weight`` -> ``self_attn.q_a_proj.weight``, the MoE block's experts, router
+and shared experts alike). The layer also holds copies of the shared embedding and head
+(``embed_tokens.weight``, ``shared_head.head.weight``, ``MTP_SHARED``): written on export, not read (ours are
+the main model's).
+
 RoPE: our ``apply_rope`` rotates interleaved pairs (dims 2i, 2i+1 of a head
 share frequency i); Hugging Face's ``rotate_half`` rotates dims i and
 i + d/2. Ordering the rows of each head of ``q_proj`` and ``k_proj`` as
@@ -27,7 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -71,6 +81,12 @@ _MLA_PER_LAYER = {
 }
 """Latent attention's tensors (``hpctrain.model.mla``) <-> DeepseekV3Attention's. No row permutation: DeepSeek
 lays its rotary dims out in interleaved pairs (``rope_interleave``), as our ``apply_rope`` rotates them."""
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+            "norm.weight": "shared_head.norm.weight"}
+"""An MTP module's own tensors (``hpctrain.model.mtp.MTPModule``) <-> DeepSeek-V3's names in its layer."""
+MTP_SHARED = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+"""The shared embedding and head, of which DeepSeek-V3's checkpoint keeps a copy in every MTP layer."""
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 
@@ -100,6 +116,9 @@ def hf_tensor(logical: str, n_heads: int, n_kv_heads: int, num_experts: int = 0,
     architecture's names, ``MOE_FAMILIES``)."""
     if logical in _TOP:
         return HfTensor([_TOP[logical]])
+    mtp = _MTP_LAYER.match(logical)
+    if mtp is not None:
+        return _mtp_tensor(int(mtp.group(1)), mtp.group(2), n_heads, n_kv_heads, num_experts, family)
     m = _LAYER.match(logical)
     if m is None:
         return None
@@ -121,6 +140,28 @@ def _mla_tensor(prefix: str, rest: str) -> Optional[HfTensor]:
     """A DeepseekV3 layer's latent attention tensor, or its MoE block's expert bias or shared experts."""
     name = _MLA_PER_LAYER.get(rest) or _DEEPSEEK_MOE.get(rest)
     return HfTensor([prefix + name]) if name is not None else None
+
+
+def _mtp_tensor(index: int, rest: str, n_heads: int, n_kv_heads: int, num_experts: int,
+                family: str) -> Optional[HfTensor]:
+    """An MTP module's tensor in DeepSeek-V3's layout (module docstring), or None: only DeepseekV3 has one."""
+    if family != MLA_FAMILY:
+        return None
+    if rest in _MTP_OWN:
+        return HfTensor([f"model.layers.{index}.{_MTP_OWN[rest]}"])
+    if rest.startswith("block."):
+        return hf_tensor(f"layers.{index}.{rest[len('block.'):]}", n_heads, n_kv_heads, num_experts, family)
+    return None
+
+
+def mtp_copies(logical: str, mtp_layers: Sequence[int], tied: bool) -> List[str]:
+    """The names under which DeepSeek-V3's checkpoint keeps further copies of the shared embedding or head
+    ``logical`` (``MTP_SHARED``) in the MTP layers ``mtp_layers``; with tied embeddings the head's copies are
+    the embedding's too."""
+    parts = [MTP_SHARED[logical]] if logical in MTP_SHARED else []
+    if tied and logical == "tok_embeddings.weight":
+        parts.append(MTP_SHARED["output.weight"])
+    return [f"model.layers.{i}.{part}" for i in mtp_layers for part in parts]
 
 
 def hf_name(logical: str) -> Optional[str]:

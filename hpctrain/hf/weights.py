@@ -186,6 +186,7 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
         except Exception as e:  # noqa: BLE001 - any unreadable shard is this one line, before any collective
             return [_unreadable(os.path.join(hf_dir, file), e)]
     missing, wrong = [], []
+    mtp_absent = set()
     for logical, shape in expected.items():
         found = hf_tensor(logical, n_heads, n_kv_heads, num_experts, family)
         if found is None:
@@ -193,11 +194,20 @@ def check(hf_dir: str, expected: Mapping[str, Tuple[int, ...]], n_heads: int, n_
             continue
         want = tuple(shape[1:]) if len(found.names) > 1 else tuple(shape)
         for name in found.names:
-            if name not in shapes:
+            if name not in shapes and logical.startswith("mtp."):
+                mtp_absent.add(name.split(".")[2])  # model.layers.<i>.
+            elif name not in shapes:
                 missing.append(name)
             elif shapes[name] != want:
                 wrong.append(f"{name} is {list(shapes[name])}, the model needs {list(want)}")
 
+    if mtp_absent:
+        layers = ", ".join(f"model.layers.{i}" for i in sorted(mtp_absent, key=int))
+        depth = len({n.split(".")[2] for n in expected if n.startswith("mtp.")})
+        return [f"checkpoint.init_from={PREFIX}{hf_dir}: model.mtp_depth={depth} needs DeepSeek-V3's "
+                f"multi-token prediction layer(s) {layers} (num_nextn_predict_layers), which the directory does not "
+                "hold (transformers' save_pretrained leaves them out); set model.mtp_depth=0, or start from "
+                "weights that have them"]
     return weight_mismatches(f"checkpoint.init_from={PREFIX}{hf_dir}", missing, wrong,
                              *_mismatch_fixes(hf_dir, model_dir), limit)
 

@@ -3,22 +3,19 @@ tests/deepseek_models.py whose second layer is MoE (8 experts in 4 groups, top-2
 expert, random selection biases), imported, trained 2 steps (the selection biases move after each step), then
 ``hpctrain-ckpt export``: transformers loads the directory with no missing or unexpected keys, its logits
 equal the trained model's within 1e-5 relative, its ``e_score_correction_bias`` are our routers' moved biases
-(from the checkpoint's buffers), and the directory reads back as the same model config. A model with
-multi-token prediction is refused in one line."""
+(from the checkpoint's buffers), and the directory reads back as the same model config. (With multi-token
+prediction: tests/unit/hf/test_deepseek_mtp_export.py.)"""
 from __future__ import annotations
 
 import json
 import os
 
-import pytest
 import torch
 from deepseek_models import deepseek_moe_config, draw_expert_bias
 from safetensors.torch import load_file
 
 from hpctrain.config import compose_resolved
-from hpctrain.errors import ConfigError
 from hpctrain.hf.config import read_hf_config
-from hpctrain.hf.export import hf_config
 from hpctrain.run import reference_trainer
 
 from hf_models import SEQ, batch, hf_logits, hf_model, save
@@ -61,8 +58,3 @@ def test_export_after_training_loads_in_transformers_with_our_logits_and_biases(
     shape = {k: v for k, v in read_hf_config(out, SEQ)[0].items() if k not in ("name", "max_seq_len")}
     assert shape == {k: v for k, v in read_hf_config(src, SEQ)[0].items() if k in shape}
 
-
-def test_a_model_with_multi_token_prediction_is_refused(make_config):
-    cfg = make_config("model=deepseek-v3", "model.mtp_depth=1")
-    with pytest.raises(ConfigError, match=r"model.mtp_depth=1: multi-token prediction modules are not exported"):
-        hf_config(cfg.model, "bfloat16")
