@@ -172,12 +172,14 @@ def all_reduce_copy(x: torch.Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) 
     return _all_reduce(x.detach(), group, op)
 
 
-def all_gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """The ranks' ``x`` joined along ``dim`` (not differentiable; contiguous)."""
+def all_gather_along(x: torch.Tensor, group: Group, dim: int, again: bool = False) -> torch.Tensor:
+    """The ranks' ``x`` joined along ``dim`` (not differentiable; contiguous). ``again``: a second gather of
+    a tensor gathered before (a backward's re-gather), which compiled code must not merge with the first
+    (``hpctrain.comm.ops``)."""
     if group.size == 1:
         return x.contiguous()
     if _tracing():
-        return ops.all_gather(x.detach(), ops.group_key(group), dim % x.dim())
+        return ops.all_gather(x.detach(), ops.group_key(group), dim % x.dim(), again)
     return _all_gather(x, group, dim).contiguous()
 
 

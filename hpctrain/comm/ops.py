@@ -20,7 +20,7 @@ Two kinds of operators (``hpctrain::<name>``):
 
 - plain collectives, not differentiable, for plugins' own autograd Functions
   (whose forward and backward dynamo traces): ``all_reduce(x, group, op)``,
-  ``all_gather(x, group, dim)``, ``reduce_scatter(x, group, dim)``,
+  ``all_gather(x, group, dim, again)``, ``reduce_scatter(x, group, dim)``,
   ``all_to_all(x, group, output_splits, input_splits)``;
 - region changes with their autograd formula, one per public function of
   ``hpctrain.comm.differentiable`` whose forward moves data:
@@ -41,6 +41,14 @@ eager run, the dry run on the meta device and its dispatch modes see
 exactly what they saw before. Both paths share the same bodies
 (``differentiable._all_gather`` and the rest), so they move the same bytes.
 Every operator returns a new contiguous tensor.
+
+The compiler merges two calls of an operator with the same arguments
+(AOTAutograd's common-subexpression elimination), as it would two equal
+``x + y``. ``all_gather``'s ``again`` (ignored by the body) keeps a second
+gather of the same tensor apart: sequence parallelism's column projections
+gather their input again in backward instead of keeping the gathered one
+(``hpctrain_tp.columns``), and merged with the forward's gather that would
+keep the whole sequence on every rank, the memory sequence parallelism saves.
 """
 from __future__ import annotations
 
@@ -119,7 +127,7 @@ def _all_reduce_body(x: Tensor, group: str, op: str) -> Tensor:
     return _bodies()._all_reduce(x, group_of(group), ReduceOp(op))
 
 
-def _all_gather_body(x: Tensor, group: str, dim: int) -> Tensor:
+def _all_gather_body(x: Tensor, group: str, dim: int, again: bool = False) -> Tensor:
     return _bodies()._all_gather(x, group_of(group), dim).contiguous()
 
 
@@ -144,7 +152,7 @@ def _same_fake(x: Tensor, group: str, *_: Any) -> Tensor:
     return x.new_empty(x.shape)
 
 
-def _gather_fake(x: Tensor, group: str, dim: int) -> Tensor:
+def _gather_fake(x: Tensor, group: str, dim: int, again: bool = False) -> Tensor:
     return x.new_empty(_gathered_shape(x, group_of(group).size, dim))
 
 
@@ -165,7 +173,8 @@ def _all_to_all_fake(x: Tensor, group: str, output_splits: Optional[List[int]],
 
 
 all_reduce = _define("all_reduce", "(Tensor x, str group, str op) -> Tensor", _all_reduce_body, _same_fake)
-all_gather = _define("all_gather", "(Tensor x, str group, int dim) -> Tensor", _all_gather_body, _gather_fake)
+all_gather = _define("all_gather", "(Tensor x, str group, int dim, bool again=False) -> Tensor", _all_gather_body,
+                     _gather_fake)
 reduce_scatter = _define("reduce_scatter", "(Tensor x, str group, int dim) -> Tensor", _reduce_scatter_body,
                          _scatter_fake)
 all_to_all = _define("all_to_all", "(Tensor x, str group, int[]? output_splits, int[]? input_splits) -> Tensor",

@@ -50,7 +50,8 @@ class _SequenceParallelColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        full = all_gather_along(_wire(x, *ctx.autocast), ctx.group, SEQUENCE_DIM)
+        full = all_gather_along(_wire(x, *ctx.autocast), ctx.group, SEQUENCE_DIM, again=True)  # (not merged with
+        # the forward's gather when compiled: that would keep the whole sequence for backward)
         device, enabled, dtype = ctx.autocast
         grad_full = None
         weight_grads: List[Any] = []
