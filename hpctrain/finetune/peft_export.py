@@ -1,7 +1,8 @@
 """LoRA adapters out of a checkpoint: as a PEFT adapter, or merged into the base weights.
 
 ``write_adapter_dir`` writes what ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the transformers
-model of the base (Llama-family names, ``hpctrain.hf.names``): ``adapter_config.json`` (LoRA, r, lora_alpha,
+model of the base (its architecture's names, ``hpctrain.hf.names``: Llama's, DeepseekV3's for latent
+attention): ``adapter_config.json`` (LoRA, r, lora_alpha,
 lora_dropout, the target modules by their Hugging Face names, ``base_model_name_or_path``: the base the run
 fine-tuned, ``base_of``) and ``adapter_model.safetensors`` with PEFT's keys,
 ``base_model.model.<base projection's name less .weight>.lora_{A,B}.weight``. B's rows of q_proj and k_proj
@@ -23,7 +24,7 @@ import torch
 from hpctrain.errors import ConfigError
 from hpctrain.finetune.adapter import ADAPTER, is_adapter_name
 from hpctrain.hf.export import Entry, _replace_dir, _staging_dir, check_target, hf_tensors
-from hpctrain.hf.names import hf_tensor
+from hpctrain.hf.names import hf_tensor, moe_family
 from hpctrain.model.shapes import ModelShape
 
 CONFIG = "adapter_config.json"
@@ -54,18 +55,20 @@ def _shape(model: Any) -> ModelShape:
 def adapter_tensors(model: Any, entries: Sequence[Entry]) -> Dict[str, torch.Tensor]:
     """PEFT's name -> tensor of every adapter among ``entries`` (read whole, fp32)."""
     s = _shape(model)
+    family = moe_family(model)  # (the attention's names: DeepseekV3's for latent attention)
     out: Dict[str, torch.Tensor] = {}
     for e in entries:
         if not is_adapter_name(e.logical):
             continue
         base = _base_name(e.logical)
-        found = hf_tensor(base, s.n_heads, s.n_kv_heads)
+        found = hf_tensor(base, s.n_heads, s.n_kv_heads, family=family)
         if found is None or len(found.names) != 1:
             raise ConfigError(f"{e.logical}: its projection {base} has no Hugging Face name; this adapter cannot "
                               "be exported in the PEFT format")
         stem = PREFIX + found.names[0].removesuffix(".weight")
         if e.logical.endswith(".B"):  # output rows: as the base's (rotate_half order for q/k)
-            [(_, _, take)] = hf_tensors(Entry(base, e.shape, e.read), s.n_heads, s.n_kv_heads, s.head_dim, 0)
+            [(_, _, take)] = hf_tensors(Entry(base, e.shape, e.read), s.n_heads, s.n_kv_heads, s.head_dim, 0,
+                                        family)
             out[f"{stem}.lora_B.weight"] = take(e.read()).contiguous()
         else:
             out[f"{stem}.lora_A.weight"] = e.read().contiguous()

@@ -23,7 +23,9 @@ build them with RMSNorm's default.
 
 Seams (``LatentLinears``, like ``Attention.linears``): ``down`` computes the down-projections on the tokens
 this rank holds, ``enter`` takes the latents (and the shared rotary key) into the region where heads are
-split, ``columns`` is the plain query projection, ``rows`` the output projection. One process: plain calls.
+split, ``up`` is a per-head up-projection of an entered latent (``wq_b``, ``wkv_b``), ``columns`` the plain
+query projection, ``rows`` the output projection. One process: plain calls, each projection's LoRA adapter
+(``hpctrain.finetune.adapter``, ``finetune.lora.targets`` q, q_a, q_b, kv_a, kv_b, o) adding its update.
 Tensor parallelism (``hpctrain_tp``) splits the heads: ``wq``/``wq_b`` and ``wkv_b`` column-parallel by whole
 heads, ``wo`` row-parallel, the down-projections and latent norms whole on every rank (under sequence
 parallelism they run on the rank's sequence shard and their gradients are summed over tp, and ``enter``
@@ -36,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import nn
 
+from hpctrain.finetune.adapter import adapted
 from hpctrain.model.recompute import recomputed
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import Linears, RMSNorm, apply_rope
@@ -49,11 +52,15 @@ class LatentLinears(Linears):
 
     def down(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
         """The down-projections of the sub-layer input ``x`` (the tokens this rank holds)."""
-        return [linear(x) for linear in linears]
+        return [adapted(linear, x) for linear in linears]
 
     def enter(self, latent: torch.Tensor) -> torch.Tensor:
         """``latent`` (batch, tokens, width) as the per-head up-projections read it."""
         return latent
+
+    def up(self, latent: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """The per-head up-projection ``linear`` of an entered ``latent``."""
+        return adapted(linear, latent)
 
 
 LOCAL_LATENT = LatentLinears()
@@ -113,11 +120,11 @@ class MLAttention(nn.Module):
         q_lat, kv_lat, k_rope = self._latents(x)
         if q_lat is not None:
             assert self.wq_b is not None  # (set with wq_a)
-            q = self.wq_b(q_lat)
+            q = self.linears.up(q_lat, self.wq_b)
         else:
             assert self.wq is not None
             (q,) = self.linears.columns(x, [self.wq])
-        kv = self.wkv_b(kv_lat)
+        kv = self.linears.up(kv_lat, self.wkv_b)
         b, t = kv.shape[:2]  # t: the tokens the heads see (sequence parallelism gathers them)
         q_nope, q_rope = q.view(b, t, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], -1)
         k_nope, v = kv.view(b, t, -1, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)

@@ -8,6 +8,12 @@
   states, are all-gathered, so these weights' gradients are partial sums over tp and are summed (through
   ``copy_to_region`` on the weights, and the norms' weight seam); without it every rank projects every token
   and the latents' gradient, all-reduced on the way out of the region, is already whole.
+
+LoRA adapters (``finetune.lora.targets`` q_a, kv_a, q_b, kv_b, q, o) go with their base: a down-projection's
+A and B whole on every rank like its weight (under sequence parallelism each rank adapts its own tokens and
+their gradients are summed over tp; without it every rank computes the same update and gets the whole
+gradient); an up-projection's (``up``) B cut with the heads' rows, A whole with its gradient summed over tp,
+as for any column-parallel projection (``TensorParallelLinears``).
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.comm.differentiable import copy_to_region
+from hpctrain.finetune.adapter import adapter_of
 from hpctrain.mesh import Mesh
 from hpctrain.model.mla import LatentLinears, MLAttention
 
@@ -29,12 +36,28 @@ class TensorParallelLatentLinears(TensorParallelLinears, LatentLinears):
     """Latent attention's seam under tp (``hpctrain.model.mla.LatentLinears``)."""
 
     def down(self, x: torch.Tensor, linears: Sequence[nn.Linear]) -> List[torch.Tensor]:
-        if not self.regions.sequence_parallel:
-            return [F.linear(x, m.weight) for m in linears]
-        return [F.linear(x, copy_to_region(m.weight, self.regions.group)) for m in linears]
+        group = self.regions.group
+
+        def view(t: torch.Tensor) -> torch.Tensor:  # partial gradients (each rank's tokens) summed over tp
+            return copy_to_region(t, group) if self.regions.sequence_parallel else t
+
+        outs = []
+        for m in linears:
+            y = F.linear(x, view(m.weight))
+            adapter = adapter_of(m)
+            outs.append(y if adapter is None else y + adapter.up(adapter.down(x, view(adapter.A)), view(adapter.B)))
+        return outs
 
     def enter(self, latent: torch.Tensor) -> torch.Tensor:
         return self.regions.enter(latent)
+
+    def up(self, latent: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        y = F.linear(latent, linear.weight)  # this rank's heads' rows
+        adapter = adapter_of(linear)
+        if adapter is None:
+            return y
+        # A whole, each rank's B rows giving it a partial gradient: summed over tp
+        return y + adapter.up(adapter.down(latent, copy_to_region(adapter.A, self.regions.group)))
 
 
 def parallelize_latent_attention(attn: MLAttention, mesh: Mesh, regions: TensorParallelRegions) -> None:
