@@ -241,9 +241,15 @@ def _is_graph_break(e: BaseException) -> bool:
 
 
 def _break_message(e: BaseException) -> str:
-    """dynamo's reason for a graph break under fullgraph, in one line (the op it could not trace)."""
+    """dynamo's reason for a graph break under fullgraph, in one line: what it could not trace and the
+    innermost user frame that called it (``in collecting (model/aux.py:80)``)."""
     text = str(e)
-    return _short(text) if text.strip() else type(e).__name__
+    line = _short(text) if text.strip() else type(e).__name__
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+    if frames:
+        path, number, name = frames[-1]
+        line += f" in {name} ({'/'.join(path.split('/')[-2:])}:{number})"
+    return line
 
 
 def _short(reason: str) -> str:

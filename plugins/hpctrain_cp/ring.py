@@ -30,6 +30,12 @@ fall as 1/cp). Each pair is masked by causality AND segment equality
 (``blocks.plan_pairs``); a pair whose chunks share no document is not
 computed, which changes no message, so the ranks stay in lock-step, and
 only removes work, so no rank does more than the balanced zigzag share.
+
+Compiled (``trainer.compile``: dynamo traces this Function), each hand-over
+is the core's ``ring_shift`` (a custom operator, ``hpctrain.comm.ops``)
+instead of the non-blocking sends and receives, so the block stays one
+graph; the exchange then no longer overlaps the block's attention, and the
+compute clock (the benchmark's) is not read.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from hpctrain.comm.differentiable import ring_shift
 from hpctrain.comm.protocol import P2POp
 from hpctrain.data.sequence import SequenceLayout
 from hpctrain.mesh import Group
@@ -71,11 +78,16 @@ class ComputeTime:
     backward: float = 0.0
 
 
-def _shift(comm: Any, rank: int, size: int, send: torch.Tensor, tag: int,
+def _shift(group: Group, send: torch.Tensor, tag: int,
            segments: Optional[torch.Tensor] = None) -> Tuple[Any, List[Any]]:
     """Post sending ``send`` to the next rank and receiving the same shape from
     the previous one. With ``segments`` (the block's segment ids), they travel
-    in the same batch and the received pair ``(block, segments)`` comes back."""
+    in the same batch and the received pair ``(block, segments)`` comes back.
+    Compiled, the exchange is ``ring_shift`` (blocking; no works to wait for)."""
+    if torch.compiler.is_compiling():
+        moved = ring_shift(send, group)
+        return (moved if segments is None else (moved, ring_shift(segments, group))), []
+    comm, rank, size = group.communicator(), group.rank, group.size
     recv = torch.empty_like(send)
     ops = [P2POp("send", send, (rank + 1) % size, tag), P2POp("recv", recv, (rank - 1) % size, tag)]
     if segments is None:
@@ -97,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: Group, layout: SequenceLayout, scale: float, clock: Optional[ComputeTime],
                 segments: Optional[torch.Tensor] = None):
-        comm, rank, n = group.communicator(), group.rank, group.size
+        rank, n = group.rank, group.size
         heads, c = q.shape[1], q.shape[2] // len(layout.chunks[rank])
         q32 = q.float()
         mine = layout.chunks[rank]
@@ -108,8 +120,8 @@ class _RingAttention(torch.autograd.Function):
         seg = segments  # the segment ids of the block held now
         for step in range(n):
             src = (rank - step) % n
-            nxt, works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
-            t0 = time.thread_time()
+            nxt, works = _shift(group, block, TAG_KV, seg) if step < n - 1 else (None, [])
+            t0 = time.thread_time() if clock is not None else 0.0
             kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(block, dk))
             for i, j, causal, mask in plan_pairs(_pairs(mine, layout.chunks[src]), segments, seg, c):
                 o, o_lse = block_forward(q32[:, :, i * c:(i + 1) * c], kx[:, :, j * c:(j + 1) * c],
@@ -130,7 +142,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, segments = ctx.saved_tensors
         group, layout, scale = ctx.group, ctx.layout, ctx.scale
-        comm, rank, n = group.communicator(), group.rank, group.size
+        rank, n = group.rank, group.size
         heads, kv_heads, c = q.shape[1], k.shape[1], q.shape[2] // len(layout.chunks[rank])
         mine = layout.chunks[rank]
         q32, dout32 = q.float(), dout.float()
@@ -142,8 +154,8 @@ class _RingAttention(torch.autograd.Function):
         dblock = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
         for step in range(n):
             src = (rank - step) % n
-            nxt, kv_works = _shift(comm, rank, n, block, TAG_KV, seg) if step < n - 1 else (None, [])
-            t0 = time.thread_time()
+            nxt, kv_works = _shift(group, block, TAG_KV, seg) if step < n - 1 else (None, [])
+            t0 = time.thread_time() if ctx.clock is not None else 0.0
             kx, vx = (expand_kv(t.float(), heads) for t in unpack_kv(block, d_key))
             dk = torch.zeros_like(kx)
             dv = torch.zeros_like(vx)
@@ -157,7 +169,7 @@ class _RingAttention(torch.autograd.Function):
             dblock += pack_kv(reduce_kv(dk, kv_heads), reduce_kv(dv, kv_heads))
             if ctx.clock is not None:
                 ctx.clock.backward += time.thread_time() - t0
-            dblock, works = _shift(comm, rank, n, dblock, TAG_DKV)  # the gradient travels with its block
+            dblock, works = _shift(group, dblock, TAG_DKV)  # the gradient travels with its block
             for w in works + kv_works:
                 w.wait()
             if nxt is not None:
