@@ -394,9 +394,10 @@ class TrainerConfig:
     deterministic mode too (no kernel choice by timing)."""
     compile: bool = False
     """Regional torch.compile: each transformer block's forward and the loss are compiled (inside activation
-    recomputation's checkpoint), under every parallel axis; collectives run eagerly between graphs (graph
-    breaks, counted in one log line after the first step). Where the backend cannot compile, the run goes on
-    eagerly with one warning (hpctrain/model/compile.py)."""
+    recomputation's checkpoint), under every parallel axis; the differentiable collectives are custom operators
+    inside the graph (hpctrain/comm/ops.py), other communicator calls run eagerly between graphs (graph breaks;
+    graphs and breaks per region in one log line after the first step). Where the backend cannot compile, the
+    run goes on eagerly with one warning (hpctrain/model/compile.py)."""
     compile_fullgraph: bool = False
     """With trainer.compile: each region must compile to one graph; the first graph break stops the run with one
     'hpctrain: error:' line naming the region and the operation that broke it (for a layout whose blocks are
