@@ -213,9 +213,12 @@ all_to_all_region = _region(
     "all_to_all_region", _all_to_all_body, _all_to_all_fake,
     lambda grad, group, output_splits, input_splits: all_to_all(grad, group, input_splits, output_splits),
     schema="(Tensor x, str group, int[]? output_splits, int[]? input_splits) -> Tensor")
-ring_shift_region = _region("ring_shift_region", _shift_body, _same_fake,
-                            lambda grad, group, shift: ring_shift_region(grad, group, -shift),
-                            schema="(Tensor x, str group, int shift) -> Tensor")
+def _unshift(grad: Tensor, group: str, shift: int) -> Tensor:
+    return ring_shift_region(grad, group, -shift)
+
+
+ring_shift_region: Any = _region("ring_shift_region", _shift_body, _same_fake, _unshift,
+                                 schema="(Tensor x, str group, int shift) -> Tensor")
 
 
 class CopyToRegion(torch.autograd.Function):
