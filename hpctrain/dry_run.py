@@ -739,8 +739,11 @@ def _planner_figures(cfg: Any, mesh: Mesh) -> PlannerFigures:
     from hpctrain.planner.traffic import stage_bytes  # the planner: only when a dry run compares with it
 
     arch = Arch.from_model_config(cfg.model)
+    from hpctrain.planner.lora import lora_plan  # the planner: only when a dry run compares with it
+
     work = Workload(int(cfg.trainer.global_batch_size), int(cfg.trainer.seq_len), str(cfg.trainer.precision),
-                    optimizer_profile(str(cfg.optim.name), arch.muon_share), float(cfg.comm.bucket_mb) * 2 ** 20)
+                    optimizer_profile(str(cfg.optim.name), arch.muon_share), float(cfg.comm.bucket_mb) * 2 ** 20,
+                    lora=lora_plan(cfg))
     s = mesh.sizes
     pipeline = OmegaConf.select(cfg, "parallel.pipeline", default=None)
     layers = OmegaConf.select(cfg, "parallel.pipeline.layers", default="auto")

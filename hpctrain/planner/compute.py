@@ -59,6 +59,12 @@ def model_flops_per_token(arch: Arch, seq_len: int) -> float:
     return 6.0 * arch.matmul_params + 3.0 * blocks * arch.attention_core_flops_per_token(seq_len)
 
 
+def lora_model_flops_per_token(arch: Arch, seq_len: int) -> float:
+    """A LoRA step's model FLOPs: 4N + the attention term, forward and input gradients with no weight
+    gradients for the frozen base (``planner.lora``; the adapters' own products are under 1% at r << h)."""
+    return model_flops_per_token(arch, seq_len) - 2.0 * arch.matmul_params
+
+
 def mfu(model_flops_per_s_per_gpu: float, peak_flops: float) -> float:
     """Model FLOPs utilisation."""
     return model_flops_per_s_per_gpu / peak_flops

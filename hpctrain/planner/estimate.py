@@ -37,9 +37,10 @@ from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import ClusterSpec
 from hpctrain.planner.comm_model import flat_time, group_time
-from hpctrain.planner.compute import model_flops_per_token, recompute_flops_per_token
+from hpctrain.planner.compute import lora_model_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from hpctrain.planner.frameworks import Framework
 from hpctrain.planner.kernels import (
+    adapter_cost,
     block_cost,
     embedding_cost,
     head_cost,
@@ -48,6 +49,7 @@ from hpctrain.planner.kernels import (
     pass_time,
 )
 from hpctrain.planner.layouts import Layout, per_rank_layers
+from hpctrain.planner.lora import LoraPlan, adapter_params, stage_adapters
 from hpctrain.planner.memory import ModelStates, model_states
 from hpctrain.planner.stages import rank_blocks, stage_params
 from hpctrain.planner.traffic import stage_bytes
@@ -80,10 +82,12 @@ class StepTime:
     exposed: Dict[str, float]
     optimizer: float = 0.0
     """The optimizer step (memory-bound: bytes over HBM bandwidth), after the last backward."""
+    contention: float = 0.0
+    """What hidden communication costs the compute it hides behind (``overlap_contention``)."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + sum(self.exposed.values()) + self.optimizer
+        return self.compute + self.bubble + sum(self.exposed.values()) + self.optimizer + self.contention
 
 
 @dataclass
@@ -130,9 +134,19 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     first, last = stage == 0, stage == lay.pp - 1
     dense, expert, tensors = stage_params(arch, lay, stage)
     sb = work.state_bytes
-    states: ModelStates = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
-    if expert:
-        states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
+    trained = dense + expert  # parameters with gradients and optimizer state
+    if work.lora is not None:  # the base keeps its weights only (ZeRO 3 shards them too); the adapters train
+        blocks = rank_blocks(arch, lay, stage)
+        trained, _, tensors = stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
+                                             sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), work.lora)
+        z3 = lay.zero == 3
+        frozen = (dense / (lay.dp * lay.cp * lay.ep if z3 else 1) + expert / (lay.dp * lay.cp if z3 else 1))
+        states = ModelStates(frozen * sb.weights, 0.0, 0.0) + model_states(trained, lay.zero,
+                                                                          lay.dp * lay.cp * lay.ep, sb, tensors)
+    else:
+        states = model_states(dense, lay.zero, lay.dp * lay.cp * lay.ep, sb, tensors)
+        if expert:
+            states = states + model_states(expert, lay.zero, lay.dp * lay.cp, sb)
     fw = work.framework
     kw: Dict[str, Any] = dict(tp=lay.tp, cp=lay.cp, sp=lay.sp, profile=fw.activations,
                               flash=fw.attention == "flash", dropout=fw.dropout)
@@ -153,20 +167,22 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     if lay.recompute == "full":  # one block rematerialised during its backward
         buffers += act.layer_bytes(arch, work.precision, lay.micro_batch, work.seq_len, recompute="none", **kw)
     layer_params = arch.layer_params_per_rank(lay.tp, lay.ep)
+    layer_trained = (layer_params if work.lora is None
+                     else adapter_params(arch, work.lora, lay.tp, moe_block=arch.is_moe)[0])
     # under a pipeline the micro-batches' backwards interleave, so ZeRO-2/3 accumulate the stage's whole
     # gradient through the step (reduce-scattered once, after the last backward)
     whole_grads = lay.zero >= 2 and lay.pp > 1
     if whole_grads:
-        buffers += (dense + expert) * sb.grads
+        buffers += trained * sb.grads
     if lay.zero == 3:
         # the gathered current + prefetched block (under a pipeline also the stage's last block, kept for
         # its backward while the next micro-batch's forward gathers); one block's full gradient
         gathered = (3 if lay.pp > 1 else 2) * layer_params
         if fw.ours:
-            buffers += gathered * sb.weights + (0 if whole_grads else layer_params * sb.grads)
+            buffers += gathered * sb.weights + (0 if whole_grads else layer_trained * sb.grads)
             buffers += act.autocast_weight_copy_bytes(gathered, work.precision)
         else:  # FSDP2 mixed precision gathers bf16 parameters and reduces a bf16 gradient cast to fp32
-            buffers += gathered * 2 + (0 if whole_grads else layer_params * (2 + sb.grads))
+            buffers += gathered * 2 + (0 if whole_grads else layer_trained * (2 + sb.grads))
     elif fw.ours:
         held = in_flight(lay.schedule, lay.pp, lay.vpp, m, stage)
         saved = 0.0 if lay.recompute == "full" else layers * _autocast_saved_per_layer(arch, lay)
@@ -281,6 +297,10 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
         head_f, head_b, head_w = head_cost(arch, fw, gpu, R, tokens, lay.tp, lay.sp, e, r)
         emb_f, emb_b = embedding_cost(arch, gpu, tokens, lay.tp, lay.sp, e)
         gemm = bc.gemm
+        if work.lora is not None:  # frozen base: no weight-gradient GEMMs; the adapters' skinny products
+            ad_f, ad_b = adapter_cost(arch, work.lora, gpu, R, tokens, lay.tp, e)
+            layer_b, layer_f = layer_b - layer_w + ad_b, layer_f + ad_f
+            head_b, layer_w, head_w, emb_b = head_b - head_w, 0.0, 0.0, 0.0
     else:
         layer_f = tokens * arch.layer_forward_flops_per_token(s) / lay.tp / R
         layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
@@ -288,6 +308,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
         layer_b, layer_w, attn_b = 2 * layer_f, layer_f, 2 * attn_f
         head_f = tokens * arch.head_forward_flops_per_token() / lay.tp / R
         head_b, head_w, emb_f, emb_b = 2 * head_f, head_f, 0.0, 0.0
+        if work.lora is not None:  # no weight gradients for the frozen base
+            layer_b, layer_w, head_b, head_w = layer_b - layer_f + attn_f, 0.0, head_f, 0.0
 
     def tp_coll(kind: str, nbytes: float) -> float:
         return _time(cluster, "tp", kind, nbytes, lay.tp, 1)
@@ -362,14 +384,42 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     optimizer = 0.0
     if kernels and gpu is not None:
         local = max(params_of(rk) for rk in memory_stages(arch, lay))
+        if work.lora is not None:  # the optimizer steps the adapters only
+            local = max(lora_stage_params(arch, lay, work.lora, rk) for rk in memory_stages(arch, lay))
         optimizer = pass_time(optimizer_bytes(fw, local, local / shards), gpu)
-    time = StepTime(compute, bubble, exposed, optimizer)
+    contention = overlap_contention(wire_time, exposed) if kernels else 0.0
+    time = StepTime(compute, bubble, exposed, optimizer, contention)
     tokens_step = work.global_batch * s
     step = time.total
-    mfu = tokens_step * model_flops_per_token(arch, s) / (step * lay.gpus * cluster.peak_flops)
+    flops = model_flops_per_token(arch, s) if work.lora is None else lora_model_flops_per_token(arch, s)
+    mfu = tokens_step * flops / (step * lay.gpus * cluster.peak_flops)
     fits = memory.total <= cluster.mem_bytes
     frac = bubble / (compute + bubble + exposed["tp"] + exposed["cp"] + exposed["ep"]) if bubble else 0.0
     return Estimate(lay, memory, time, fits, m, frac, mfu, tokens_step / step, comm, wire_time)
+
+
+def lora_stage_params(arch: Arch, lay: Layout, lora: LoraPlan, rank: int) -> float:
+    """Adapter parameters on one GPU of pipeline rank ``rank``."""
+    blocks = rank_blocks(arch, lay, rank)
+    return stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
+                          sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), lora)[0]
+
+
+OVERLAP_SLOWDOWN = 0.189
+"""Compute kernels run this much longer while a collective runs beside them: the average slowdown over
+GPT and Llama training kernels on A100, H100, MI250 and MI210 (Characterizing Compute-Communication
+Overlap in GPU-Accelerated Distributed Deep Learning, arXiv:2507.03114, abstract: "an average
+computational slowdown of 18.9%, with a maximum of 40.0%"). The collective's kernels hold SMs and
+HBM bandwidth the GEMMs would use."""
+
+
+def overlap_contention(wire: Dict[str, float], exposed: Dict[str, float]) -> float:
+    """Seconds the step loses to communication it hides: while a collective runs for ``c`` seconds
+    beside compute slowed by ``OVERLAP_SLOWDOWN``, the compute finishes ``c / (1 + slowdown)`` seconds of
+    its work, so the step grows by ``c * slowdown / (1 + slowdown)``. Only the hidden part counts (wire
+    minus exposed, per axis): exposed seconds already wait with no compute beside them."""
+    hidden = sum(max(0.0, wire.get(axis, 0.0) - exposed.get(axis, 0.0)) for axis in exposed)
+    return hidden * OVERLAP_SLOWDOWN / (1.0 + OVERLAP_SLOWDOWN)
 
 
 def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec,
@@ -407,6 +457,15 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
         fw = work.framework
         # FSDP2 and Megatron's distributed optimizer gather 16-bit parameters; hpctrain its fp32 ones
         grads, weights = params * sb.grads, params * (sb.weights if fw.ours else 2.0)
+        lora = work.lora
+        if lora is not None:  # the data axes reduce the adapters only; ZeRO 3 still gathers every weight
+            most = max(lora_stage_params(arch, lay, lora, rk) for rk in memory_stages(arch, lay))
+            trained = most if axes[-2:] == ("ep", "dp") else 0.0
+            grads = trained * sb.grads
+            if lay.zero == 3:
+                weights += trained * (sb.weights if fw.ours else 2.0)
+            else:
+                weights = trained * (sb.weights if fw.ours else 2.0)
         hide_b = t_b if fw.dp_overlap else 0.0  # a code that reduces after the last backward hides nothing
         rs_hidden = max(one("reduce_scatter", grads), t("reduce_scatter", grads) - hide_b)
         ag, rs = t("all_gather", weights), t("reduce_scatter", grads)

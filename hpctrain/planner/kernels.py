@@ -29,11 +29,14 @@ slow-down a concurrent collective causes to a GEMM are not modelled
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.frameworks import Framework
 from hpctrain.planner.hardware import GpuKind, wave_efficiency
+
+if TYPE_CHECKING:
+    from hpctrain.planner.lora import LoraPlan
 
 FLASH_BACKWARD_FACTOR = 2.5
 """Backward / forward FLOPs of flash attention (Dao 2023: 5 matmuls backward against 2 forward)."""
@@ -274,6 +277,21 @@ def block_cost(arch: Arch, fw: Framework, gpu: GpuKind, rate: float, tokens: flo
     out.bwd += pass_time(pw_b, gpu)
     out.op_recompute = out.pointwise_fwd + sum(out.gemm[n][0] for n in MM_RECOMPUTED_BY_OP_SAC if n in out.gemm)
     return out
+
+
+def adapter_cost(arch: Arch, lora: "LoraPlan", gpu: GpuKind, rate: float, tokens: float, tp: int, e: float
+                 ) -> Tuple[float, float]:
+    """(forward, backward) seconds of one block's LoRA adapters for one micro-batch (``planner.lora``): per
+    adapter a down (in -> r) and an up (r -> out) product forward; backward each one's input-gradient and
+    weight-gradient product. With r << in, out they are skinny GEMMs the roofline times by their bytes."""
+    from hpctrain.planner.lora import adapter_gemms  # (the planner's LoRA module imports arch only)
+
+    fwd = bwd = 0.0
+    for n_in, n_out in adapter_gemms(arch, lora, tp, moe_block=arch.is_moe):
+        fwd += gemm_time(Gemm(tokens, n_out, n_in, e=e), gpu, rate)
+        bwd += (gemm_time(Gemm(tokens, n_in, n_out, e=e), gpu, rate)
+                + gemm_time(Gemm(n_out, n_in, tokens, e=e), gpu, rate))
+    return fwd, bwd
 
 
 CP_BLOCK_PASSES = (5 * 4, 6 * 4)

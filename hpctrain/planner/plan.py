@@ -21,6 +21,7 @@ from hpctrain.planner.arch import Arch
 from hpctrain.planner.cluster import cluster_spec, load_calibration
 from hpctrain.planner.estimate import Workload
 from hpctrain.planner.frameworks import for_config
+from hpctrain.planner.lora import lora_plan
 from hpctrain.planner.memory import optimizer_profile
 from hpctrain.planner.report import PLUGIN_KEYS, unknown_keys
 from hpctrain.planner.search import search
@@ -128,9 +129,12 @@ def plan_inputs(overrides: Sequence[str], calibration: Optional[str] = None, pm=
     arch = Arch.from_model_config(cfg.model)
     if cfg.optim.name not in OPTIMIZERS:
         raise ConfigError(f"optim.name={cfg.optim.name!r}: the planner knows the state of {', '.join(OPTIMIZERS)}")
+    lora = lora_plan(cfg)
+    if lora is not None:
+        lora.check(arch)
     work = Workload(cfg.trainer.global_batch_size, cfg.trainer.seq_len, cfg.trainer.precision,
                     optimizer_profile(cfg.optim.name, arch.muon_share), cfg.comm.bucket_mb * 2 ** 20,
-                    for_config(cfg))
+                    for_config(cfg), lora=lora)
     return arch, work, cluster, cfg, user, {**_pins(overrides), **(knob_pins or {})}
 
 

@@ -136,7 +136,8 @@ def best_text(best: Estimate, overrides: Sequence[str], not_in_schema: Sequence[
     lines = [f"best: {best.layout.label()}, ZeRO {best.layout.zero}, recompute {best.layout.recompute}, "
              f"micro-batch {best.layout.micro_batch} x {best.microbatches}",
              f"  step {t.total:.3f} s = compute {t.compute:.3f} + bubble {t.bubble:.3f} + exposed comm ({exposed}) "
-             f"+ optimizer {t.optimizer:.3f}; {best.tokens_per_s:,.0f} tokens/s",
+             f"+ optimizer {t.optimizer:.3f} + overlap contention {t.contention:.3f}; "
+             f"{best.tokens_per_s:,.0f} tokens/s",
              f"  {band_text(best.mfu, load_band())}",
              f"  memory {best.memory.total / GB:.1f} GB of {cluster.mem_bytes / GB:.1f} usable "
              f"(stage {best.memory.stage})",

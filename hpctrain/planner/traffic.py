@@ -49,12 +49,13 @@ key/value gradients, on the same counts.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.comm_model import bus_factor
 from hpctrain.planner.layouts import Layout
+from hpctrain.planner.lora import LoraPlan, stage_adapters
 from hpctrain.planner.stages import rank_blocks, stage_params
 from hpctrain.planner.workload import Workload
 
@@ -74,8 +75,9 @@ def _sub_layer_tp(lay: Layout, tokens: float, h: int, e: float, r: float) -> Tup
 
 
 def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers: int, moe: int, first: bool,
-             last: bool) -> float:
-    """Tensor-parallel bus bytes of one micro-batch on a stage of ``layers`` blocks (``moe`` of them MoE)."""
+             last: bool, lora: Optional[LoraPlan] = None) -> float:
+    """Tensor-parallel bus bytes of one micro-batch on a stage of ``layers`` blocks (``moe`` of them MoE);
+    with ``lora`` the base is frozen (``planner.lora``)."""
     if lay.tp == 1:
         return 0.0
     n, h = lay.tp, arch.d_model
@@ -84,20 +86,28 @@ def tp_bytes(arch: Arch, lay: Layout, tokens: float, e: float, r: float, layers:
     dense = layers - moe
     fwd = (2 * dense + moe) * f1
     bwd = (2 * dense + moe) * b1
+    trains_base = lora is None
     if lay.sp:
-        bwd += layers * arch.norm_params * FP32 * ar  # the norms' weight gradients, partial over the shards
+        if trains_base:
+            bwd += layers * arch.norm_params * FP32 * ar  # the norms' weight gradients, partial over the shards
         # MoE under sequence parallelism: experts and router replicated over tp, gradients summed every micro-batch
         replicated = arch.expert_params_per_rank(lay.ep) + arch.shared_experts * arch.expert_params \
             + arch.router_params
         stats = (2 * arch.num_experts + 1) * FP32  # assignment counts, probability sums, z-loss term
-        bwd += moe * (replicated * FP32 * ar)
+        bwd += moe * (replicated * FP32 * ar) if trains_base else 0.0
         fwd += moe * stats * ar
+    if lora is not None:  # each whole A (column) or B (row) has its gradient summed over tp (copy_to_region)
+        bwd += stage_adapters(arch, n, layers, moe, lora)[1] * FP32 * ar
     if lay.recompute == "full":
         fwd *= 2
     total = fwd + bwd
     if first:  # the vocab-parallel embedding leaves the region (its output: the residual stream's dtype)
         total += (tokens * h * r * bus_factor("reduce_scatter", n) + tokens * h * r * bus_factor("all_gather", n)
                   if lay.sp else tokens * h * r * ar)
+        if lora is not None:  # nothing flows back into the frozen embedding: its backward collective and the
+            # first block's input-gradient one are not issued
+            total -= (tokens * h * r * (bus_factor("reduce_scatter", n) + bus_factor("all_gather", n))
+                      if lay.sp else tokens * h * r * ar)
     if last:  # final norm's weight, the head's column projection and the loss's three reductions
         if lay.sp:
             ag, rs = bus_factor("all_gather", n), bus_factor("reduce_scatter", n)
@@ -156,6 +166,8 @@ def dp_bytes(arch: Arch, lay: Layout, work: Workload, m: int, rank: int) -> floa
     parameters, FSDP2 and Megatron's distributed optimizer 16-bit ones."""
     dense, expert, _ = stage_params(arch, lay, rank)
     sb, fw = work.state_bytes, work.framework
+    if work.lora is not None:
+        return _lora_dp_bytes(arch, lay, work, m, rank, dense, expert)
     total = 0.0
     for params, n in ((dense, lay.cp * lay.ep * lay.dp), (expert, lay.cp * lay.dp)):
         if n == 1 or params == 0:
@@ -175,6 +187,34 @@ def dp_bytes(arch: Arch, lay: Layout, work: Workload, m: int, rank: int) -> floa
     return total
 
 
+def _lora_dp_bytes(arch: Arch, lay: Layout, work: Workload, m: int, rank: int, dense: float, expert: float
+                   ) -> float:
+    """``dp_bytes`` of a LoRA run: only the adapters are reduced (and, under ZeRO 1-2, gathered after the
+    step); ZeRO 3 still gathers the frozen weights for every forward and backward."""
+    assert work.lora is not None
+    blocks = rank_blocks(arch, lay, rank)
+    adapters = stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
+                              sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), work.lora)[0]
+    sb, fw = work.state_bytes, work.framework
+    wbytes = sb.weights if fw.ours else 2.0
+    n_dense, n_expert = lay.cp * lay.ep * lay.dp, lay.cp * lay.dp
+    grads, total = adapters * sb.grads, 0.0
+    if n_dense > 1:
+        half = bus_factor("all_gather", n_dense)
+        if lay.zero == 0:
+            total += grads * bus_factor("all_reduce", n_dense)
+        elif lay.zero == 1 or (lay.zero == 2 and lay.pp > 1):
+            total += (grads + adapters * wbytes) * half
+        elif lay.zero == 2:
+            total += (m * grads + adapters * wbytes) * half
+        else:
+            gathers = m * 2 * (dense + adapters) * wbytes  # forward and backward, every micro-batch
+            total += (gathers + (grads if lay.pp > 1 else m * grads)) * half
+    if lay.zero == 3 and n_expert > 1 and expert:
+        total += m * 2 * expert * wbytes * bus_factor("all_gather", n_expert)
+    return total
+
+
 def stage_bytes(arch: Arch, lay: Layout, work: Workload, rank: int) -> Dict[str, float]:
     """Bus bytes one GPU of pipeline rank ``rank`` puts on the wire per step, per axis (module docstring)."""
     d = act.dtypes_for(arch, work.precision, work.framework.activations)
@@ -186,7 +226,7 @@ def stage_bytes(arch: Arch, lay: Layout, work: Workload, rank: int) -> Dict[str,
     moe = sum(arch.moe_layers_in(b.start, b.stop) for b in blocks)
     first, last = rank == 0, rank == lay.pp - 1
     return {
-        "tp": m * tp_bytes(arch, lay, tokens, e, r, layers, moe, first, last),
+        "tp": m * tp_bytes(arch, lay, tokens, e, r, layers, moe, first, last, work.lora),
         "cp": m * cp_bytes(arch, lay, tokens, e, work.framework.ours, layers),
         "ep": m * ep_bytes(arch, lay, tokens, e, r, moe),
         "pp": pp_bytes(arch, lay, tokens, r, m, rank),

@@ -4,8 +4,10 @@ one layout is estimated with (``estimate``), and the bytes it moves
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from hpctrain.planner.frameworks import HPCTRAIN_FW, Framework
+from hpctrain.planner.lora import LoraPlan
 from hpctrain.planner.memory import StateBytes
 
 
@@ -22,3 +24,5 @@ class Workload:
     """The code that runs it (``frameworks``): hpctrain's own unless validating a published run."""
     fp8: bool = False
     """The block's projections run as float8 GEMMs (torchtitan's float8 linears; ``kernels.block_cost``)."""
+    lora: Optional[LoraPlan] = None
+    """LoRA fine-tuning (``finetune=lora``): only these adapters train, the base is frozen (``planner.lora``)."""

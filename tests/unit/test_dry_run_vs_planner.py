@@ -83,3 +83,39 @@ def test_each_rank_matches_the_planner(make_config, pm, name):
         if r.coords["pp"] == 1:  # no embedding, no head: every tp all-gather moves bf16 (columns cast, then gather)
             gathers = {rec.dtype for rec in r.records if rec.op == "all_gather" and rec.axes == ("tp",)}
             assert gathers == {torch.bfloat16}, (where, gathers)
+
+
+LORA_LAYOUTS = {
+    # every projection adapted (column and row cuts of A and B), the first and the last pipeline stage
+    "lora-tp2-pp2-dp4": (("model=tiny", "model.n_layers=4", "parallel.tp=2", "parallel.pp=2", "finetune=lora",
+                          "finetune.lora.targets=[q,k,v,o,gate,up,down]", "trainer.global_batch_size=16",
+                          "trainer.micro_batch_size=1", "trainer.seq_len=64"), (0, 15)),
+    # attention only, without sequence parallelism (tp's plain all-reduces)
+    "lora-tp2-dp8-no-sp": (("model=tiny", "parallel.tp=2", "parallel.sequence_parallel=false", "finetune=lora",
+                            "trainer.global_batch_size=16", "trainer.micro_batch_size=1", "trainer.seq_len=64"),
+                           (0,)),
+}
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_ranks_match_the_planner(make_config, pm, name):
+    """LoRA (``hpctrain.planner.lora``): the frozen base's weights, the adapters' gradients and optimizer
+    state within 1%, the bus bytes of every axis within 5% (the adapters' tp sums, the collectives the
+    frozen embedding no longer needs, the data axes reducing only adapters). The planner keeps the full
+    training activation tables for LoRA, an upper bound (a frozen projection saves no input for a weight
+    gradient): the measured peak must not exceed it."""
+    overrides, ranks = LORA_LAYOUTS[name]
+    cfg = make_config(*BASE, *overrides)
+    for r in dry_run(cfg, DryRunFlags(WORLD, ranks), pm):
+        p = r.planner
+        where = f"{name}, rank {r.rank} (pp {r.coords['pp']})"
+        assert p.problem is None, (where, p.problem)
+        assert r.optimizer < 0.2 * r.params, (where, "optimizer state is the adapters' only", r.optimizer)
+        for what, mine, theirs in (("parameters", r.params, p.weights), ("gradients", r.grads, p.grads),
+                                   ("optimizer state", r.optimizer, p.optimizer)):
+            assert theirs is not None and _close(mine, theirs, STATES), (where, what, mine, theirs)
+        measured = {a: b for a, b in r.bytes_by_axis().items() if a != "world"}
+        for axis in sorted(set(measured) | {a for a, b in p.comm.items() if b}):
+            mine, theirs = measured.get(axis, 0.0), p.comm.get(axis, 0.0)
+            assert _close(mine, theirs, BYTES), (where, axis, mine, theirs)
+        assert p.activations is not None and r.activations <= p.activations, (where, r.activations, p.activations)
