@@ -298,17 +298,6 @@ def _local_tier_checks(cfg: Any, world_size: int) -> List[str]:
                                                                               " (one node), or more nodes"))
     if lc.dir:
         problems += _writable(str(lc.dir), "checkpoint.local.dir")
-
-    # put back exactly, but not yet proved by a test for these layouts: refused rather than trusted
-    untested = [f"{k}={v}" for k, v, off in (("parallel.pp", cfg.parallel.pp, 1),
-                                              ("parallel.zero.stage", OmegaConf.select(cfg, "parallel.zero.stage",
-                                                                                       default=0), 0),
-                                              ("optim.outer", cfg.optim.outer.name, "none"))
-                if v not in (off, None)]
-    if untested:
-        problems.append(f"checkpoint.local.every={lc.every} with {', '.join(untested)}: the local tier is not "
-                        "proved to put this layout's state back exactly yet; use the persistent checkpoint "
-                        "(checkpoint.every) with it, or set checkpoint.local.every=0")
     return problems
 
 

@@ -1,22 +1,26 @@
 """Resharding the local tier over the data-parallel axis (``trainer.elastic``).
 
 The tier's files are exact per-rank shards: put back as they are, they need
-the layout that wrote them. One change needs no resharding of any tensor:
-a different data-parallel size. Every data-parallel replica holds the same
-parameters and optimizer state (the tier refuses ZeRO, whose state is split
-over dp, and DiLoCo, whose replicas differ), and the data cursor is global,
-so the new rank ``r`` can load the state of any old rank with its other
-coordinates (tp, cp, ep, pp). Which one: the old rank with the same dp
-index when its file is on ``r``'s node, else the lowest such rank held on
-``r``'s node, else the lowest held anywhere (then fetched from a partner).
-A change of any other axis, the order, or the experiment is refused
-(``why_not``), and the caller falls back to the persistent checkpoint.
+the layout that wrote them. One change is allowed: a different data-parallel
+size. Without ZeRO every data-parallel replica holds the same parameters and
+optimizer state, and the data cursor is global, so the new rank ``r`` can
+load the state of any old rank with its other coordinates (tp, cp, ep, pp).
+Which one: the old rank with the same dp index when its file is on ``r``'s
+node, else the lowest such rank held on ``r``'s node, else the lowest held
+anywhere (then fetched from a partner) (``deal``). Under ZeRO the optimizer
+state (and at stage 3 the parameters) is split over dp: then ``r`` also
+reads every old rank with its other coordinates (``gather``) and cuts its
+new shards out of the pieces they recorded (``state.assemble``); the rest
+(replicated parameters, random state, cursor) comes from ``deal``'s rank.
+DiLoCo, whose replicas differ, is refused with ``trainer.elastic`` by
+validation. A change of any other axis, the order, or the experiment is
+refused (``why_not``), and the caller falls back to the persistent checkpoint.
 
 Pure functions of the layouts (``state.layout``) and of who holds what.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 
@@ -64,3 +68,27 @@ def deal(old: Mapping[str, Any], new: Mapping[str, Any],
         if r not in held_by[o]:
             holders[r] = min(held_by[o])
     return sources, holders
+
+
+def gather(old: Mapping[str, Any], new: Mapping[str, Any],
+           held_by: Mapping[int, Set[int]]) -> Optional[Dict[int, List[Tuple[int, int]]]]:
+    """For state split over dp (ZeRO): new rank -> ``[(old rank, holder)]``, every old rank with the new rank's
+    other coordinates, in old dp order; ``holder`` is the new rank itself when its node holds that file, else the
+    lowest new rank that does. None when one of those files is held nowhere."""
+    places: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
+    for o in range(int(old["world_size"])):
+        c = coords(o, old)
+        places.setdefault(tuple(c[a] for a in AXES if a != "dp"), []).append((c["dp"], o))
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for r in range(int(new["world_size"])):
+        c = coords(r, new)
+        plan = []
+        for _, o in sorted(places.get(tuple(c[a] for a in AXES if a != "dp"), [])):
+            where = held_by.get(o, set())
+            if not where:
+                return None
+            plan.append((o, r if r in where else min(where)))
+        if not plan:
+            return None
+        out[r] = plan
+    return out

@@ -10,6 +10,16 @@ are named by their position (``p<i>``: the i-th distinct parameter of
 ``model.named_parameters()``), which the same layout reproduces exactly; the
 ``signature`` (layout and experiment) guards against any other layout.
 
+What a tensor is follows the state contract the persistent checkpoint reads
+(``hpctrain.checkpoint``): a parameter's ShardSpec, and for optimizer state
+``optimizer.state_spec(param, key)`` where the optimizer gives one (ZeRO's
+flat shards, DiLoCo's replica rows), else the parameter's. The local tier
+puts a rank's tensors back as they are, so for the same layout it needs no
+spec; for a tensor split over ``dp`` (ZeRO's shards) ``capture`` also
+records its pieces (``ShardSpec.pieces``: boxes of the logical tensor), so
+that a run with another data-parallel size (``trainer.elastic``) assembles
+its own shards from the old ranks' files (``restore`` with ``shards``).
+
 ``encode``/``decode``: one flat byte string, no pickle: the magic line, an
 8-byte little-endian header length, a JSON header (meta, and per tensor its
 name, dtype, shape, offset and length), then the raw tensor bytes and a
@@ -23,12 +33,14 @@ import json
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from omegaconf import OmegaConf
 
+from hpctrain.boxes import Box, intersect
 from hpctrain.checkpoint import EXPERIMENT_KEYS
+from hpctrain.shard import Piece, ShardSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpctrain.train.state import TrainState
@@ -109,6 +121,29 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
+def _spec(train_state: "TrainState", p: torch.nn.Parameter, key: Optional[str]) -> Optional[ShardSpec]:
+    """The ShardSpec of parameter ``p`` (``key`` None) or of its optimizer state ``key``, by the contract of
+    ``hpctrain.checkpoint``: the optimizer's ``state_spec`` where it gives one, else the parameter's. None: the
+    parameter has no spec, or a sharding optimizer holds none of it here."""
+    given = getattr(train_state.optimizer, "state_spec", None) if key is not None else None
+    if callable(given):
+        spec = given(p, key)
+        if spec is not None:
+            return spec
+        if getattr(train_state.optimizer, "spec_of", None) is not None:  # ZeRO: this rank holds none of ``p``
+            return None
+    return getattr(p, "hpctrain_spec", None)
+
+
+def _dp_pieces(spec: Optional[ShardSpec], t: torch.Tensor, mesh: Any) -> Optional[List[Any]]:
+    """``t``'s pieces (JSON: box, local box, flat) when its spec splits it over dp; else None."""
+    if spec is None or t.dim() == 0 or mesh.size("dp") == 1 or "dp" not in spec.split_axes:
+        return None
+    return [[list(map(list, pc.box)), list(map(list, pc.local_box)),
+             [pc.flat[0], pc.flat[1], list(pc.flat[2])] if pc.flat is not None else None]
+            for pc in spec.pieces(mesh.coords, mesh.sizes)]
+
+
 def capture(train_state: "TrainState") -> RankState:
     """This rank's state now, copied to host memory."""
     out = capture_meta(train_state)
@@ -135,13 +170,19 @@ def capture_tensors(train_state: "TrainState", out: RankState) -> None:
     until the optimizer step, so this may overlap the next forward and backward."""
     scalars: Dict[str, Any] = out.meta["scalars"]
     on_cpu: List[str] = out.meta["on_cpu"]
+    pieces: Dict[str, Any] = {}
+    mesh = train_state.mesh
     state = train_state.optimizer.state
     for i, p in enumerate(_params(train_state)):
         out.tensors[f"p{i}"] = _host(p)
+        if (held := _dp_pieces(_spec(train_state, p, None), p, mesh)) is not None:
+            pieces[f"p{i}"] = held
         for key, value in state.get(p, {}).items():
             name = f"o{i}/{key}"
             if isinstance(value, torch.Tensor):
                 out.tensors[name] = _host(value)
+                if (held := _dp_pieces(_spec(train_state, p, key), value, mesh)) is not None:
+                    pieces[name] = held
                 if value.device.type == "cpu" and p.device.type != "cpu":
                     on_cpu.append(name)
             elif isinstance(value, (bool, int, float)):
@@ -151,26 +192,81 @@ def capture_tensors(train_state: "TrainState", out: RankState) -> None:
                                       "keeps tensors and numbers only")
     for i, b in enumerate(_buffers(train_state.model)):
         out.tensors[f"b{i}"] = _host(b)
+    out.meta["pieces"] = pieces
+    out.meta["dp_split"] = bool(pieces)
 
 
-def restore(train_state: "TrainState", saved: RankState, replica: bool = False) -> int:
+def _piece(saved: Any) -> Piece:
+    box, local_box, flat = saved
+    return Piece(tuple((int(a), int(b)) for a, b in box), tuple((int(a), int(b)) for a, b in local_box),
+                 (int(flat[0]), int(flat[1]), tuple(int(n) for n in flat[2])) if flat is not None else None)
+
+
+def _within(inner: Box, outer: Box) -> Tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+def assemble(name: str, spec: ShardSpec, mesh: Any, sources: List[RankState]) -> torch.Tensor:
+    """This rank's local tensor of ``name`` under ``spec`` on ``mesh``, cut from the pieces the ``sources``
+    (the old data-parallel ranks' states) recorded; LocalStateError when they do not cover it."""
+    have = [(s.tensors[name], [_piece(x) for x in s.meta["pieces"][name]]) for s in sources
+            if name in s.tensors and name in s.meta.get("pieces", {})]
+    if not have:
+        raise LocalStateError(f"{name} ({spec.logical_name}): no saved pieces")
+    shape = spec.local_shape(mesh.coords, mesh.sizes)
+    out = torch.zeros(shape, dtype=have[0][0].dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for piece in spec.pieces(mesh.coords, mesh.sizes):
+        dst, cov = piece.take(out), piece.take(covered)
+        for t, old in have:
+            for o in old:
+                common = intersect(piece.box, o.box)
+                if common is not None:
+                    dst[_within(common, piece.box)] = o.take(t)[_within(common, o.box)]
+                    cov[_within(common, piece.box)] = True
+        if not bool(cov.all()):
+            raise LocalStateError(f"{spec.logical_name}: the saved shards do not cover this rank's")
+    return out
+
+
+def restore(train_state: "TrainState", saved: RankState, replica: bool = False,
+            shards: Optional[List[RankState]] = None) -> int:
     """Put ``saved`` back into ``train_state``, all but its step, which is returned: this rank's own state,
     same layout; with ``replica``, the state of a rank of another data-parallel size with this rank's other
-    coordinates (``family`` must match)."""
+    coordinates (``family`` must match); with ``shards`` too (``saved`` among them), the states of every old
+    data-parallel rank with this rank's other coordinates, from whose recorded pieces the tensors split over
+    dp (ZeRO's shards) are assembled for this rank (``assemble``)."""
     meta, tensors = saved.meta, saved.tensors
     params = _params(train_state)
     buffers = _buffers(train_state.model)
     missing = [f"p{i}" for i in range(len(params)) if f"p{i}" not in tensors]
     matches = meta.get("family") == family(train_state) if replica else meta.get("signature") == signature(train_state)
-    if missing or not matches:
+    if missing or not matches or any(s.meta.get("family") != meta.get("family") for s in shards or ()):
         raise LocalStateError("written by another layout or experiment")
+    sources = [saved, *(s for s in shards or () if s is not saved)]
+    # split over dp where any old rank recorded pieces (a rank holding none of a parameter keeps no state for it)
+    split = {name for s in sources for name in s.meta.get("pieces", {})} if shards else set()
+    mesh = train_state.mesh
     train_state.cursor.load_state_dict(meta["cursor"])
     state = train_state.optimizer.state
-    scalars: Dict[str, Any] = meta["scalars"]
-    on_cpu = set(meta["on_cpu"])
+    scalars: Dict[str, Any] = {}
+    on_cpu: set = set()
+    merged: Dict[str, torch.Tensor] = {}  # the first source's tensor of each name (state a rank may not hold)
+    for s in sources:
+        for name, value in s.meta["scalars"].items():
+            scalars.setdefault(name, value)
+        on_cpu.update(s.meta["on_cpu"])
+        for name, t in s.tensors.items():
+            merged.setdefault(name, t)
+    tensors = merged if shards else tensors
     with torch.no_grad():
         for i, p in enumerate(params):
-            p.copy_(tensors[f"p{i}"])
+            if f"p{i}" in split:
+                spec = _spec(train_state, p, None)
+                assert spec is not None
+                p.copy_(assemble(f"p{i}", spec, mesh, sources))
+            else:
+                p.copy_(tensors[f"p{i}"])
             prefix = f"o{i}/"
             restored: Dict[str, Any] = {}
             existing = state.get(p, {})
@@ -178,6 +274,11 @@ def restore(train_state: "TrainState", saved: RankState, replica: bool = False) 
                 if not name.startswith(prefix):
                     continue
                 key = name[len(prefix):]
+                if name in split:
+                    spec = _spec(train_state, p, key)
+                    if spec is None:  # a sharding optimizer holds none of this parameter here
+                        continue
+                    t = assemble(name, spec, mesh, sources)
                 now = existing.get(key)
                 if isinstance(now, torch.Tensor) and now.shape == t.shape and now.dtype == t.dtype:
                     now.copy_(t)  # in place: state an optimizer keeps elsewhere (offloaded) stays there

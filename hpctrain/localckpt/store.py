@@ -78,7 +78,8 @@ def remove_partial(root: str, step: int) -> None:
 
 def write_manifest(root: str, step: int, holder: int, ranks: List[int], sig: str,
                    about: Optional[Dict[str, Any]] = None) -> None:
-    """``about``: the writer's ``family`` and ``layout`` (``state.family``, ``state.layout``), for resharding."""
+    """``about``: the writer's ``family``, ``layout`` and ``dp_split`` (``state.family``, ``state.layout``; whether
+    some of its tensors are split over dp, ZeRO), for resharding."""
     path = os.path.join(step_dir(root, step), f"holder_{holder:05d}.json")
     write_atomic(path, json.dumps({"step": step, "holder": holder, "ranks": sorted(ranks),
                                    "signature": sig, **(about or {})}).encode())
@@ -115,7 +116,8 @@ def held(root: str, about: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[i
             ranks = {int(r) for r in m.get("ranks", []) if os.path.isfile(rank_file(root, step, int(r)))}
             out.setdefault(step, {}).setdefault(str(m.get("signature")), set()).update(ranks)
             if about is not None and "family" in m:
-                about[str(m.get("signature"))] = {"family": m["family"], "layout": m.get("layout")}
+                about[str(m.get("signature"))] = {"family": m["family"], "layout": m.get("layout"),
+                                                  "dp_split": bool(m.get("dp_split", False))}
     return out
 
 

@@ -138,13 +138,17 @@ class Found:
     other_layout: Optional[int] = None
     """The newest step held only in files another layout or experiment wrote."""
     lost: int = 0
-    """Ranks whose own copy is gone at ``step`` (fetched from partners)."""
+    """Ranks whose own copy is gone at ``step`` (fetched from partners); resharded, ranks that receive some file."""
     sources: Dict[int, int] = field(default_factory=dict)
     """rank -> the rank of the writing layout whose state it loads (absent: its own; ``trainer.elastic``)."""
     resharded_from: Optional[Dict[str, Any]] = None
     """The layout that wrote ``step`` when it differs from this one in dp only (``hpctrain.localckpt.reshard``)."""
     refused: Optional[str] = None
     """With elastic: why the newest step another layout of this experiment wrote cannot be resharded."""
+    shards: Dict[int, List[Tuple[int, int]]] = field(default_factory=dict)
+    """With elastic, when the writing layout split state over dp (ZeRO): rank -> ``[(old rank, holder)]``, every
+    old data-parallel rank whose file it reads to assemble its shards (``reshard.gather``; holder = the rank
+    itself: on its node)."""
 
 
 class LocalTier:
@@ -293,7 +297,8 @@ class LocalTier:
         if failed is not None:
             raise failed  # no manifest: this node's files of the step are never used
         store.write_manifest(self.root, step, self.rank, [self.rank, *got], str(saved.meta["signature"]),
-                             {"family": saved.meta["family"], "layout": saved.meta["layout"]})
+                             {"family": saved.meta["family"], "layout": saved.meta["layout"],
+                              "dp_split": bool(saved.meta.get("dp_split", False))})
         store.prune(self.root, KEEP)
         record.update(write_s=t1 - t0, replicate_s=time.perf_counter() - t1, bytes=float(len(data)))
 
@@ -379,27 +384,72 @@ class LocalTier:
         assert found.step is not None
         step = found.step
         source = found.sources.get(self.rank, self.rank)
-        data: Optional[bytes] = None
-        if self.rank not in found.holders:
-            data = _read(store.rank_file(self.root, step, source))
-        if self.comm is not None:
-            data = self._fetch(found, step, data)
-        assert data is not None
-        saved, why = None, None
+        wanted: List[Tuple[int, int, bytes]]  # (old rank, the rank whose node's copy it is, bytes)
+        if found.shards:
+            wanted = self._fetch_shards(found, step)
+        else:
+            data: Optional[bytes] = None
+            if self.rank not in found.holders:
+                data = _read(store.rank_file(self.root, step, source))
+            if self.comm is not None:
+                data = self._fetch(found, step, data)
+            assert data is not None
+            wanted = [(source, found.holders.get(self.rank, self.rank), data)]
+        decoded: Dict[int, Any] = {}
+        bad: Optional[Tuple[int, int, str]] = None
+        for old, holder, data in wanted:
+            try:
+                decoded[old] = decode(data)
+            except LocalStateError as e:
+                bad = (old, self.rank_nodes[holder], str(e))
+                break
+        everyone = self.comm.allgather(bad) if self.comm is not None else [bad]
+        seen: Dict[Tuple[int, int], Damaged] = {}
+        for b in everyone:
+            if b is not None:
+                seen.setdefault((b[0], b[1]), Damaged(step, b[0], b[1], b[2]))
+        if seen:
+            raise DamagedCopies(list(seen.values()))
+        saved = decoded[source]
         try:
-            saved = decode(data)
-        except LocalStateError as e:
-            why = str(e)
-        everyone = self.comm.allgather(why) if self.comm is not None else [why]
-        damaged = [Damaged(step, found.sources.get(r, r), self.copy_node(found, r), w)
-                   for r, w in enumerate(everyone) if w]
-        if damaged:
-            raise DamagedCopies(damaged)
-        assert saved is not None
-        try:
-            return restore(train_state, saved, replica=found.resharded_from is not None)
+            return restore(train_state, saved, replica=found.resharded_from is not None,
+                           shards=list(decoded.values()) if found.shards else None)
         except LocalStateError as e:
             raise LocalStateError(f"local checkpoint of step {step} for rank {self.rank}: {e}") from None
+
+    def _fetch_shards(self, found: Found, step: int) -> List[Tuple[int, int, bytes]]:
+        """``found.shards``: send the files this rank's node holds for others, read or receive this rank's own
+        list, in its order (collective)."""
+        reqs, keep = [], []
+        for r, plan in sorted(found.shards.items()):
+            for old, holder in plan:
+                if holder == self.rank and r != self.rank:
+                    from mpi4py import MPI  # MPI starts at import: after bootstrap only
+
+                    assert self.comm is not None
+                    buf = np.frombuffer(_read(store.rank_file(self.root, step, old)), dtype=np.uint8)
+                    size = np.array([buf.size], dtype=np.int64)
+                    keep += [buf, size]
+                    reqs.append(self.comm.Isend([size, MPI.INT64_T], dest=r, tag=TAG + 4))
+                    reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=r, tag=TAG + 5))
+        out = []
+        for old, holder in found.shards.get(self.rank, []):
+            if holder == self.rank:
+                out.append((old, holder, _read(store.rank_file(self.root, step, old))))
+                continue
+            from mpi4py import MPI  # MPI starts at import: after bootstrap only
+
+            assert self.comm is not None
+            n = np.empty(1, dtype=np.int64)
+            self.comm.Recv([n, MPI.INT64_T], source=holder, tag=TAG + 4)
+            into = np.empty(int(n[0]), dtype=np.uint8)
+            self.comm.Recv([into, MPI.BYTE], source=holder, tag=TAG + 5)
+            out.append((old, holder, into.tobytes()))
+        if reqs:
+            from mpi4py import MPI  # MPI starts at import: after bootstrap only
+
+            MPI.Request.Waitall(reqs)
+        return out
 
     def _fetch(self, found: Found, step: int, data: Optional[bytes]) -> Optional[bytes]:
         from mpi4py import MPI  # MPI starts at import: after bootstrap only
@@ -478,7 +528,13 @@ def decide(everyone: List[Dict[int, Dict[str, List[int]]]], sig: str, size: int,
                 other = other if other is not None else step
                 continue
             sources, holders = dealt
-            return Found(step, holders, other, len(holders), sources, info["layout"], refused)
+            shards = reshard.gather(info["layout"], replica.layout, held_by) if info.get("dp_split") else {}
+            if shards is None:
+                refused = refused or f"step {step}: not every data-parallel rank's shards are held"
+                other = other if other is not None else step
+                continue
+            fetching = {r for r, plan in shards.items() if any(h != r for _, h in plan)} if shards else set(holders)
+            return Found(step, holders, other, len(fetching), sources, info["layout"], refused, shards)
     return Found(None, {}, other, refused=refused)
 
 

@@ -152,8 +152,10 @@ class MpiCommunicator:
         self.check_shapes = check_shapes
         self._row_types: Dict[Tuple[int, int], MPI.Datatype] = {}
         self.cuda_aware = cuda_aware
-        tag_ub = world.Get_attr(MPI.TAG_UB)
-        assert tag_ub is not None  # MPI defines TAG_UB on every communicator
+        # MPI attaches TAG_UB to MPI_COMM_WORLD; a communicator split from it (a job's runtime inside a bigger
+        # one) may not carry the attribute, and the bound is the world's
+        tag_ub = world.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        assert tag_ub is not None
         self._tag_ub: int = tag_ub
         # with check_shapes every call goes the full way (the caches stay empty)
         capacity = 0 if check_shapes else 256

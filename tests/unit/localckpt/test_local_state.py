@@ -105,3 +105,30 @@ def test_state_of_another_layout_is_refused(make_config, pm):
     saved.meta["signature"] = "someone else"
     with pytest.raises(LocalStateError, match="another layout"):
         restore(reference_trainer(make_config("trainer.steps=2"), pm).state, saved)
+
+
+def test_shards_split_over_dp_are_assembled_for_another_dp_size():
+    """ZeRO's flat shards of a 10-element tensor over dp 4 (chunks of 3, the last of 1) cut into dp 2's (5 each)
+    from the pieces each old rank recorded; a missing old rank's piece is refused."""
+    from types import SimpleNamespace
+
+    from hpctrain.localckpt.state import _dp_pieces, assemble
+    from hpctrain.shard import ShardSpec
+
+    spec = ShardSpec("w", (2, 5)).flat_split("dp")
+    logical = torch.arange(10, dtype=torch.float32)
+
+    def mesh(dp, rank):
+        sizes = {"tp": 1, "cp": 1, "ep": 1, "dp": dp, "pp": 1}
+        return SimpleNamespace(sizes=sizes, coords={**{a: 0 for a in sizes}, "dp": rank}, size=lambda a: sizes[a])
+
+    old = []
+    for r in range(4):
+        a, b = spec._flat_range(mesh(4, r).coords, mesh(4, r).sizes)
+        t = logical[a:b].clone()
+        old.append(RankState({"o0/exp_avg": t}, {"pieces": {"o0/exp_avg": _dp_pieces(spec, t, mesh(4, r))}}))
+    assert [tuple(s.tensors["o0/exp_avg"].shape) for s in old] == [(3,), (3,), (3,), (1,)]
+    for r in range(2):
+        assert torch.equal(assemble("o0/exp_avg", spec, mesh(2, r), old), logical[5 * r:5 * r + 5])
+    with pytest.raises(LocalStateError, match="do not cover"):
+        assemble("o0/exp_avg", spec, mesh(2, 1), old[:2])

@@ -57,3 +57,27 @@ def test_decide_reshards_only_with_elastic_and_only_over_dp():
     # this layout's own newer step wins over an older one to reshard
     mixed = {9: {"new": [0, 1]}, 6: {"old": [0, 1, 2, 3]}}
     assert decide([mixed, mixed], "new", 2, Replica("f", _layout(2), about)).resharded_from is None
+
+
+def test_state_split_over_dp_gathers_every_old_data_parallel_rank_with_the_other_coordinates():
+    from hpctrain.localckpt.reshard import gather
+
+    # tp 2 x dp 4 on 8 ranks -> tp 2 x dp 2 on 4; nodes 1 and 3 gone: new ranks 0, 1 on node 0 (old files 0, 1 and
+    # node 3's copies 6, 7), new ranks 2, 3 on node 2 (old 4, 5 and node 1's copies 2, 3)
+    held = {0: {0, 1}, 1: {0, 1}, 6: {0, 1}, 7: {0, 1}, 4: {2, 3}, 5: {2, 3}, 2: {2, 3}, 3: {2, 3}}
+    plan = gather(_layout(8, tp=2), _layout(4, tp=2), held)
+    assert plan == {0: [(0, 0), (2, 2), (4, 2), (6, 0)], 1: [(1, 1), (3, 2), (5, 2), (7, 1)],
+                    2: [(0, 0), (2, 2), (4, 2), (6, 0)], 3: [(1, 0), (3, 3), (5, 3), (7, 0)]}
+    del held[5]  # old rank 5's shards are nowhere: new ranks with tp index 1 cannot assemble theirs
+    assert gather(_layout(8, tp=2), _layout(4, tp=2), held) is None
+
+
+def test_decide_gathers_shards_only_where_the_writer_split_state_over_dp():
+    old, new = _layout(4), _layout(2)
+    everyone = [{2: {"old": [0, 1, 2, 3]}}, {}]
+    about = {"old": {"family": "f", "layout": old, "dp_split": True}}
+    found = decide(everyone, "new", 2, Replica("f", new, about))
+    assert found.step == 2 and found.shards == {0: [(0, 0), (1, 0), (2, 0), (3, 0)],
+                                                1: [(0, 0), (1, 0), (2, 0), (3, 0)]}
+    about["old"]["dp_split"] = False
+    assert decide(everyone, "new", 2, Replica("f", new, about)).shards == {}
