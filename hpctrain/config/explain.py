@@ -34,6 +34,10 @@ from hpctrain.plugins import blocked_hint
 
 _HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
+RENAMED = {"trainer.max_time_margin_s": "trainer.end_margin_s"}
+"""Keys renamed, old -> new: the old one is refused with a line naming the new one (no alias: one name per
+setting)."""
+
 
 def explain(exc: BaseException, schema: type) -> Optional[str]:
     """The one line for a composition error ``exc``, or None if it is not one."""
@@ -111,6 +115,8 @@ def _is_mapping(key: str, schema: type) -> bool:
 
 
 def _unknown_key(key: str, schema: type) -> str:
+    if key in RENAMED:
+        return f"{key} was renamed {RENAMED[key]}; use {RENAMED[key]}=<value>"
     parts = key.split(".")
     parent = ".".join(parts[:-1])
     # the longest prefix the schema knows, and its keys

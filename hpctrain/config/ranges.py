@@ -126,7 +126,7 @@ RULES: Tuple[Rule, ...] = (
          "the usual is 2000"),
     Rule("trainer.loss_scale.backoff", lambda x: _real(x) and 0 < x < 1, "a number in (0, 1)", "the usual is 0.5"),
     Rule("trainer.loss_scale.growth", above(1), "a finite number > 1", "the usual is 2"),
-    Rule("trainer.max_time_margin_s", at_least(0), "a finite number of seconds >= 0"),
+    Rule("trainer.end_margin_s", at_least(0), "a finite number of seconds >= 0"),
     Rule("reliability.hang_timeout_s", lambda x: x == 0 or at_least(1)(x), "0 (off) or a finite number >= 1",
          "the usual is 600; set it above your slowest checkpoint save"),
     Rule("debug.fault", lambda x: x in FAULTS, f"one of {', '.join(FAULTS)}"),

@@ -410,13 +410,13 @@ class TrainerConfig:
     max_time: Optional[str] = None
     """Wall-clock budget of this launch: seconds or SLURM's [D-]HH:MM:SS; the run saves a checkpoint and stops
     (exit status 75; under SLURM the job is requeued) when less than the next step plus the measured save
-    plus max_time_margin_s is left (hpctrain/train/deadline.py). Under SLURM the job's own end time
+    plus end_margin_s is left (hpctrain/train/deadline.py). Under SLURM the job's own end time
     (SLURM_JOB_END_TIME, else squeue) and trainer.end_time are limits too; the earliest wins. None: no limit."""
     end_time: Optional[str] = None
     """The wall-clock time the job ends, where the scheduler does not say (no Slurm, or a Slurm that neither
     exports SLURM_JOB_END_TIME nor answers squeue): YYYY-MM-DDTHH:MM[:SS] in local time or Unix seconds; the
     run stops before it as before trainer.max_time. None: no such limit."""
-    max_time_margin_s: float = 60.0
+    end_margin_s: float = 60.0
     """Seconds kept free before the end (trainer.max_time, trainer.end_time or the SLURM job's end) beyond the
     next step and the save, which are measured (the save from this run's own saves, start to commit)."""
     eval_every: int = 0

@@ -17,7 +17,7 @@ iterations, validation and logging included, the persistent saves' own time
 left out), the save the stop will make (the longest save this run has
 measured, start to commit, ``Checkpointing.save_seconds``: never assumed;
 before the first save it is 0 and the margin alone covers it) and
-``trainer.max_time_margin_s``. Only rank 0 holds the clock; the ranks agree on
+``trainer.end_margin_s``. Only rank 0 holds the clock; the ranks agree on
 its answer in the stop agreement they already make after every step (one
 all-reduce, ``StopRequests.agree``), so they stop after the same step, commit a
 checkpoint and exit 75, the path that requeues a Slurm job.
@@ -78,7 +78,7 @@ class Decision:
     def describe(self) -> str:
         save = f"save {_seconds(self.save_s)} s (measured)" if self.save_s else "no save measured yet"
         return (f"{self.left_s:.1f} s left < next step {_seconds(self.step_s)} s + {save} + "
-                f"trainer.max_time_margin_s {self.margin_s:g} s")
+                f"trainer.end_margin_s {self.margin_s:g} s")
 
 
 def _seconds(s: float) -> str:

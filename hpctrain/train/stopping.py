@@ -15,7 +15,7 @@ What asks a run to stop:
   usual KeyboardInterrupt, since waiting for the step would save nothing;
 - the clock: ``trainer.max_time`` seconds after the start, the SLURM
   job's end time or ``trainer.end_time``, less the next step, the measured
-  save and ``trainer.max_time_margin_s`` (``hpctrain.train.deadline``);
+  save and ``trainer.end_margin_s`` (``hpctrain.train.deadline``);
   under SLURM the job is then requeued.
 
 A handler only records the signal, so a second signal during the save
@@ -157,7 +157,7 @@ class StopRequests:
     def __init__(self, cfg: Any, is_main: bool, catch_sigint: bool):
         self.received: list = []
         """Signals received, in order (a second one is recorded and otherwise ignored)."""
-        self.margin = float(cfg.trainer.max_time_margin_s)
+        self.margin = float(cfg.trainer.end_margin_s)
         self.deadline: Optional[float] = None
         """``time.monotonic()`` by which the run must have stopped (rank 0; None: no limit)."""
         self.deadline_from = ""
@@ -227,7 +227,7 @@ class StopRequests:
     def describe(self, reason: int) -> str:
         if reason != _CLOCK:
             return _NAMES[reason]
-        figures = self.decision.describe() if self.decision is not None else "less trainer.max_time_margin_s"
+        figures = self.decision.describe() if self.decision is not None else "less trainer.end_margin_s"
         return f"{self.deadline_from} ({figures})"
 
 

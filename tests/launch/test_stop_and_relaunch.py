@@ -97,7 +97,7 @@ def test_each_kind_of_stop_saves_and_the_next_launch_goes_on_exactly(tmp_path):
     assert f"checkpoint {saved[0]} committed" in out
 
     # 2. trainer.max_time: saves and stops before the limit
-    limited = ["trainer.max_time=4", "trainer.max_time_margin_s=0", "debug.fault=slow", "debug.slow_s=0.5"]
+    limited = ["trainer.max_time=4", "trainer.end_margin_s=0", "debug.fault=slow", "debug.slow_s=0.5"]
     first = subprocess.run(_cmd(run, RESUME, *limited), env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
                            cwd=tmp_path)
     assert first.returncode == 75, first.stderr

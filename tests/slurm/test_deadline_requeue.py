@@ -17,7 +17,7 @@ SBATCH = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
 def test_a_two_minute_job_stops_itself_with_a_measured_save_and_is_requeued(slurm, job_name, tmp_path):
     """sbatch --time=2 of the template, 2 ranks, a save every step: the end
     time comes from Slurm (SLURM_JOB_END_TIME or squeue; no trainer.max_time),
-    and with trainer.max_time_margin_s=95 the run stops once less than the next
+    and with trainer.end_margin_s=95 the run stops once less than the next
     step + the measured save + 95 s is left, about 25 s into the job, on its
     own (the template's USR1 warning is moved to 5 s before the end, which the
     job never reaches). The stop line shows the save time measured; rank 0
@@ -28,7 +28,7 @@ def test_a_two_minute_job_stops_itself_with_a_measured_save_and_is_requeued(slur
     proc = slurm.run(
         ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=2",
          "--signal=USR1@5", f"--job-name={job_name}", f"--chdir={tmp_path}", str(SBATCH),
-         "trainer.steps=500", "checkpoint.every=1", "checkpoint.keep=2", "trainer.max_time_margin_s=95",
+         "trainer.steps=500", "checkpoint.every=1", "checkpoint.keep=2", "trainer.end_margin_s=95",
          "trainer.log_every=1", "trainer.progress=off", f"checkpoint.dir={ckpt}"],
         job_name, timeout=60, cwd=tmp_path)
     job_id = proc.stdout.strip().split(";")[0]
@@ -44,7 +44,7 @@ def test_a_two_minute_job_stops_itself_with_a_measured_save_and_is_requeued(slur
         out = (tmp_path / f"{job_name}-{job_id}.out").read_text()
         assert "Restarts=1" in shown, f"not requeued:\n{shown}\n{out}"
         stop = re.search(r"step (\d+): the SLURM job's time limit \(([\d.]+) s left < next step ([\d.]+) s \+ save "
-                         r"([\d.]+) s \(measured\) \+ trainer.max_time_margin_s 95 s\): saving and stopping", out)
+                         r"([\d.]+) s \(measured\) \+ trainer.end_margin_s 95 s\): saving and stopping", out)
         assert stop, out
         step, (left, save_s) = int(stop.group(1)), (float(stop.group(i)) for i in (2, 4))
         assert 0 < save_s < left, out  # stopped before the limit, with room for the save

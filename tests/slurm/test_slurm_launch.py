@@ -143,7 +143,7 @@ def test_the_jobs_time_limit_stops_the_run_with_a_checkpoint(slurm, job_name, tm
     ckpt = tmp_path / "ckpt"
     proc = slurm.run(
         ["srun", "--mpi=pmix", "-n", "2", "--time=1", f"--job-name={job_name}", "--kill-on-bad-exit=1",
-         "hpctrain-train", "trainer.steps=50", "trainer.max_time_margin_s=60", f"checkpoint.dir={ckpt}",
+         "hpctrain-train", "trainer.steps=50", "trainer.end_margin_s=60", f"checkpoint.dir={ckpt}",
          f"hydra.run.dir={tmp_path}/run"],
         job_name, cwd=tmp_path)
     assert proc.returncode == 75, _show(proc)

@@ -164,7 +164,9 @@ BAD = [
     ("debug.comm_delay_ms=-5", "debug.comm_delay_ms=-5.0: must be a finite number of milliseconds >= 0"),
     ("debug.comm_delay_axis=dp", "debug.comm_delay_axis=dp with debug.comm_delay_ms=0 delays nothing"),
     ("trainer.max_time=soon", "trainer.max_time='soon' is not a duration"),
-    ("trainer.max_time_margin_s=-1", "trainer.max_time_margin_s=-1.0: must be a finite number of seconds >= 0"),
+    ("trainer.end_margin_s=-1", "trainer.end_margin_s=-1.0: must be a finite number of seconds >= 0"),
+    ("trainer.max_time_margin_s=5", "trainer.max_time_margin_s was renamed trainer.end_margin_s; use "
+     "trainer.end_margin_s=<value>"),
     ("trainer.end_time=soon", "trainer.end_time='soon' is not a time: give YYYY-MM-DDTHH:MM[:SS]"),
     ("debug.fault=die debug.fault_rank=1", "debug.fault_rank=1 is not a rank of this 1-rank job"),
     ("debug.fault_rank=-2", "debug.fault_rank=-2: must be a world rank >= 0, or -1 (every rank)"),

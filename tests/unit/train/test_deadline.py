@@ -27,11 +27,11 @@ def test_stop_when_the_next_step_the_save_and_the_margin_do_not_fit():
     assert not stop_due(left_s=65, step_s=1, save_s=0, margin_s=60)  # (before a save is measured)
     d = Decision(left_s=65, step_s=1, save_s=5, margin_s=60)
     assert d.stop and d.describe() == ("65.0 s left < next step 1.0 s + save 5.0 s (measured) + "
-                                       "trainer.max_time_margin_s 60 s")
+                                       "trainer.end_margin_s 60 s")
     assert "no save measured yet" in Decision(65, 1, 0, 60).describe()
     # a tiny model's save and step are milliseconds: still shown as measured, never as 0.0 s
     assert Decision(95.2, 0.0123, 0.0234, 95).describe() == (
-        "95.2 s left < next step 0.0123 s + save 0.0234 s (measured) + trainer.max_time_margin_s 95 s")
+        "95.2 s left < next step 0.0123 s + save 0.0234 s (measured) + trainer.end_margin_s 95 s")
 
 
 def test_the_next_step_is_the_longest_recent_iteration_without_its_saves():
@@ -87,7 +87,7 @@ def test_a_measured_save_stops_the_run_earlier_than_the_step_and_margin_alone(pm
     margin alone it would go on to step 4."""
     ckpt = tmp_path / "ckpt"
     cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "checkpoint.every=2", "trainer.max_time=20",
-                                  "trainer.max_time_margin_s=15"), pm)
+                                  "trainer.end_margin_s=15"), pm)
     trainer = reference_trainer(cfg, pm)
     persistent = trainer.checkpointing.persistent
     save = persistent.save

@@ -147,7 +147,7 @@ def test_the_clock_stops_the_run_before_max_time_with_a_checkpoint_and_the_resum
     little time. No checkpoint.every: the stop saves all the same."""
     ckpt = tmp_path / "ckpt"
     cfg = compose_resolved(RUN + (f"checkpoint.dir={ckpt}", "trainer.max_time=00:01:00",
-                                  "trainer.max_time_margin_s=60"), pm)
+                                  "trainer.end_margin_s=60"), pm)
     trainer = reference_trainer(cfg, pm)
     with pytest.raises(StopRequested) as stopped:
         trainer.fit()
