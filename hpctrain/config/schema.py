@@ -627,8 +627,9 @@ class ClusterConfig:
     """Inter-node bus bandwidth per GPU (GB/s)."""
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-"""Projections LoRA can adapt, by the names of their role (Llama's q_proj ... down_proj)."""
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "q_b", "kv_a", "kv_b")
+"""Projections LoRA can adapt, by the names of their role (Llama's q_proj ... down_proj; latent attention's
+q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj)."""
 
 
 @dataclass
@@ -643,7 +644,9 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input (PEFT's lora_dropout); 0 for exact parity between layouts."""
     targets: List[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
-    """Projections to adapt, any of q, k, v, o (attention), gate, up, down (the SwiGLU feed-forward)."""
+    """Projections to adapt, any of q, k, v, o (attention), gate, up, down (the SwiGLU feed-forward); with latent
+    attention (model.attention_kind=mla) q_a, kv_a (its down-projections), q_b, kv_b (its up-projections), o, and
+    q where it has no q_lora_rank."""
     experts: bool = False
     """Adapt the feed-forward projections of MoE experts too (not implemented yet: must stay false); false:
     gate/up/down adapt only dense SwiGLU blocks."""
