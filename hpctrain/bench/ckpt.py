@@ -197,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="checkpoint.local.every for the time-lost-per-failure estimate (default 5)")
     ap.add_argument("--hints", nargs="+", default=None, metavar="OVERRIDE",
                     help="file-system settings for one more hpctrain contender, measured beside the default in "
-                         "every iteration: checkpoint.hdf5.{alignment_kb,meta_block_size,sieve_buf_size}=N, "
+                         "every iteration: checkpoint.hdf5.{alignment,meta_block_size,sieve_buf_size}=N, "
                          "+checkpoint.hdf5.mpiio_hints.KEY=VALUE (docs/checkpointing.md)")
     ap.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
     args = ap.parse_args(argv)

@@ -34,9 +34,10 @@ from hpctrain.plugins import blocked_hint
 
 _HYDRA_GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 
-RENAMED = {"trainer.max_time_margin_s": "trainer.end_margin_s"}
-"""Keys renamed, old -> new: the old one is refused with a line naming the new one (no alias: one name per
-setting)."""
+RENAMED = {"trainer.max_time_margin_s": ("trainer.end_margin_s", ""),
+           "checkpoint.hdf5.alignment_kb": ("checkpoint.hdf5.alignment", " (bytes: 1024 x the old value)")}
+"""Keys renamed, old -> (new, what else changed): the old one is refused with a line naming the new one (no
+alias: one name per setting)."""
 
 
 def explain(exc: BaseException, schema: type) -> Optional[str]:
@@ -116,7 +117,8 @@ def _is_mapping(key: str, schema: type) -> bool:
 
 def _unknown_key(key: str, schema: type) -> str:
     if key in RENAMED:
-        return f"{key} was renamed {RENAMED[key]}; use {RENAMED[key]}=<value>"
+        new, note = RENAMED[key]
+        return f"{key} was renamed {new}{note}; use {new}=<value>"
     parts = key.split(".")
     parent = ".".join(parts[:-1])
     # the longest prefix the schema knows, and its keys

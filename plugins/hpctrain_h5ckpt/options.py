@@ -38,8 +38,9 @@ class H5Config:
     collective_min_mb: float = 64.0
     """Datasets of at least this size use collective MPI-IO; smaller ones are written independently by their
     owner (0: all collective)."""
-    alignment_kb: int = 0
-    """Align datasets of at least this size to multiples of it (set to the Lustre/GPFS stripe size); 0 = off."""
+    alignment: int = 0
+    """Bytes: datasets of at least this size start at a multiple of it (H5Pset_alignment, threshold = alignment;
+    set the Lustre stripe size or the GPFS block size, e.g. 1048576); 0: off (HDF5 packs objects end to end)."""
     fsync: bool = True
     """fsync the file and directory before the checkpoint counts as committed."""
     verify: bool = True
@@ -115,9 +116,7 @@ def problems(h5: Any) -> List[str]:
         out.append(f"checkpoint.hdf5.staging={h5.staging!r} is not one of {', '.join(STAGING_MODES)}")
     if h5.collective_min_mb < 0:
         out.append(f"checkpoint.hdf5.collective_min_mb={h5.collective_min_mb} must be >= 0")
-    if h5.alignment_kb < 0:
-        out.append(f"checkpoint.hdf5.alignment_kb={h5.alignment_kb} must be >= 0")
-    for key in ("meta_block_size", "sieve_buf_size"):
+    for key in ("alignment", "meta_block_size", "sieve_buf_size"):
         if getattr(h5, key) < 0:
             out.append(f"checkpoint.hdf5.{key}={getattr(h5, key)} must be >= 0 (bytes; 0: HDF5's default)")
     return out + hint_problems(h5.mpiio_hints)
@@ -133,7 +132,7 @@ def resolve(h5: Any, rank: int = 0) -> IOOptions:
     return IOOptions(
         parallel=parallel,
         collective_min_bytes=int(h5.collective_min_mb * (1 << 20)),
-        alignment=int(h5.alignment_kb) * 1024,
+        alignment=int(h5.alignment),
         fsync=bool(h5.fsync),
         verify=bool(h5.verify),
         meta_block_size=int(h5.meta_block_size),

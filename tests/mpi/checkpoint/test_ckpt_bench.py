@@ -16,7 +16,7 @@ def test_ckpt_bench_prints_its_tables_and_keeps_only_the_last_files(world, share
     if world.Get_size() > 4:
         pytest.skip("smoke-tested at 2..4 ranks")
     code = ckpt.main(["--iters", "2", "--d-model", "64", "--layers", "1", "--vocab", "512", "--step-s", "0.02",
-                      "--dir", shared_tmp, "--hints", "checkpoint.hdf5.alignment_kb=64",
+                      "--dir", shared_tmp, "--hints", "checkpoint.hdf5.alignment=65536",
                       "checkpoint.hdf5.meta_block_size=1048576", "+checkpoint.hdf5.mpiio_hints.cb_nodes=2"])
     out = capsys.readouterr().out
     assert code == 0

@@ -286,7 +286,7 @@ HINTS = {"cb_nodes": "2", "cb_buffer_size": "1048576", "romio_cb_write": "enable
 
 
 def test_file_system_hints_reach_every_files_access_property_list(baseline, shared_tmp, monkeypatch):
-    """checkpoint.hdf5.{alignment_kb, meta_block_size, sieve_buf_size, mpiio_hints} are read back from the
+    """checkpoint.hdf5.{alignment, meta_block_size, sieve_buf_size, mpiio_hints} are read back from the
     access property list of every file a save and a resume open (h5py's low-level get_alignment,
     get_meta_block_size, get_sieve_buf_size, get_fapl_mpio), the tensors are the baseline's, and
     checkpoint.lustre runs lfs setstripe on the directory once, on rank 0 (a stand-in lfs records it)."""
@@ -312,7 +312,7 @@ def test_file_system_hints_reach_every_files_access_property_list(baseline, shar
                        os.chmod(f"{bin_dir}/lfs", 0o755)))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     d = f"{shared_tmp}/hinted"
-    settings = ["checkpoint.hdf5.alignment_kb=4", "checkpoint.hdf5.meta_block_size=65536",
+    settings = ["checkpoint.hdf5.alignment=4096", "checkpoint.hdf5.meta_block_size=65536",
                 "checkpoint.hdf5.sieve_buf_size=262144", *(f"+checkpoint.hdf5.mpiio_hints.{k}={v}"
                                                              for k, v in HINTS.items())]
     _train(d, "trainer.steps=2", "checkpoint.every=2", "checkpoint.lustre.stripe_count=4",

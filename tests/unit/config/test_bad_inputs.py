@@ -119,6 +119,9 @@ BAD = [
     ("comm.backend=carrier-pigeon", "comm.backend='carrier-pigeon'"),
     ("checkpoint.every=-1", "checkpoint.every=-1: must be an integer >= 0"),
     ("checkpoint.keep=-2", "checkpoint.keep=-2: must be an integer >= 0"),
+    ("checkpoint.hdf5.alignment=-1", "checkpoint.hdf5.alignment=-1 must be >= 0 (bytes; 0: HDF5's default)"),
+    ("checkpoint.hdf5.alignment_kb=4", "checkpoint.hdf5.alignment_kb was renamed checkpoint.hdf5.alignment (bytes: "
+     "1024 x the old value); use checkpoint.hdf5.alignment=<value>"),
     ("checkpoint.hdf5.meta_block_size=-1", "checkpoint.hdf5.meta_block_size=-1 must be >= 0 (bytes; 0: HDF5's "
      "default)"),
     ("checkpoint.hdf5.sieve_buf_size=-4096", "checkpoint.hdf5.sieve_buf_size=-4096 must be >= 0"),
