@@ -63,7 +63,13 @@ BAD = [
      "list of projections out of q, k, v, o, gate, up, down"),
     ("finetune=lora finetune.lora.targets=[]", "finetune.lora.targets=[]: must be a non-empty list of projections"),
     ("finetune=lora finetune.lora.targets=[gate,up,down] model=tiny-moe", "finetune.lora.targets=['gate', 'up', "
-     "'down'] names no projection of this model (attention q,k,v,o; gate,up,down of dense SwiGLU blocks)"),
+     "'down'] names no projection of this model (attention q,k,v,o; latent attention q_a,q_b,kv_a,kv_b,o, or q "
+     "without q_lora_rank; gate,up,down of dense SwiGLU blocks)"),
+    ("finetune=lora finetune.lora.targets=[k,v] " + MLA, "finetune.lora.targets=['k', 'v'] names no projection of "
+     "this model"),
+    ("finetune=lora finetune.lora.targets=[kv_a,q_b] finetune.lora.dropout=0.1 parallel.tp=2 "
+     "parallel.sequence_parallel=false --world=2 --dry-run " + MLA, "finetune.lora.dropout=0.1 on latent "
+     "attention's down-projections (kv_a) at parallel.tp=2 without sequence parallelism"),
     ("finetune=lora finetune.lora.experts=true", "finetune.lora.experts=True: must be false: adapters on MoE "
      "experts are not implemented yet"),
     ("trainer.compile_fullgraph=true", "trainer.compile_fullgraph=true needs trainer.compile=true"),
