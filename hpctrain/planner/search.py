@@ -135,9 +135,31 @@ def _no_valid_layout(arch: Arch, model_cfg: Any, work: Workload, cluster: Cluste
     if not reasons:
         lines.append(f"  - no tp*cp*ep*pp with the pins divides the {cluster.gpus} GPUs")
     relaxed = _unpinned_options(arch, model_cfg, work, cluster, pins, need_fit=False)
+    bigger = _smallest_valid_batch(arch, model_cfg, work, cluster, pins)
+    if bigger:
+        relaxed.insert(0, f"trainer.global_batch_size={bigger} (the smallest power-of-two multiple of "
+                          f"{work.global_batch} that some layout of {cluster.gpus} GPUs can split)")
     if relaxed:
         lines.append("valid with: " + "; or ".join(relaxed))
     return "\n".join(lines)
+
+
+MAX_BATCH_GROWTH = 1024
+"""How far ``_smallest_valid_batch`` looks: a global batch up to this many times the one given."""
+
+
+def _smallest_valid_batch(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSpec,
+                          pins: Mapping[str, Any]) -> Optional[int]:
+    """The smallest global batch, the given one times a power of two, that some layout passes; None when
+    the batch is not what stops every layout (a small batch on many GPUs is the usual cause: the layout
+    checks then name a different rule for each candidate)."""
+    k = 2
+    while k <= MAX_BATCH_GROWTH:
+        grown = dataclasses.replace(work, global_batch=work.global_batch * k)
+        if _estimates(arch, model_cfg, grown, cluster, pins)[0]:
+            return grown.global_batch
+        k *= 2
+    return None
 
 
 def _nothing_fits(arch: Arch, model_cfg: Any, work: Workload, cluster: ClusterSpec, pins: Mapping[str, Any],

@@ -127,6 +127,19 @@ def test_batch_no_layout_can_split(capsys):
     code, _, err = _run(capsys, "model=gpt2-124m", "cluster=h100-80gb", "cluster.gpus=16",
                         "trainer.global_batch_size=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1")
     assert code == 2 and "no layout of 16 GPUs" in err and "is not divisible by dp(16)" in err
+    # the smallest batch some layout splits is named, whatever rule each candidate broke first
+    assert "valid with: trainer.global_batch_size=16 (" in err
+
+
+def test_a_batch_too_small_for_the_gpus_names_the_batch(capsys):
+    """A CPU-sized default batch on 2048 GPUs: every candidate breaks some rule (cp's chunk size most
+    often), but the change to make is the batch."""
+    code, _, err = _run(capsys, "model=gpt2-124m", "cluster=h100-80gb", "cluster.gpus=2048",
+                        "trainer.global_batch_size=16")
+    assert code == 2 and "valid with: trainer.global_batch_size=" in err
+    size = int(err.split("valid with: trainer.global_batch_size=")[1].split()[0])
+    assert size > 16 and main(["model=gpt2-124m", "cluster=h100-80gb", "cluster.gpus=2048",
+                                f"trainer.global_batch_size={size}", "--top", "1"]) == 0
 
 
 def test_knob_pins(capsys):
