@@ -3,7 +3,10 @@ a rank of a 2-node job is killed mid-run; the script excludes its node and
 starts a new ``srun`` on the node that is left and the spare, in the same job
 (no requeue), which resumes and ends with the per-step losses of an
 uninterrupted run, from the node-local tier (the lost node's state comes
-from its partner's copy; each emulated node has its own directory). Needs a
+from its partner's copy; each emulated node has its own directory). Three
+layouts (issue 59): data parallelism (dp 4), ZeRO-3 (dp 4: each rank's
+parameter and AdamW shards), and pp 2 x dp 2 with ZeRO-1 and uneven stages
+(three blocks, ``parallel.pipeline.layers=[1,2]``). Needs a
 cluster of at least 3 nodes: scripts/test.sh starts the local one with
 ``HPCTRAIN_SLURM_NODES=3`` (one slurmd per emulated node)."""
 from __future__ import annotations
@@ -53,7 +56,16 @@ def _rank_pids(job_id: str, node: str) -> List[int]:
     return found
 
 
-def test_a_killed_rank_restarts_on_the_spare_node_in_the_same_job_bit_for_bit(slurm, job_name, tmp_path):
+LAYOUTS = {
+    "dp": (),
+    "zero3": ("parallel.zero.stage=3",),
+    "pp2-zero1-uneven": ("parallel.pp=2", "parallel.zero.stage=1", "model.n_layers=3",
+                         "parallel.pipeline.layers=[1,2]"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_rank_restarts_on_the_spare_node_in_the_same_job_bit_for_bit(slurm, job_name, tmp_path, layout):
     nodes = _nodes(slurm)
     if len(nodes) < 3:
         (pytest.fail if os.environ.get("HPCTRAIN_REQUIRE_SLURM") == "1" else pytest.skip)(
@@ -61,7 +73,7 @@ def test_a_killed_rank_restarts_on_the_spare_node_in_the_same_job_bit_for_bit(sl
                      "HPCTRAIN_SLURM_NODES=3 bash slurm/local/start.sh")
     # the local tier only (every 2 steps, a copy on the other node); no persistent checkpoint before the end
     common = ["trainer.steps=12", "trainer.log_every=1", "trainer.progress=off", "checkpoint.every=50",
-              "checkpoint.local.every=2"]
+              "checkpoint.local.every=2", *LAYOUTS[layout]]
     ref = slurm.run(["srun", "--mpi=pmix", "--nodes=2", "--ntasks-per-node=2", "--time=5", f"--job-name={job_name}",
                      "--kill-on-bad-exit=1", "hpctrain-train", *common, f"hydra.run.dir={tmp_path}/ref",
                      f"checkpoint.dir={tmp_path}/ref/ckpt", f"checkpoint.local.dir={tmp_path}/ref/local"],
