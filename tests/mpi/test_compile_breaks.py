@@ -84,3 +84,13 @@ def test_compiled_sequence_parallelism_moves_the_eager_bytes(world, pm):
         trainer.train_step()
         steps[compiled] = trainer.metrics["comm_bytes.tp"]
     assert steps[True] == steps[False] > 0, steps
+
+
+@pytest.mark.mpi(min_size=4)
+def test_fullgraph_compiles_each_block_at_tp2_cp2(world, pm):
+    """tp 2 x cp 2 (sequence parallelism and ring attention in one block): one graph per region, or an error."""
+    trainer = world_trainer(pm, *BASE, "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true", *COMPILE,
+                            "trainer.compile_fullgraph=true")
+    assert_parity(record(trainer, 2), shared_reference(BASE, 2), LOSS_RTOL, GRAD_RTOL, GRAD_ATOL)
+    breaks, regions = _breaks(trainer)
+    assert regions.fullgraph and breaks["Block"] == 0 and sum(breaks.values()) == 0, regions.report()
