@@ -29,68 +29,16 @@ from typing import List, Optional, Sequence, Type
 import torch
 
 from hpctrain.comm import ops
-from hpctrain.comm.protocol import P2POp, ReduceOp
+from hpctrain.comm.ops import all_to_all_tensor as _all_to_all
+from hpctrain.comm.ops import gather_tensor as _all_gather
+from hpctrain.comm.ops import own_chunk as _own_chunk
+from hpctrain.comm.ops import reduce_scatter_tensor as _reduce_scatter
+from hpctrain.comm.ops import reduce_tensor as _all_reduce
+from hpctrain.comm.ops import shift_tensor as _shift
+from hpctrain.comm.protocol import ReduceOp
 from hpctrain.eager import eager
 from hpctrain.errors import CommError
 from hpctrain.mesh import Group
-
-
-# -- the collectives on one dim, out of place ---------------------------------
-def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` with ``dim`` first, contiguous (a view when ``dim`` is already 0)."""
-    return x.movedim(dim, 0).contiguous()
-
-
-def _all_reduce(x: torch.Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    out = x.contiguous().clone()
-    group.communicator().all_reduce(out, op)
-    return out
-
-
-def _all_gather(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    src = _front(x, dim)
-    out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    group.communicator().all_gather(out, src)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    src = _front(x, dim)
-    if src.shape[0] % group.size:
-        raise CommError(f"reduce-scatter over group {group.name}: dim {dim} of size {src.shape[0]} is not divisible "
-                        f"by the group size {group.size}")
-    out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    group.communicator().reduce_scatter(out, src, ReduceOp.SUM)
-    return out.movedim(0, dim)
-
-
-def _own_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    n = x.shape[dim]
-    if n % group.size:
-        raise CommError(f"scatter over group {group.name}: dim {dim} of size {n} is not divisible by the group "
-                        f"size {group.size}")
-    step = n // group.size
-    return x.narrow(dim, group.rank * step, step).contiguous()
-
-
-def _all_to_all(x: torch.Tensor, group: Group, output_splits: Optional[Sequence[int]],
-                input_splits: Optional[Sequence[int]]) -> torch.Tensor:
-    src = x.contiguous()
-    rows = sum(output_splits) if output_splits is not None else src.shape[0]
-    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    group.communicator().all_to_all(out, src, output_splits, input_splits)
-    return out
-
-
-def _shift(x: torch.Tensor, group: Group, shift: int) -> torch.Tensor:
-    n, r = group.size, group.rank
-    src = x.contiguous()
-    out = torch.empty_like(src)
-    works = group.communicator().batch_isend_irecv([P2POp("send", src, (r + shift) % n),
-                                                    P2POp("recv", out, (r - shift) % n)])
-    for w in works:
-        w.wait()
-    return out
 
 
 # -- autograd functions ---------------------------------------------------------

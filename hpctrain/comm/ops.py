@@ -39,7 +39,7 @@ Only compiled code uses the operators (``differentiable`` picks them when
 ``torch.compiler.is_compiling()``); eager code keeps the Functions, so an
 eager run, the dry run on the meta device and its dispatch modes see
 exactly what they saw before. Both paths share the same bodies
-(``differentiable._all_gather`` and the rest), so they move the same bytes.
+(``gather_tensor`` and the rest, here), so they move the same bytes.
 Every operator returns a new contiguous tensor.
 
 The compiler merges two calls of an operator with the same arguments
@@ -54,15 +54,27 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from hpctrain.comm.protocol import Communicator, P2POp, ReduceOp
 from hpctrain.errors import CommError
 
-if TYPE_CHECKING:
-    from hpctrain.mesh import Group
+
+class Group(Protocol):
+    """What the operators use of a ``hpctrain.mesh.Group`` (named here: the mesh imports this module to
+    register its groups)."""
+
+    name: str
+    rank: int
+
+    @property
+    def size(self) -> int: ...
+
+    def communicator(self) -> Communicator: ...
+
 
 _GROUPS: "weakref.WeakValueDictionary[str, Group]" = weakref.WeakValueDictionary()
 """Every registered group by its key."""
@@ -71,7 +83,7 @@ _KEY = "_hpctrain_op_key"
 """The attribute of a Group holding its key."""
 
 
-def group_key(group: "Group") -> str:
+def group_key(group: Group) -> str:
     """``group``'s key for the operators, registering it on first use (while tracing, a registered group's
     key is only read: ``Mesh.attach_backends`` registered it)."""
     key = getattr(group, _KEY, None)
@@ -84,7 +96,7 @@ def group_key(group: "Group") -> str:
     return key
 
 
-def group_of(key: str) -> "Group":
+def group_of(key: str) -> Group:
     """The group registered under ``key``."""
     group = _GROUPS.get(key)
     if group is None:
@@ -92,11 +104,64 @@ def group_of(key: str) -> "Group":
     return group
 
 
-# -- the bodies (one place: hpctrain.comm.differentiable) ----------------------------------------------
-def _bodies() -> Any:
-    from hpctrain.comm import differentiable  # (it imports this module)
+# -- the collectives on one dim, out of place: the bodies of the operators and of
+# -- hpctrain.comm.differentiable's Functions
+def _front(x: Tensor, dim: int) -> Tensor:
+    """``x`` with ``dim`` first, contiguous (a view when ``dim`` is already 0)."""
+    return x.movedim(dim, 0).contiguous()
 
-    return differentiable
+
+def reduce_tensor(x: Tensor, group: Group, op: ReduceOp = ReduceOp.SUM) -> Tensor:
+    out = x.contiguous().clone()
+    group.communicator().all_reduce(out, op)
+    return out
+
+
+def gather_tensor(x: Tensor, group: Group, dim: int) -> Tensor:
+    src = _front(x, dim)
+    out = torch.empty((group.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().all_gather(out, src)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_tensor(x: Tensor, group: Group, dim: int) -> Tensor:
+    src = _front(x, dim)
+    if src.shape[0] % group.size:
+        raise CommError(f"reduce-scatter over group {group.name}: dim {dim} of size {src.shape[0]} is not divisible "
+                        f"by the group size {group.size}")
+    out = torch.empty((src.shape[0] // group.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().reduce_scatter(out, src, ReduceOp.SUM)
+    return out.movedim(0, dim)
+
+
+def own_chunk(x: Tensor, group: Group, dim: int) -> Tensor:
+    n = x.shape[dim]
+    if n % group.size:
+        raise CommError(f"scatter over group {group.name}: dim {dim} of size {n} is not divisible by the group "
+                        f"size {group.size}")
+    step = n // group.size
+    return x.narrow(dim, group.rank * step, step).contiguous()
+
+
+def all_to_all_tensor(x: Tensor, group: Group, output_splits: Optional[Sequence[int]],
+                      input_splits: Optional[Sequence[int]]) -> Tensor:
+    src = x.contiguous()
+    rows = sum(output_splits) if output_splits is not None else src.shape[0]
+    out = torch.empty((rows,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    group.communicator().all_to_all(out, src, output_splits, input_splits)
+    return out
+
+
+def shift_tensor(x: Tensor, group: Group, shift: int) -> Tensor:
+    n, r = group.size, group.rank
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    works = group.communicator().batch_isend_irecv([P2POp("send", src, (r + shift) % n),
+                                                    P2POp("recv", out, (r - shift) % n)])
+    for w in works:
+        w.wait()
+    return out
+
 
 
 def _gathered_shape(x: Tensor, size: int, dim: int) -> Tuple[int, ...]:
@@ -122,30 +187,28 @@ def _define(name: str, schema: str, body: Callable[..., Tensor], fake: Callable[
 
 # -- plain collectives ------------------------------------------------------------------------------------
 def _all_reduce_body(x: Tensor, group: str, op: str) -> Tensor:
-    from hpctrain.comm.protocol import ReduceOp
-
-    return _bodies()._all_reduce(x, group_of(group), ReduceOp(op))
+    return reduce_tensor(x, group_of(group), ReduceOp(op))
 
 
 def _all_gather_body(x: Tensor, group: str, dim: int, again: bool = False) -> Tensor:
-    return _bodies()._all_gather(x, group_of(group), dim).contiguous()
+    return gather_tensor(x, group_of(group), dim).contiguous()
 
 
 def _reduce_scatter_body(x: Tensor, group: str, dim: int) -> Tensor:
-    return _bodies()._reduce_scatter(x, group_of(group), dim).contiguous()
+    return reduce_scatter_tensor(x, group_of(group), dim).contiguous()
 
 
 def _all_to_all_body(x: Tensor, group: str, output_splits: Optional[List[int]],
                      input_splits: Optional[List[int]]) -> Tensor:
-    return _bodies()._all_to_all(x, group_of(group), output_splits, input_splits)
+    return all_to_all_tensor(x, group_of(group), output_splits, input_splits)
 
 
 def _own_chunk_body(x: Tensor, group: str, dim: int) -> Tensor:
-    return _bodies()._own_chunk(x, group_of(group), dim)
+    return own_chunk(x, group_of(group), dim)
 
 
 def _shift_body(x: Tensor, group: str, shift: int) -> Tensor:
-    return _bodies()._shift(x, group_of(group), shift)
+    return shift_tensor(x, group_of(group), shift)
 
 
 def _same_fake(x: Tensor, group: str, *_: Any) -> Tensor:
