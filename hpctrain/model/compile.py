@@ -153,7 +153,10 @@ class RegionCount:
 
 PROBED_CALLS = 8
 """Calls of each region kind during which its graphs and breaks are counted (its compilation happens at
-its first calls; a recompilation later, for a new shape, is in the process-wide totals only)."""
+its first calls; a recompilation later, for a new shape, is in the process-wide totals only). dynamo counts
+a break when it compiles the frame: a region whose code dynamo reuses from an earlier model of this process
+(the same guards) would show 0 graphs and 0 breaks; a new model's groups and modules fail the old guards,
+so in practice each trainer compiles its own (tests/mpi/test_compile_breaks.py asserts graphs >= 1)."""
 
 
 @dataclass
