@@ -27,6 +27,7 @@ optimistic, and calibration narrows the gap.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Dict, List, Tuple
@@ -40,9 +41,11 @@ from hpctrain.planner.comm_model import flat_time, group_time
 from hpctrain.planner.compute import lora_model_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from hpctrain.planner.frameworks import Framework
 from hpctrain.planner.kernels import (
+    Gemm,
     adapter_cost,
     block_cost,
     embedding_cost,
+    gemm_time,
     head_cost,
     optimizer_bytes,
     param_pass_bytes,
@@ -289,18 +292,31 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
 
     # -- per micro-batch, per block: compute (kernels.py; without GPU figures, GEMM FLOPs at R) --------
     gemm: Dict[str, Tuple[float, float, float]] = {}
+    # an MoE model's dense blocks (first_dense_blocks, moe_every) are timed as dense blocks
+    dense_kind: Tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    eh_f = eh_b = 0.0  # an MTP module's eh_proj (2h -> h), per micro-batch
     if kernels:
         assert gpu is not None
-        bc = block_cost(arch, fw, gpu, R, tokens, s, lay.tp, lay.sp, lay.cp, e, r, work.fp8)
-        layer_f, layer_b, layer_w, attn_f, attn_b = bc.fwd, bc.bwd, bc.wgrad, bc.attn_fwd, bc.attn_bwd
-        layer_re = bc.recompute(lay.recompute, fw.selective)
+
+        def kind_cost(a: Arch) -> Tuple[float, float, float, float, float, float, Dict[str, Any]]:
+            bc = block_cost(a, fw, gpu, R, tokens, s, lay.tp, lay.sp, lay.cp, e, r, work.fp8)
+            f, b, w = bc.fwd, bc.bwd, bc.wgrad
+            if work.lora is not None:  # frozen base: no weight-gradient GEMMs; the adapters' skinny products
+                ad_f, ad_b = adapter_cost(a, work.lora, gpu, R, tokens, lay.tp, e)
+                f, b, w = f + ad_f, b - w + ad_b, 0.0
+            return f, b, w, bc.recompute(lay.recompute, fw.selective), bc.attn_fwd, bc.attn_bwd, bc.gemm
+
+        layer_f, layer_b, layer_w, layer_re, attn_f, attn_b, gemm = kind_cost(arch)
+        dense_kind = (layer_f, layer_b, layer_w, layer_re)
+        if arch.is_moe and arch.n_moe_layers < arch.n_layers + (arch.mtp_depth if not arch.mtp_is_moe else 0):
+            dense_kind = kind_cost(dataclasses.replace(arch, num_experts=1, top_k=1, shared_experts=0))[:4]
         head_f, head_b, head_w = head_cost(arch, fw, gpu, R, tokens, lay.tp, lay.sp, e, r)
         emb_f, emb_b = embedding_cost(arch, gpu, tokens, lay.tp, lay.sp, e)
-        gemm = bc.gemm
-        if work.lora is not None:  # frozen base: no weight-gradient GEMMs; the adapters' skinny products
-            ad_f, ad_b = adapter_cost(arch, work.lora, gpu, R, tokens, lay.tp, e)
-            layer_b, layer_f = layer_b - layer_w + ad_b, layer_f + ad_f
-            head_b, layer_w, head_w, emb_b = head_b - head_w, 0.0, 0.0, 0.0
+        if arch.mtp_depth:
+            eh_f = gemm_time(Gemm(tokens, arch.d_model, 2 * arch.d_model, e=e), gpu, R)
+            eh_b = 2 * eh_f if work.lora is None else eh_f
+        if work.lora is not None:
+            head_b, head_w, emb_b = head_b - head_w, 0.0, 0.0
     else:
         layer_f = tokens * arch.layer_forward_flops_per_token(s) / lay.tp / R
         layer_re = tokens * recompute_flops_per_token(arch, s, lay.recompute) / lay.tp / R
@@ -310,6 +326,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
         head_b, head_w, emb_f, emb_b = 2 * head_f, head_f, 0.0, 0.0
         if work.lora is not None:  # no weight gradients for the frozen base
             layer_b, layer_w, head_b, head_w = layer_b - layer_f + attn_f, 0.0, head_f, 0.0
+        dense_kind = (layer_f, layer_b, layer_w, layer_re)
 
     def tp_coll(kind: str, nbytes: float) -> float:
         return _time(cluster, "tp", kind, nbytes, lay.tp, 1)
@@ -338,13 +355,33 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
 
     param_pass = param_pass_bytes(fw, work.precision, shards) if kernels else 0.0
 
+    def kinds(rank: int) -> Tuple[int, int]:
+        """(MoE blocks, dense blocks) on pipeline rank ``rank``, its MTP modules' blocks included."""
+        moe = sum(arch.moe_layers_in(b.start, b.stop) for b in rank_blocks(arch, lay, rank))
+        dense = per_rank[rank] - moe
+        if rank == lay.pp - 1 and arch.mtp_depth:
+            moe, dense = (moe + arch.mtp_depth, dense) if arch.mtp_is_moe else (moe, dense + arch.mtp_depth)
+        return moe, dense
+
+    def pure(rank: int) -> Tuple[float, float]:
+        """(forward, backward incl. recompute) of the rank's blocks and head, without collectives."""
+        moe, dense = kinds(rank)
+        last = rank == lay.pp - 1
+        mtp = arch.mtp_depth if last else 0  # each MTP module: its block, eh_proj and the shared head again
+        f = moe * layer_f + dense * dense_kind[0] + (head_f if last else 0.0) + mtp * (head_f + eh_f)
+        b = (moe * (layer_b + layer_re) + dense * (dense_kind[1] + dense_kind[3]) + (head_b if last else 0.0)
+             + mtp * (head_b + eh_b))
+        return f, b
+
     def stage_times(rank: int, layers: int) -> Tuple[float, float, float]:
         first, last = rank == 0, rank == lay.pp - 1
-        f = (layers * (layer_f + tp_f + 2 * t_a2a + cp_f) + (head_f if last else 0.0)
-             + (emb_f if first else 0.0))
-        w = layers * layer_w + (head_w if last else 0.0)  # weight-gradient part of the backward
-        b = (layers * (layer_b + layer_re + tp_b + tp_re + 2 * t_a2a + cp_b) + (head_b if last else 0.0)
-             + (emb_b if first else 0.0))
+        moe, dense = kinds(rank)
+        blocks = moe + dense
+        pf, pb = pure(rank)
+        f = pf + blocks * (tp_f + cp_f) + moe * 2 * t_a2a + (emb_f if first else 0.0)
+        mtp = arch.mtp_depth if last else 0
+        w = moe * layer_w + dense * dense_kind[2] + (1 + mtp) * (head_w if last else 0.0)
+        b = pb + blocks * (tp_b + tp_re + cp_b) + moe * 2 * t_a2a + (emb_b if first else 0.0)
         if param_pass and gpu is not None:
             b += pass_time(param_pass * params_of(rank), gpu)
         return f, b, w
@@ -352,7 +389,8 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     times = [stage_times(rk, n) for rk, n in enumerate(per_rank)]
     slowest = max(range(lay.pp), key=lambda rk: times[rk][0] + times[rk][1])  # it paces the pipeline
     t_f, t_b, t_w = times[slowest]
-    layers = per_rank[slowest]
+    slow_moe, slow_dense = kinds(slowest)
+    layers = slow_moe + slow_dense
     comm = stage_bytes(arch, lay, work, slowest)
     bubble = stage_bubble_time(lay.schedule, lay.vpp, *(list(t) for t in zip(*times))) if lay.pp > 1 else 0.0
     compute = m * (t_f + t_b)
@@ -370,13 +408,11 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     # dp collectives hide behind compute only, not behind the tp/cp/ep
     # collectives inside t_f and t_b (they compete for the same links)
     # (on the slowest stage; the last one's head is counted there if it is the slowest, always without pp)
-    last = slowest == lay.pp - 1
-    pure_f = layers * layer_f + (head_f if last else 0.0)
-    pure_b = layers * (layer_b + layer_re) + (head_b if last else 0.0)
+    pure_f, pure_b = pure(slowest)
     t_dp, wire_dp = _data_parallel(arch, lay, work, cluster, sizes, m, pure_f, pure_b)
 
     exposed = {"tp": m * layers * (tp_f + tp_b + tp_re), "cp": m * layers * (cp_f + cp_b),
-               "ep": m * layers * 4 * t_a2a, "pp": t_pp, "dp": t_dp}
+               "ep": m * slow_moe * 4 * t_a2a, "pp": t_pp, "dp": t_dp}
     wire_time = dict(exposed, tp=m * layers * tp_seconds, cp=m * layers * (2 * t_kv + t_dkv), pp=transfers * one_p2p,
                      dp=wire_dp)
     # tp/cp/ep are inside t_f/t_b; report them separately and keep compute pure

@@ -175,3 +175,31 @@ def test_hpctrains_context_parallel_attention_runs_in_fp32_blocks():
     assert ours.attn_fwd > 4 * scores * 128 / (H100.fp32_flops * H100.sustained_clock)
     assert ours.attn_fwd > 5 * fused.attn_fwd
     assert k.block_cost(LLAMA_8B, HPCTRAIN_FW, H100, RATE, 8192, 8192, 1, False, 1, 2, 4).attn_fwd < ours.attn_fwd * 8
+
+
+def _moe(first_dense: int = 0, mtp: int = 0) -> Arch:
+    arch = Arch.from_shape(ModelShape(32000, 1024, 4, 8, 8, 4096, False), num_experts=8, top_k=2)
+    return replace(arch, first_dense_blocks=first_dense, mtp_depth=mtp, moe_ffn_hidden=512)
+
+
+def test_an_moe_models_dense_blocks_and_mtp_modules_are_timed_as_what_they_are():
+    """DeepSeek-style models: the first_dense_blocks run the dense SwiGLU (ffn_hidden), not the routed
+    experts, and each MTP module adds a block, eh_proj and the shared head on the last stage."""
+    cluster, lay = _cluster(gpus=1), Layout(1, 1, 1, 1, 1, 1)
+    work = Workload(2, 2048, "bf16", HPCTRAIN)
+    tokens = 2048
+    moe, dense = _moe(), replace(_moe(), num_experts=1, top_k=1)
+    per_block = {name: k.block_cost(a, HPCTRAIN_FW, H100, RATE, tokens, 2048, 1, False, 1, 2.0, 4.0)
+                 for name, a in (("moe", moe), ("dense", dense))}
+    base = estimate(moe, lay, work, cluster).time.compute
+    two_dense = estimate(_moe(first_dense=2), lay, work, cluster).time.compute
+    swap = sum(per_block["dense"].fwd + per_block["dense"].bwd - per_block["moe"].fwd - per_block["moe"].bwd
+               for _ in range(2))
+    # m = 2 micro-batches; the 1e-5 left is hpctrain's per-parameter weight casts, which follow the
+    # blocks' parameter counts (kernels.param_pass_bytes)
+    assert two_dense - base == pytest.approx(2 * swap, rel=1e-4)
+    head_f, head_b, _ = k.head_cost(moe, HPCTRAIN_FW, H100, RATE, tokens, 1, False, 2.0, 4.0)
+    mtp = estimate(_moe(mtp=1), lay, work, cluster).time.compute - base
+    block = per_block["moe"].fwd + per_block["moe"].bwd  # the last block is MoE, so is the module's
+    assert mtp > 2 * (block + head_f + head_b)  # and eh_proj's GEMMs
+    assert mtp < 2 * 1.2 * (block + head_f + head_b)
