@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.eager import eager
 from hpctrain.model import amp
 from hpctrain.model.shapes import ModelShape
 from hpctrain.model.transformer import SwiGLU
@@ -23,6 +24,21 @@ Uses = Callable[[torch.Tensor], torch.Tensor]
 
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+@eager
+def _runs(rows: torch.Tensor, segments: List[Tuple[int, int]], w1: torch.Tensor, w3: torch.Tensor,
+          w2: torch.Tensor) -> List[torch.Tensor]:
+    """Each run (local expert, count) of ``rows`` through its expert. Never traced by torch.compile
+    (``trainer.compile``): the runs' lengths are the routing's, new at almost every call, so dynamo
+    recompiled the frame for each new set and, once it made them dynamic, built guards relating them that
+    failed on the frame that made them (torch 2.13, "Guard failed on the same frame it was created": the
+    DeepSeek-V3-style model at tp 2 compiled, tests/mpi/test_new_families_recompute_compile.py)."""
+    outs, at = [], 0
+    for e, n in segments:
+        outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
+        at += n
+    return outs
 
 
 class GroupedExperts(nn.Module):
@@ -53,10 +69,7 @@ class GroupedExperts(nn.Module):
             # keep) and save every cast for backward: one copy of an expert per run that reaches it,
             # the sources times the experts' weights. Cast the local stacks once per forward instead.
             w1, w3, w2 = w1.to(dtype), w3.to(dtype), w2.to(dtype)
-        outs, at = [], 0
-        for e, n in segments:
-            outs.append(swiglu(rows[at:at + n], w1[e], w3[e], w2[e]))  # n may be 0: empty in, empty out
-            at += n
+        outs = _runs(rows, segments, w1, w3, w2)
         if not join:
             return outs
         return torch.cat(outs) if len(outs) > 1 else outs[0]
