@@ -61,6 +61,22 @@ def _close(mine: float, theirs: float, tol: float) -> bool:
     return abs(mine - theirs) <= tol * max(abs(theirs), 1.0)
 
 
+def _states_and_bytes_agree(r, where: str) -> set:
+    """Parameters, gradients and optimizer state within STATES, every axis's bus bytes within BYTES;
+    returns the axes compared."""
+    p = r.planner
+    assert p.problem is None, (where, p.problem)
+    for what, mine, theirs in (("parameters", r.params, p.weights), ("gradients", r.grads, p.grads),
+                               ("optimizer state", r.optimizer, p.optimizer)):
+        assert theirs is not None and _close(mine, theirs, STATES), (where, what, mine, theirs)
+    measured = {a: b for a, b in r.bytes_by_axis().items() if a != "world"}  # the step's totals: not planned
+    axes = set(measured) | {a for a, b in p.comm.items() if b}
+    for axis in sorted(axes):
+        mine, theirs = measured.get(axis, 0.0), p.comm.get(axis, 0.0)
+        assert _close(mine, theirs, BYTES), (where, axis, mine, theirs)
+    return axes
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_each_rank_matches_the_planner(make_config, pm, name):
     overrides, ranks = LAYOUTS[name]
@@ -68,16 +84,8 @@ def test_each_rank_matches_the_planner(make_config, pm, name):
     for r in dry_run(cfg, DryRunFlags(WORLD, ranks), pm):
         p = r.planner
         where = f"{name}, rank {r.rank} (pp {r.coords['pp']})"
-        assert p.problem is None, (where, p.problem)
-        for what, mine, theirs in (("parameters", r.params, p.weights), ("gradients", r.grads, p.grads),
-                                   ("optimizer state", r.optimizer, p.optimizer)):
-            assert theirs is not None and _close(mine, theirs, STATES), (where, what, mine, theirs)
-        measured = {a: b for a, b in r.bytes_by_axis().items() if a != "world"}  # the step's totals: not planned
-        axes = set(measured) | {a for a, b in p.comm.items() if b}
+        axes = _states_and_bytes_agree(r, where)
         assert len(axes) >= 3, (where, axes)
-        for axis in sorted(axes):
-            mine, theirs = measured.get(axis, 0.0), p.comm.get(axis, 0.0)
-            assert _close(mine, theirs, BYTES), (where, axis, mine, theirs)
         assert p.activations is not None and _close(r.activations, p.activations, ACTIVATIONS), \
             (where, "activation peak", r.activations, p.activations)
         if r.coords["pp"] == 1:  # no embedding, no head: every tp all-gather moves bf16 (columns cast, then gather)
@@ -109,13 +117,6 @@ def test_lora_ranks_match_the_planner(make_config, pm, name):
     for r in dry_run(cfg, DryRunFlags(WORLD, ranks), pm):
         p = r.planner
         where = f"{name}, rank {r.rank} (pp {r.coords['pp']})"
-        assert p.problem is None, (where, p.problem)
         assert r.optimizer < 0.2 * r.params, (where, "optimizer state is the adapters' only", r.optimizer)
-        for what, mine, theirs in (("parameters", r.params, p.weights), ("gradients", r.grads, p.grads),
-                                   ("optimizer state", r.optimizer, p.optimizer)):
-            assert theirs is not None and _close(mine, theirs, STATES), (where, what, mine, theirs)
-        measured = {a: b for a, b in r.bytes_by_axis().items() if a != "world"}
-        for axis in sorted(set(measured) | {a for a, b in p.comm.items() if b}):
-            mine, theirs = measured.get(axis, 0.0), p.comm.get(axis, 0.0)
-            assert _close(mine, theirs, BYTES), (where, axis, mine, theirs)
+        _states_and_bytes_agree(r, where)
         assert p.activations is not None and r.activations <= p.activations, (where, r.activations, p.activations)
