@@ -128,3 +128,38 @@ def assert_export_loads_with_our_logits(out, model: torch.nn.Module, source, ign
         got = hf.eval()(ids).logits
     assert_close(got, want)
     assert (got - hf_logits(source, ids)).abs().max() > 1e-3  # two steps changed the model
+
+
+def export_adapter_loads_in_peft(ckpt, base, out, ours: torch.Tensor, adapted: int) -> dict:
+    """``hpctrain-ckpt export --adapter out`` of the LoRA checkpoint ``ckpt``; peft loads it onto transformers'
+    model in ``base`` with ``adapted`` trained B matrices (every one loaded, none left at zero) and gives our
+    logits ``ours`` of ``batch()`` (within 1e-5), which the adapters change. Returns adapter_config.json."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hpctrain_h5ckpt import cli
+
+    assert cli.main(["export", str(ckpt), "--adapter", str(out)]) == 0
+    config = json.load(open(f"{out}/adapter_config.json"))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(model, str(out))
+    peft_model.eval()
+    loaded = dict(peft_model.named_parameters())
+    assert sum(".lora_B." in n for n in loaded) == adapted
+    assert all(p.abs().max() > 0 for n, p in loaded.items() if ".lora_B." in n)  # every B loaded, none missed
+    with torch.no_grad():
+        theirs = peft_model(batch()).logits
+    assert_close(ours, theirs)
+    with torch.no_grad(), peft_model.disable_adapter():
+        assert float((peft_model(batch()).logits - theirs).abs().max()) > 1e-3  # the adapters matter
+    return config
+
+
+def merged_export_gives(ckpt, out, ours: torch.Tensor) -> None:
+    """``hpctrain-ckpt export --to out --merge`` of the LoRA checkpoint ``ckpt`` computes our logits ``ours``."""
+    from hpctrain_h5ckpt import cli
+
+    assert cli.main(["export", str(ckpt), "--to", str(out), "--merge"]) == 0
+    assert_close(ours, hf_logits(out, batch()))

@@ -13,8 +13,6 @@ with our logits (within 1e-5 of the largest, fp32); ``--merge`` computes them to
 projections named in target_modules, rewriting them for its fused experts; docs/finetune.md.)"""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from deepseek_models import deepseek_config
@@ -23,10 +21,8 @@ from hpctrain.config import compose_resolved
 from hpctrain.config.validate import validate
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, batch, hf_logits, hf_model, save
-from hpctrain_h5ckpt import cli
+from hf_models import SEQ, batch, export_adapter_loads_in_peft, hf_model, merged_export_gives, save
 
-RTOL = 1e-5
 TARGETS = ("q_a", "q_b", "kv_a", "kv_b", "o")
 HF_NAMES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
@@ -65,38 +61,15 @@ def trained(tmp_path_factory):
     return base, path, ours
 
 
-def _close(got, want):
-    err, scale = float((got - want).abs().max()), float(want.abs().max())
-    assert err <= RTOL * scale, f"max abs difference {err:.3g} > {RTOL} x {scale:.3g}"
-
-
 def test_peft_loads_the_latent_attention_adapter_with_our_logits(trained, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     base, ckpt, ours = trained
-    out = tmp_path / "adapter"
-    assert cli.main(["export", ckpt, "--adapter", str(out)]) == 0
-    config = json.load(open(out / "adapter_config.json"))
+    config = export_adapter_loads_in_peft(ckpt, base, tmp_path / "adapter", ours, adapted=2 * len(TARGETS))
     assert config["target_modules"] == sorted(HF_NAMES)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    peft_model = PeftModel.from_pretrained(model, str(out))
-    peft_model.eval()
-    loaded = dict(peft_model.named_parameters())
-    assert sum(".lora_B." in n for n in loaded) == 2 * len(TARGETS)
-    assert all(p.abs().max() > 0 for n, p in loaded.items() if ".lora_B." in n)  # every B loaded, none missed
-    with torch.no_grad():
-        theirs = peft_model(batch()).logits
-    _close(ours, theirs)
-    with torch.no_grad(), peft_model.disable_adapter():
-        assert float((peft_model(batch()).logits - theirs).abs().max()) > 1e-3  # the adapters matter
 
 
 def test_the_merged_export_computes_the_same(trained, tmp_path):
     _, ckpt, ours = trained
-    out = tmp_path / "merged"
-    assert cli.main(["export", ckpt, "--to", str(out), "--merge"]) == 0
-    _close(ours, hf_logits(out, batch()))
+    merged_export_gives(ckpt, tmp_path / "merged", ours)
 
 
 def test_q_adapts_the_plain_query_projection(make_config):

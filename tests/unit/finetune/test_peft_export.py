@@ -8,8 +8,6 @@ compared in fp32 with our forward: within 1e-5 of the largest logit. Bad uses of
 export are one line each."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -17,10 +15,8 @@ from hpctrain.config import compose_resolved
 from hpctrain.config.validate import validate
 from hpctrain.run import reference_trainer
 
-from hf_models import SEQ, batch, hf_logits, hf_model, llama_config, save
+from hf_models import SEQ, batch, export_adapter_loads_in_peft, hf_model, llama_config, merged_export_gives, save
 from hpctrain_h5ckpt import cli
-
-RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -48,40 +44,17 @@ def trained(tmp_path_factory):
     return base, path, ours
 
 
-def _close(got, want):
-    err, scale = float((got - want).abs().max()), float(want.abs().max())
-    assert err <= RTOL * scale, f"max abs difference {err:.3g} > {RTOL} x {scale:.3g}"
-
-
 def test_peft_loads_the_adapter_onto_the_transformers_model(trained, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     base, ckpt, ours = trained
-    out = tmp_path / "adapter"
-    assert cli.main(["export", ckpt, "--adapter", str(out)]) == 0
-    config = json.load(open(out / "adapter_config.json"))
+    config = export_adapter_loads_in_peft(ckpt, base, tmp_path / "adapter", ours, adapted=14)
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, base)
     assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"])
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    peft_model = PeftModel.from_pretrained(model, str(out))
-    peft_model.eval()
-    loaded = dict(peft_model.named_parameters())
-    assert sum(".lora_B." in n for n in loaded) == 14
-    assert all(p.abs().max() > 0 for n, p in loaded.items() if ".lora_B." in n)  # every B was loaded, none missed
-    with torch.no_grad():
-        theirs = peft_model(batch()).logits
-    _close(ours, theirs)
-    with torch.no_grad(), peft_model.disable_adapter():
-        assert float((peft_model(batch()).logits - theirs).abs().max()) > 1e-3  # the adapters matter
 
 
 def test_the_merged_export_computes_the_same(trained, tmp_path):
     _, ckpt, ours = trained
-    out = tmp_path / "merged"
-    assert cli.main(["export", ckpt, "--to", str(out), "--merge"]) == 0
-    _close(ours, hf_logits(out, batch()))
+    merged_export_gives(ckpt, tmp_path / "merged", ours)
 
 
 @pytest.mark.parametrize("args,message", [
