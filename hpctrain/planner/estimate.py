@@ -52,7 +52,7 @@ from hpctrain.planner.kernels import (
     pass_time,
 )
 from hpctrain.planner.layouts import Layout, per_rank_layers
-from hpctrain.planner.lora import LoraPlan, adapter_params, stage_adapters
+from hpctrain.planner.lora import adapter_params, rank_adapters
 from hpctrain.planner.memory import ModelStates, model_states
 from hpctrain.planner.stages import rank_blocks, stage_params
 from hpctrain.planner.traffic import stage_bytes
@@ -139,9 +139,7 @@ def stage_memory(arch: Arch, lay: Layout, work: Workload, stage: int) -> Memory:
     sb = work.state_bytes
     trained = dense + expert  # parameters with gradients and optimizer state
     if work.lora is not None:  # the base keeps its weights only (ZeRO 3 shards them too); the adapters train
-        blocks = rank_blocks(arch, lay, stage)
-        trained, _, tensors = stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
-                                             sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), work.lora)
+        trained, _, tensors = rank_adapters(arch, lay, work.lora, stage)
         z3 = lay.zero == 3
         frozen = (dense / (lay.dp * lay.cp * lay.ep if z3 else 1) + expert / (lay.dp * lay.cp if z3 else 1))
         states = ModelStates(frozen * sb.weights, 0.0, 0.0) + model_states(trained, lay.zero,
@@ -421,7 +419,7 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     if kernels and gpu is not None:
         local = max(params_of(rk) for rk in memory_stages(arch, lay))
         if work.lora is not None:  # the optimizer steps the adapters only
-            local = max(lora_stage_params(arch, lay, work.lora, rk) for rk in memory_stages(arch, lay))
+            local = max(rank_adapters(arch, lay, work.lora, rk)[0] for rk in memory_stages(arch, lay))
         optimizer = pass_time(optimizer_bytes(fw, local, local / shards), gpu)
     contention = overlap_contention(wire_time, exposed) if kernels else 0.0
     time = StepTime(compute, bubble, exposed, optimizer, contention)
@@ -432,13 +430,6 @@ def estimate(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec) -> E
     fits = memory.total <= cluster.mem_bytes
     frac = bubble / (compute + bubble + exposed["tp"] + exposed["cp"] + exposed["ep"]) if bubble else 0.0
     return Estimate(lay, memory, time, fits, m, frac, mfu, tokens_step / step, comm, wire_time)
-
-
-def lora_stage_params(arch: Arch, lay: Layout, lora: LoraPlan, rank: int) -> float:
-    """Adapter parameters on one GPU of pipeline rank ``rank``."""
-    blocks = rank_blocks(arch, lay, rank)
-    return stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
-                          sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), lora)[0]
 
 
 OVERLAP_SLOWDOWN = 0.189
@@ -472,6 +463,10 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
     G = cluster.gpus_per_node
     dense, expert, _ = max(stage_params(arch, lay, r) for r in memory_stages(arch, lay))
     sb = work.state_bytes
+    # LoRA: the data axes reduce the adapters only (they sit with the dense weights); ZeRO 3 still gathers every
+    # weight
+    adapters = (max(rank_adapters(arch, lay, work.lora, rk)[0] for rk in memory_stages(arch, lay))
+                if work.lora is not None else 0.0)
     groups: List[Tuple[float, Tuple[str, ...], int]] = [(dense, ("cp", "ep", "dp"), lay.cp * lay.ep * lay.dp)]
     if expert:
         groups.append((expert, ("cp", "dp"), lay.cp * lay.dp))
@@ -493,10 +488,8 @@ def _data_parallel(arch: Arch, lay: Layout, work: Workload, cluster: ClusterSpec
         fw = work.framework
         # FSDP2 and Megatron's distributed optimizer gather 16-bit parameters; hpctrain its fp32 ones
         grads, weights = params * sb.grads, params * (sb.weights if fw.ours else 2.0)
-        lora = work.lora
-        if lora is not None:  # the data axes reduce the adapters only; ZeRO 3 still gathers every weight
-            most = max(lora_stage_params(arch, lay, lora, rk) for rk in memory_stages(arch, lay))
-            trained = most if axes[-2:] == ("ep", "dp") else 0.0
+        if work.lora is not None:
+            trained = adapters if axes[-2:] == ("ep", "dp") else 0.0
             grads = trained * sb.grads
             if lay.zero == 3:
                 weights += trained * (sb.weights if fw.ours else 2.0)

@@ -31,6 +31,8 @@ from typing import Any, List, Optional, Tuple
 
 from hpctrain.errors import ConfigError
 from hpctrain.planner.arch import Arch
+from hpctrain.planner.layouts import Layout
+from hpctrain.planner.stages import rank_blocks
 
 COLUMN_TARGETS = ("q", "k", "v", "gate", "up")
 """Column-parallel projections (output features cut over tp): the adapter's B is cut, A whole."""
@@ -96,6 +98,13 @@ def stage_adapters(arch: Arch, tp: int, layers: int, moe: int, lora: LoraPlan) -
     moe_p, moe_r, moe_t = adapter_params(arch, lora, tp, moe_block=True)
     dense = layers - moe
     return dense * dense_p + moe * moe_p, dense * dense_r + moe * moe_r, dense * dense_t + moe * moe_t
+
+
+def rank_adapters(arch: Arch, lay: Layout, lora: LoraPlan, rank: int) -> Tuple[float, float, int]:
+    """``stage_adapters`` of pipeline rank ``rank`` of ``lay`` (its blocks, MoE ones counted apart)."""
+    blocks = rank_blocks(arch, lay, rank)
+    return stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
+                          sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), lora)
 
 
 def adapter_gemms(arch: Arch, lora: LoraPlan, tp: int, moe_block: bool) -> List[Tuple[float, float]]:

@@ -55,7 +55,7 @@ from hpctrain.planner import activations as act
 from hpctrain.planner.arch import Arch
 from hpctrain.planner.comm_model import bus_factor
 from hpctrain.planner.layouts import Layout
-from hpctrain.planner.lora import LoraPlan, stage_adapters
+from hpctrain.planner.lora import LoraPlan, rank_adapters, stage_adapters
 from hpctrain.planner.stages import rank_blocks, stage_params
 from hpctrain.planner.workload import Workload
 
@@ -192,9 +192,7 @@ def _lora_dp_bytes(arch: Arch, lay: Layout, work: Workload, m: int, rank: int, d
     """``dp_bytes`` of a LoRA run: only the adapters are reduced (and, under ZeRO 1-2, gathered after the
     step); ZeRO 3 still gathers the frozen weights for every forward and backward."""
     assert work.lora is not None
-    blocks = rank_blocks(arch, lay, rank)
-    adapters = stage_adapters(arch, lay.tp, sum(len(b) for b in blocks),
-                              sum(arch.moe_layers_in(b.start, b.stop) for b in blocks), work.lora)[0]
+    adapters = rank_adapters(arch, lay, work.lora, rank)[0]
     sb, fw = work.state_bytes, work.framework
     wbytes = sb.weights if fw.ours else 2.0
     n_dense, n_expert = lay.cp * lay.ep * lay.dp, lay.cp * lay.dp
