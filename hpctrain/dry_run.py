@@ -40,7 +40,7 @@ Recomputed tensors (``model.recompute``) live inside torch's checkpoint
 during backward and are not in the activation peak; a recomputed block's
 inputs are.
 
-One module on purpose (about 780 lines): the meta-device modes (values a
+One module on purpose (about 810 lines): the meta-device modes (values a
 step reads, functions without meta kernels), the saved-bytes counter, the
 rank's replay and its report are the stages of one command, each used only
 here; the next piece that grows (the report) is the one to split off.
